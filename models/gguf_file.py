@@ -9,37 +9,22 @@ ringllm does not implement) raises ModelFileError / UnsupportedModelError naming
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ringllm.runtime.errors import ModelFileError, UnsupportedModelError
+from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_types import SUPPORTED_TYPES, GGMLType, row_bytes
 
 GGUF_MAGIC = b"GGUF"
 
 
-@dataclass(frozen=True)
-class GGUFTensor:
-    """One tensor of a GGUF file.
-
-    name:  GGUF tensor name, e.g. "blk.0.attn_q.weight".
-    qtype: GGMLType of the stored blocks.
-    shape: logical numpy shape (n_rows, n_cols) for matrices, (n,) for vectors; GGUF's own
-           dimension list is this reversed.
-    data:  uint8 view (n_rows, row_bytes) of the file's bytes for every type, f32/f16 included;
-           read-only, backed by the memory map.
-    """
-
-    name: str
-    qtype: GGMLType
-    shape: tuple[int, ...]
-    data: np.ndarray
+GGUFTensor = QTensor  # tensors of a GGUF file are QTensors named as in the file
 
 
 class GGUFFile:
-    """An opened GGUF file: `metadata` (dict of Python values) and `tensors` (dict name -> GGUFTensor).
+    """An opened GGUF file: `metadata` (dict of Python values) and `tensors` (dict name -> QTensor).
 
     Metadata values: str, int, float, bool; arrays of strings become list[str], arrays of numbers
     become 1-D numpy arrays.
@@ -61,7 +46,7 @@ class GGUFFile:
                 continue
             self.metadata[key] = _field_value(field)
         file_size = os.path.getsize(self.path)
-        self.tensors: dict[str, GGUFTensor] = {}
+        self.tensors: dict[str, QTensor] = {}
         for t in reader.tensors:
             self.tensors[t.name] = _make_tensor(self.path, t, file_size)
 
@@ -115,7 +100,7 @@ def _field_value(field) -> Any:
     return value.item()
 
 
-def _make_tensor(path: str, t, file_size: int) -> GGUFTensor:
+def _make_tensor(path: str, t, file_size: int) -> QTensor:
     try:
         qtype = GGMLType(int(t.tensor_type))
     except ValueError:
@@ -139,4 +124,4 @@ def _make_tensor(path: str, t, file_size: int) -> GGUFTensor:
                              f"{file_size} bytes: the file is truncated")
     raw = np.asarray(t.data)
     data = raw.view(np.uint8).reshape(n_rows, rb)
-    return GGUFTensor(t.name, qtype, shape, data)
+    return QTensor(t.name, qtype, shape, data)

@@ -1,0 +1,564 @@
+"""Dequantize GGML tensor blocks to float32 with Numba.
+
+Every kernel has the same contract, destination first, and returns None:
+
+    dequant_<type>(out, blocks)
+        out:    float32 1-D, n_blocks * values_per_block values, written in full.
+        blocks: uint8 2-D (n_blocks, type_size), one GGML block per row, bytes exactly as the
+                GGUF file stores them (little-endian).
+
+Block layouts follow ggml's ggml-common.h (block_q4_0, ..., block_q6_K) and the value order of
+ggml-quants.c's dequantize_row_*; the arithmetic is done in float32 in the same order as
+ggml (and as gguf-py's NumPy reference, gguf.quants), so results are bit-identical to both.
+
+Kernels trust their arguments: nothing here checks bounds (Numba does not), so user input goes
+through the Python entry points `dequantize` / `dequantize_rows`, which validate dtype, type and
+byte counts first and raise ConfigError / UnsupportedModelError.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ringllm.runtime.errors import ConfigError, UnsupportedModelError
+from ringllm.runtime.quant_types import BLOCK_LAYOUT, SUPPORTED_TYPES, GGMLType, row_bytes
+
+__all__ = [
+    "dequantize", "dequantize_rows", "KERNELS",
+    "dequant_f32", "dequant_f16", "dequant_bf16",
+    "dequant_q4_0", "dequant_q4_1", "dequant_q5_0", "dequant_q5_1", "dequant_q8_0",
+    "dequant_q4_k", "dequant_q5_k", "dequant_q6_k",
+]
+
+QK_K = 256          # values per K-quant super-block (ggml-common.h)
+K_SCALE_SIZE = 12   # bytes of packed 6-bit scales/mins in Q4_K / Q5_K
+
+# Below this many blocks a tensor is decoded by the serial kernel: starting the thread pool costs
+# more than it saves on norm vectors and other small tensors.
+_PARALLEL_MIN_BLOCKS = 1024
+
+
+# ==================================================================================================
+# Scalar helpers: little-endian loads and half / bfloat16 -> float32
+# ==================================================================================================
+
+@njit(cache=True, nogil=True, inline="always")
+def _u16(b, i, o):
+    """Little-endian uint16 from bytes b[i, o], b[i, o + 1], as a uint32."""
+    return np.uint32(b[i, o]) | (np.uint32(b[i, o + 1]) << np.uint32(8))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _u32(b, i, o):
+    """Little-endian uint32 from bytes b[i, o .. o + 3]."""
+    return (np.uint32(b[i, o]) | (np.uint32(b[i, o + 1]) << np.uint32(8))
+            | (np.uint32(b[i, o + 2]) << np.uint32(16)) | (np.uint32(b[i, o + 3]) << np.uint32(24)))
+
+
+@njit(cache=True, nogil=True)
+def half_bits_to_f32(h):
+    """IEEE 754 binary16 bits (uint16 value held in an integer) -> np.float32, exactly.
+
+    Normal numbers rebias the exponent (15 -> 127); subnormals (exponent 0, mantissa != 0) are
+    normalised; +-0 stay signed zeros; exponent 31 gives +-inf or NaN with the payload kept
+    (shifted like NumPy's float16 -> float32 cast does).
+    """
+    h = np.uint32(h)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
+    mant = h & np.uint32(0x3FF)
+    if exp == 0:
+        if mant == 0:
+            bits = sign
+        else:
+            # subnormal half: value = mant * 2^-24; shift the leading 1 into the implicit bit
+            e = np.uint32(127 - 15 + 1)
+            while (mant & np.uint32(0x400)) == 0:
+                mant <<= np.uint32(1)
+                e -= np.uint32(1)
+            mant &= np.uint32(0x3FF)
+            bits = sign | (e << np.uint32(23)) | (mant << np.uint32(13))
+    elif exp == 0x1F:
+        bits = sign | np.uint32(0x7F800000) | (mant << np.uint32(13))
+    else:
+        bits = sign | ((exp + np.uint32(127 - 15)) << np.uint32(23)) | (mant << np.uint32(13))
+    return np.uint32(bits).view(np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _f16(b, i, o):
+    """float32 value of the little-endian f16 stored at b[i, o:o + 2] (ggml_fp16_t)."""
+    return half_bits_to_f32(_u16(b, i, o))
+
+
+# ==================================================================================================
+# Plain float types: F32, F16, BF16 (a "block" is one value)
+# ==================================================================================================
+
+@njit(cache=True, nogil=True)
+def dequant_f32(out, blocks):
+    """F32: blocks (n, 4) uint8 little-endian IEEE binary32 -> out (n,) float32 (bit copy)."""
+    for i in range(blocks.shape[0]):
+        out[i] = np.uint32(_u32(blocks, i, 0)).view(np.float32)
+
+
+@njit(cache=True, nogil=True)
+def dequant_f16(out, blocks):
+    """F16: blocks (n, 2) uint8 little-endian IEEE binary16 -> out (n,) float32 (exact)."""
+    for i in range(blocks.shape[0]):
+        out[i] = _f16(blocks, i, 0)
+
+
+@njit(cache=True, nogil=True)
+def dequant_bf16(out, blocks):
+    """BF16: blocks (n, 2) uint8; a bfloat16 is the top 16 bits of a float32 (ggml_bf16_t)."""
+    for i in range(blocks.shape[0]):
+        out[i] = np.uint32(_u16(blocks, i, 0) << np.uint32(16)).view(np.float32)
+
+
+# ==================================================================================================
+# Legacy 32-value blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+#
+# ggml-common.h (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0 = 32):
+#   block_q4_0 { ggml_half d;              uint8_t qs[16]; }            18 bytes
+#   block_q4_1 { ggml_half d, m;           uint8_t qs[16]; }            20 bytes
+#   block_q5_0 { ggml_half d; uint8_t qh[4]; uint8_t qs[16]; }          22 bytes
+#   block_q5_1 { ggml_half d, m; uint8_t qh[4]; uint8_t qs[16]; }       24 bytes
+#   block_q8_0 { ggml_half d;              int8_t  qs[32]; }            34 bytes
+# Nibble order (dequantize_row_q4_0 etc.): value j (j < 16) is the low nibble of qs[j], value
+# j + 16 is its high nibble. Q5: qh is a little-endian uint32 whose bit j is bit 4 of value j.
+# ==================================================================================================
+
+@njit(cache=True, nogil=True)
+def dequant_q4_0(out, blocks):
+    """Q4_0: blocks (n, 18) -> out (n * 32,); y = d * (q - 8), q in 0..15."""
+    for i in range(blocks.shape[0]):
+        d = _f16(blocks, i, 0)
+        base = i * 32
+        for j in range(16):
+            q = blocks[i, 2 + j]
+            out[base + j] = d * np.float32(np.int32(q & 0x0F) - 8)
+            out[base + j + 16] = d * np.float32(np.int32(q >> 4) - 8)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q4_1(out, blocks):
+    """Q4_1: blocks (n, 20) -> out (n * 32,); y = d * q + m, q in 0..15."""
+    for i in range(blocks.shape[0]):
+        d = _f16(blocks, i, 0)
+        m = _f16(blocks, i, 2)
+        base = i * 32
+        for j in range(16):
+            q = blocks[i, 4 + j]
+            out[base + j] = d * np.float32(q & 0x0F) + m
+            out[base + j + 16] = d * np.float32(q >> 4) + m
+
+
+@njit(cache=True, nogil=True)
+def dequant_q5_0(out, blocks):
+    """Q5_0: blocks (n, 22) -> out (n * 32,); y = d * (q - 16), q = nibble | qh bit << 4."""
+    for i in range(blocks.shape[0]):
+        d = _f16(blocks, i, 0)
+        qh = _u32(blocks, i, 2)
+        base = i * 32
+        for j in range(16):
+            q = blocks[i, 6 + j]
+            h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
+            h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
+            out[base + j] = d * np.float32((np.int32(q & 0x0F) | h0) - 16)
+            out[base + j + 16] = d * np.float32((np.int32(q >> 4) | h1) - 16)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q5_1(out, blocks):
+    """Q5_1: blocks (n, 24) -> out (n * 32,); y = d * q + m, q = nibble | qh bit << 4."""
+    for i in range(blocks.shape[0]):
+        d = _f16(blocks, i, 0)
+        m = _f16(blocks, i, 2)
+        qh = _u32(blocks, i, 4)
+        base = i * 32
+        for j in range(16):
+            q = blocks[i, 8 + j]
+            h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
+            h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
+            out[base + j] = d * np.float32(np.int32(q & 0x0F) | h0) + m
+            out[base + j + 16] = d * np.float32(np.int32(q >> 4) | h1) + m
+
+
+@njit(cache=True, nogil=True)
+def dequant_q8_0(out, blocks):
+    """Q8_0: blocks (n, 34) -> out (n * 32,); y = d * q, q int8."""
+    for i in range(blocks.shape[0]):
+        d = _f16(blocks, i, 0)
+        base = i * 32
+        for j in range(32):
+            q = np.int32(blocks[i, 2 + j])
+            if q >= 128:
+                q -= 256
+            out[base + j] = np.float32(q) * d
+
+
+# ==================================================================================================
+# K-quants: 256-value super-blocks: Q4_K, Q5_K, Q6_K
+#
+# ggml-common.h (QK_K = 256, K_SCALE_SIZE = 12):
+#   block_q4_K { ggml_half d, dmin; uint8_t scales[12]; uint8_t qs[128]; }              144 bytes
+#   block_q5_K { ggml_half d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } 176
+#   block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; ggml_half d; }     210 bytes
+# Q4_K / Q5_K: 8 sub-blocks of 32 values, each with a 6-bit scale and 6-bit min packed into
+# scales[12] (get_scale_min_k4 in ggml-quants.c); y = d * sc * q - dmin * m.
+# Q6_K: 16 sub-blocks of 16 values with int8 scales; q is 6 bits, 4 from ql and 2 from qh, minus 32.
+# ==================================================================================================
+
+@njit(cache=True, nogil=True, inline="always")
+def _scale_min_k4(blocks, i, j, off):
+    """get_scale_min_k4: 6-bit (scale, min) of sub-block j from the 12 bytes at blocks[i, off:]."""
+    if j < 4:
+        sc = np.int32(blocks[i, off + j]) & 63
+        mn = np.int32(blocks[i, off + j + 4]) & 63
+    else:
+        sc = (np.int32(blocks[i, off + j + 4]) & 0x0F) | ((np.int32(blocks[i, off + j - 4]) >> 6) << 4)
+        mn = (np.int32(blocks[i, off + j + 4]) >> 4) | ((np.int32(blocks[i, off + j]) >> 6) << 4)
+    return sc, mn
+
+
+@njit(cache=True, nogil=True)
+def dequant_q4_k(out, blocks):
+    """Q4_K: blocks (n, 144) -> out (n * 256,).
+
+    For each 64-value chunk c (0..3): sub-blocks 2c and 2c + 1 share qs[32c:32c + 32]; low nibbles
+    give values 64c..64c+31, high nibbles 64c+32..64c+63.
+    """
+    for i in range(blocks.shape[0]):
+        d = _f16(blocks, i, 0)
+        dmin = _f16(blocks, i, 2)
+        base = i * QK_K
+        for c in range(4):
+            sc1, m1 = _scale_min_k4(blocks, i, 2 * c, 4)
+            sc2, m2 = _scale_min_k4(blocks, i, 2 * c + 1, 4)
+            d1 = d * np.float32(sc1)
+            dm1 = dmin * np.float32(m1)
+            d2 = d * np.float32(sc2)
+            dm2 = dmin * np.float32(m2)
+            qoff = 4 + K_SCALE_SIZE + 32 * c
+            o = base + 64 * c
+            for l in range(32):
+                q = blocks[i, qoff + l]
+                out[o + l] = d1 * np.float32(q & 0x0F) - dm1
+                out[o + 32 + l] = d2 * np.float32(q >> 4) - dm2
+
+
+@njit(cache=True, nogil=True)
+def dequant_q5_k(out, blocks):
+    """Q5_K: blocks (n, 176) -> out (n * 256,).
+
+    Like Q4_K, plus bit 4 of each value from qh[32]: value 64c + l takes bit 2c of qh[l],
+    value 64c + 32 + l takes bit 2c + 1.
+    """
+    for i in range(blocks.shape[0]):
+        d = _f16(blocks, i, 0)
+        dmin = _f16(blocks, i, 2)
+        base = i * QK_K
+        qh_off = 4 + K_SCALE_SIZE
+        for c in range(4):
+            sc1, m1 = _scale_min_k4(blocks, i, 2 * c, 4)
+            sc2, m2 = _scale_min_k4(blocks, i, 2 * c + 1, 4)
+            d1 = d * np.float32(sc1)
+            dm1 = dmin * np.float32(m1)
+            d2 = d * np.float32(sc2)
+            dm2 = dmin * np.float32(m2)
+            qoff = qh_off + 32 + 32 * c
+            o = base + 64 * c
+            for l in range(32):
+                q = np.int32(blocks[i, qoff + l])
+                h = np.int32(blocks[i, qh_off + l])
+                q1 = (q & 0x0F) | (((h >> (2 * c)) & 1) << 4)
+                q2 = (q >> 4) | (((h >> (2 * c + 1)) & 1) << 4)
+                out[o + l] = d1 * np.float32(q1) - dm1
+                out[o + 32 + l] = d2 * np.float32(q2) - dm2
+
+
+@njit(cache=True, nogil=True)
+def dequant_q6_k(out, blocks):
+    """Q6_K: blocks (n, 210) -> out (n * 256,).
+
+    Per 128-value half n (0, 1), with ql = ql[64n:], qh = qh[32n:], sc = scales[8n:], l in 0..31:
+      y[l]      = d * sc[l/16 + 0] * ((ql[l]      & 15) | ((qh[l] >> 0) & 3) << 4) - 32)
+      y[l + 32] = d * sc[l/16 + 2] * ((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4) - 32)
+      y[l + 64] = d * sc[l/16 + 4] * ((ql[l]      >> 4) | ((qh[l] >> 4) & 3) << 4) - 32)
+      y[l + 96] = d * sc[l/16 + 6] * ((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32)
+    """
+    ql0 = 0
+    qh0 = QK_K // 2
+    sc0 = qh0 + QK_K // 4
+    d_off = sc0 + QK_K // 16
+    for i in range(blocks.shape[0]):
+        d = _f16(blocks, i, d_off)
+        for n in range(2):
+            o = i * QK_K + 128 * n
+            for l in range(32):
+                a = np.int32(blocks[i, ql0 + 64 * n + l])
+                b = np.int32(blocks[i, ql0 + 64 * n + l + 32])
+                h = np.int32(blocks[i, qh0 + 32 * n + l])
+                q1 = ((a & 0x0F) | (((h >> 0) & 3) << 4)) - 32
+                q2 = ((b & 0x0F) | (((h >> 2) & 3) << 4)) - 32
+                q3 = ((a >> 4) | (((h >> 4) & 3) << 4)) - 32
+                q4 = ((b >> 4) | (((h >> 6) & 3) << 4)) - 32
+                s = sc0 + 8 * n + l // 16
+                out[o + l] = (d * _i8(blocks[i, s])) * np.float32(q1)
+                out[o + l + 32] = (d * _i8(blocks[i, s + 2])) * np.float32(q2)
+                out[o + l + 64] = (d * _i8(blocks[i, s + 4])) * np.float32(q3)
+                out[o + l + 96] = (d * _i8(blocks[i, s + 6])) * np.float32(q4)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _i8(byte):
+    """A uint8 byte reinterpreted as int8, as float32."""
+    v = np.int32(byte)
+    if v >= 128:
+        v -= 256
+    return np.float32(v)
+
+
+# ==================================================================================================
+# Parallel entry kernels: split the blocks into contiguous chunks, one serial kernel call each.
+# One per type (rather than one taking the kernel as an argument) so each compiles and caches on
+# its own, only for the types a model uses.
+# ==================================================================================================
+
+@njit(cache=True, nogil=True, inline="always")
+def _chunk(n_blocks, n_chunks, c):
+    return c * n_blocks // n_chunks, (c + 1) * n_blocks // n_chunks
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_f32(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_f32(out[b0:b1], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_f16(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_f16(out[b0:b1], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_bf16(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_bf16(out[b0:b1], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_q4_0(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_q4_0(out[b0 * 32:b1 * 32], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_q4_1(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_q4_1(out[b0 * 32:b1 * 32], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_q5_0(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_q5_0(out[b0 * 32:b1 * 32], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_q5_1(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_q5_1(out[b0 * 32:b1 * 32], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_q8_0(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_q8_0(out[b0 * 32:b1 * 32], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_q4_k(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_q4_k(out[b0 * QK_K:b1 * QK_K], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_q5_k(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_q5_k(out[b0 * QK_K:b1 * QK_K], blocks[b0:b1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _par_q6_k(out, blocks, n_chunks):
+    for c in prange(n_chunks):
+        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
+        dequant_q6_k(out[b0 * QK_K:b1 * QK_K], blocks[b0:b1])
+
+
+# type -> (serial kernel, parallel entry kernel)
+KERNELS = {
+    GGMLType.F32: (dequant_f32, _par_f32),
+    GGMLType.F16: (dequant_f16, _par_f16),
+    GGMLType.BF16: (dequant_bf16, _par_bf16),
+    GGMLType.Q4_0: (dequant_q4_0, _par_q4_0),
+    GGMLType.Q4_1: (dequant_q4_1, _par_q4_1),
+    GGMLType.Q5_0: (dequant_q5_0, _par_q5_0),
+    GGMLType.Q5_1: (dequant_q5_1, _par_q5_1),
+    GGMLType.Q8_0: (dequant_q8_0, _par_q8_0),
+    GGMLType.Q4_K: (dequant_q4_k, _par_q4_k),
+    GGMLType.Q5_K: (dequant_q5_k, _par_q5_k),
+    GGMLType.Q6_K: (dequant_q6_k, _par_q6_k),
+}
+assert set(KERNELS) == set(SUPPORTED_TYPES), "every type in quant_types.BLOCK_LAYOUT needs a kernel"
+
+
+# ==================================================================================================
+# Python entry points: validation, then one kernel call
+# ==================================================================================================
+
+def _check_type(qtype, name: str) -> GGMLType:
+    """qtype (GGMLType, gguf.GGMLQuantizationType or int) as a supported GGMLType."""
+    try:
+        t = GGMLType(int(qtype))
+    except (ValueError, TypeError):
+        raise UnsupportedModelError(name, f"unknown GGML tensor type {qtype!r}") from None
+    if t not in KERNELS:
+        raise UnsupportedModelError(
+            name, f"cannot dequantize GGML type {t.name}: ringllm supports "
+            f"{', '.join(x.name for x in KERNELS)}")
+    return t
+
+
+def _check_bytes(data, name: str) -> np.ndarray:
+    if not isinstance(data, np.ndarray):
+        raise ConfigError(f"{name}: data must be a numpy uint8 array, got {type(data).__name__}")
+    if data.dtype != np.uint8:
+        raise ConfigError(f"{name}: data must have dtype uint8 (the raw GGUF bytes), got {data.dtype}; "
+                          "use arr.view(np.uint8) on a contiguous array")
+    return data
+
+
+def _as_blocks(data: np.ndarray, type_size: int) -> np.ndarray:
+    """uint8 bytes of any shape/strides -> C-contiguous (n_blocks, type_size) (a view when possible)."""
+    return np.ascontiguousarray(data).reshape(-1, type_size)
+
+
+def _run(qtype: GGMLType, blocks: np.ndarray, n_values: int) -> np.ndarray:
+    out = np.empty(n_values, dtype=np.float32)
+    n_blocks = blocks.shape[0]
+    if n_blocks == 0:
+        return out
+    serial, parallel = KERNELS[qtype]
+    block = BLOCK_LAYOUT[qtype][0]
+    if n_blocks * block < _PARALLEL_MIN_BLOCKS * 32:
+        serial(out, blocks)
+    else:
+        # a few chunks per thread evens out load; chunks stay >= 32 blocks so the calls amortise
+        n_chunks = max(1, min(n_blocks // 32, 4 * numba.get_num_threads()))
+        parallel(out, blocks, n_chunks)
+    return out
+
+
+def dequantize(data: np.ndarray, qtype, shape: tuple[int, ...], *, name: str = "tensor") -> np.ndarray:
+    """Dequantize a whole GGML tensor to float32.
+
+    Args:
+        data:  uint8 array holding the tensor's blocks as the GGUF file stores them, usually the
+               (n_rows, row_bytes) view GGUFTensor.data; any shape or strides, as long as its
+               bytes in C order are the blocks in order and the byte count matches `shape`.
+        qtype: GGMLType (or gguf.GGMLQuantizationType / int) of the blocks.
+        shape: logical shape, (n_rows, n_cols) or (n,) (any rank >= 1); the last dimension must
+               be a whole number of blocks.
+        name:  used in error messages only (e.g. the tensor name).
+
+    Returns:
+        float32 C-contiguous array of `shape`, newly allocated (never a view of `data`).
+
+    Raises:
+        UnsupportedModelError: qtype is not one ringllm can dequantize.
+        ConfigError: data is not uint8, shape is invalid, or the byte count does not match.
+    """
+    t = _check_type(qtype, name)
+    data = _check_bytes(data, name)
+    try:
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: shape must be a tuple of ints, got {shape!r}") from None
+    if not shape or any(s < 0 for s in shape):
+        raise ConfigError(f"{name}: invalid shape {shape}: need one or more non-negative dimensions")
+    block, type_size = BLOCK_LAYOUT[t]
+    if shape[-1] % block:
+        raise ConfigError(f"{name}: last dimension {shape[-1]} of shape {shape} is not a multiple of "
+                          f"the {t.name} block size {block}")
+    n_values = math.prod(shape)
+    want = n_values // block * type_size
+    if data.size != want:
+        raise ConfigError(f"{name}: {t.name} tensor of shape {shape} needs {want} bytes "
+                          f"({n_values // block} blocks of {type_size}), got {data.size} bytes")
+    blocks = _as_blocks(data, type_size)
+    return _run(t, blocks, n_values).reshape(shape)
+
+
+def dequantize_rows(data: np.ndarray, qtype, n_cols: int, rows, *, name: str = "tensor") -> np.ndarray:
+    """Dequantize selected rows of a GGML matrix (an embedding lookup).
+
+    Args:
+        data:   uint8 (n_rows, row_bytes) bytes of the matrix (GGUFTensor.data); any uint8 array whose
+                byte count is a whole number of rows is accepted and read in C order.
+        qtype:  GGMLType of the blocks.
+        n_cols: values per row (the logical last dimension); a multiple of the block size.
+        rows:   1-D integer array-like of row indices, each in [0, n_rows); repeats allowed.
+        name:   used in error messages only.
+
+    Returns:
+        float32 (len(rows), n_cols), newly allocated.
+
+    Raises:
+        UnsupportedModelError: unsupported qtype.
+        ConfigError: bad dtype, n_cols not a block multiple, byte count not a whole number of
+            rows, non-integer or out-of-range row indices.
+    """
+    t = _check_type(qtype, name)
+    data = _check_bytes(data, name)
+    n_cols = int(n_cols)
+    rb = row_bytes(t, n_cols) if n_cols > 0 else None
+    if rb is None:
+        raise ConfigError(f"{name}: n_cols {n_cols} must be a positive multiple of the {t.name} "
+                          f"block size {BLOCK_LAYOUT[t][0]}")
+    if data.size % rb:
+        raise ConfigError(f"{name}: {data.size} bytes is not a whole number of {t.name} rows of "
+                          f"{n_cols} values ({rb} bytes each)")
+    n_rows = data.size // rb
+    idx = np.asarray(rows)
+    if idx.ndim != 1:
+        raise ConfigError(f"{name}: rows must be a 1-D array of row indices, got shape {idx.shape}")
+    if idx.size and not np.issubdtype(idx.dtype, np.integer):
+        raise ConfigError(f"{name}: rows must be integers, got dtype {idx.dtype}")
+    idx = idx.astype(np.int64, copy=False)
+    if idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= n_rows:
+            bad = lo if lo < 0 else hi
+            raise ConfigError(f"{name}: row index {bad} out of range: the tensor has {n_rows} rows "
+                              f"(valid 0..{n_rows - 1})")
+    matrix = data.reshape(n_rows, rb) if data.ndim != 2 or data.shape[1] != rb else data
+    picked = matrix[idx]  # fancy indexing: a small C-contiguous copy of the quantized rows
+    type_size = BLOCK_LAYOUT[t][1]
+    out = _run(t, picked.reshape(-1, type_size), idx.size * n_cols)
+    return out.reshape(idx.size, n_cols)
