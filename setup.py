@@ -34,7 +34,7 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50"],
+        "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50", "accelerate"],
         "bench": ["llama-cpp-python"],
     },
     entry_points={"console_scripts": ["ringllm=ringllm.cli:main"]},
