@@ -69,3 +69,16 @@ def test_gemma3_window_really_slides(tmp_path):
     eng.forward(list(range(20)), cache)
     assert [lc.seq.size for lc in cache.layers] == [8, 8, 20]
     assert cache.layers[0].seq.tolist() == list(range(12, 20))
+
+
+def test_sharded_checkpoint_equals_single_file(tmp_path):
+    model = build_tiny("qwen2", str(tmp_path / "single"))
+    model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="40KB")
+    import os
+    assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
+    a = load_model(str(tmp_path / "single"), tokenizer=False)
+    b = load_model(str(tmp_path / "sharded"), tokenizer=False)
+    assert a.tensors.keys() == b.tensors.keys()
+    ids = list(range(20))
+    ea, eb = ReferenceEngine(a.spec, a.tensors), ReferenceEngine(b.spec, b.tensors)
+    np.testing.assert_array_equal(ea.forward(ids, ea.new_cache()), eb.forward(ids, eb.new_cache()))
