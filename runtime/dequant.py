@@ -8,8 +8,13 @@ Every kernel has the same contract, destination first, and returns None:
                 GGUF file stores them (little-endian).
 
 Block layouts follow ggml's ggml-common.h (block_q4_0, ..., block_q6_K) and the value order of
-ggml-quants.c's dequantize_row_*; the arithmetic is done in float32 in the same order as
-ggml (and as gguf-py's NumPy reference, gguf.quants), so results are bit-identical to both.
+ggml-quants.c's dequantize_row_*. The arithmetic is float32 in the operation order of ggml's
+scalar dequantize_row_* and of gguf-py's NumPy reference (gguf.quants), with no fast-math, so
+results are bit-identical to gguf.quants (tests/test_dequant.py checks this); a ggml build that
+fuses multiply-adds into FMA can differ from both in the last bit of Q4_1 / Q5_1 / K-quant values.
+
+Kernels are serial and nogil; `dequantize` splits large tensors into chunks of whole blocks and
+runs them on a small thread pool.
 
 Kernels trust their arguments: nothing here checks bounds (Numba does not), so user input goes
 through the Python entry points `dequantize` / `dequantize_rows`, which validate dtype, type and
@@ -18,10 +23,12 @@ byte counts first and raise ConfigError / UnsupportedModelError.
 from __future__ import annotations
 
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ringllm.runtime.errors import ConfigError, UnsupportedModelError
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, SUPPORTED_TYPES, GGMLType, row_bytes
@@ -36,9 +43,12 @@ __all__ = [
 QK_K = 256          # values per K-quant super-block (ggml-common.h)
 K_SCALE_SIZE = 12   # bytes of packed 6-bit scales/mins in Q4_K / Q5_K
 
-# Below this many blocks a tensor is decoded by the serial kernel: starting the thread pool costs
-# more than it saves on norm vectors and other small tensors.
-_PARALLEL_MIN_BLOCKS = 1024
+# Below this many values a tensor is decoded in the calling thread: handing chunks to the thread
+# pool costs more than it saves on norm vectors and other small tensors.
+# Chunks hold at least _CHUNK_MIN_VALUES (~0.1-0.2 ms of kernel time) so submitting them costs
+# little next to the work.
+_PARALLEL_MIN_VALUES = 1 << 20
+_CHUNK_MIN_VALUES = 1 << 18
 
 
 # ==================================================================================================
@@ -195,10 +205,8 @@ def dequant_q8_0(out, blocks):
         d = _f16(blocks, i, 0)
         base = i * 32
         for j in range(32):
-            q = np.int32(blocks[i, 2 + j])
-            if q >= 128:
-                q -= 256
-            out[base + j] = np.float32(q) * d
+            # np.int8(uint8) reinterprets the byte as two's complement (an LLVM trunc/bitcast)
+            out[base + j] = np.float32(np.int8(blocks[i, 2 + j])) * d
 
 
 # ==================================================================================================
@@ -291,141 +299,90 @@ def dequant_q6_k(out, blocks):
       y[l + 64] = d * sc[l/16 + 4] * ((ql[l]      >> 4) | ((qh[l] >> 4) & 3) << 4) - 32)
       y[l + 96] = d * sc[l/16 + 6] * ((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32)
     """
-    ql0 = 0
-    qh0 = QK_K // 2
-    sc0 = qh0 + QK_K // 4
-    d_off = sc0 + QK_K // 16
+    qh0 = QK_K // 2             # ql[128] at 0, qh[64] at 128
+    sc0 = qh0 + QK_K // 4       # scales[16] at 192
+    d_off = sc0 + QK_K // 16    # d at 208
     for i in range(blocks.shape[0]):
         d = _f16(blocks, i, d_off)
         for n in range(2):
             o = i * QK_K + 128 * n
-            for l in range(32):
-                a = np.int32(blocks[i, ql0 + 64 * n + l])
-                b = np.int32(blocks[i, ql0 + 64 * n + l + 32])
-                h = np.int32(blocks[i, qh0 + 32 * n + l])
-                q1 = ((a & 0x0F) | (((h >> 0) & 3) << 4)) - 32
-                q2 = ((b & 0x0F) | (((h >> 2) & 3) << 4)) - 32
-                q3 = ((a >> 4) | (((h >> 4) & 3) << 4)) - 32
-                q4 = ((b >> 4) | (((h >> 6) & 3) << 4)) - 32
-                s = sc0 + 8 * n + l // 16
-                out[o + l] = (d * _i8(blocks[i, s])) * np.float32(q1)
-                out[o + l + 32] = (d * _i8(blocks[i, s + 2])) * np.float32(q2)
-                out[o + l + 64] = (d * _i8(blocks[i, s + 4])) * np.float32(q3)
-                out[o + l + 96] = (d * _i8(blocks[i, s + 6])) * np.float32(q4)
+            for g in range(2):  # l // 16: the four scales are constant over 16 values of l
+                s = sc0 + 8 * n + g
+                d1 = d * _i8(blocks[i, s])
+                d2 = d * _i8(blocks[i, s + 2])
+                d3 = d * _i8(blocks[i, s + 4])
+                d4 = d * _i8(blocks[i, s + 6])
+                for l in range(16 * g, 16 * g + 16):
+                    a = np.int32(blocks[i, 64 * n + l])
+                    b = np.int32(blocks[i, 64 * n + l + 32])
+                    h = np.int32(blocks[i, qh0 + 32 * n + l])
+                    out[o + l] = d1 * np.float32(((a & 0x0F) | ((h & 3) << 4)) - 32)
+                    out[o + l + 32] = d2 * np.float32(((b & 0x0F) | (((h >> 2) & 3) << 4)) - 32)
+                    out[o + l + 64] = d3 * np.float32(((a >> 4) | (((h >> 4) & 3) << 4)) - 32)
+                    out[o + l + 96] = d4 * np.float32(((b >> 4) | (((h >> 6) & 3) << 4)) - 32)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _i8(byte):
     """A uint8 byte reinterpreted as int8, as float32."""
-    v = np.int32(byte)
-    if v >= 128:
-        v -= 256
-    return np.float32(v)
+    return np.float32(np.int8(byte))
 
 
-# ==================================================================================================
-# Parallel entry kernels: split the blocks into contiguous chunks, one serial kernel call each.
-# One per type (rather than one taking the kernel as an argument) so each compiles and caches on
-# its own, only for the types a model uses.
-# ==================================================================================================
-
-@njit(cache=True, nogil=True, inline="always")
-def _chunk(n_blocks, n_chunks, c):
-    return c * n_blocks // n_chunks, (c + 1) * n_blocks // n_chunks
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_f32(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_f32(out[b0:b1], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_f16(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_f16(out[b0:b1], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_bf16(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_bf16(out[b0:b1], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_q4_0(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_q4_0(out[b0 * 32:b1 * 32], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_q4_1(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_q4_1(out[b0 * 32:b1 * 32], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_q5_0(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_q5_0(out[b0 * 32:b1 * 32], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_q5_1(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_q5_1(out[b0 * 32:b1 * 32], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_q8_0(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_q8_0(out[b0 * 32:b1 * 32], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_q4_k(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_q4_k(out[b0 * QK_K:b1 * QK_K], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_q5_k(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_q5_k(out[b0 * QK_K:b1 * QK_K], blocks[b0:b1])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _par_q6_k(out, blocks, n_chunks):
-    for c in prange(n_chunks):
-        b0, b1 = _chunk(blocks.shape[0], n_chunks, c)
-        dequant_q6_k(out[b0 * QK_K:b1 * QK_K], blocks[b0:b1])
-
-
-# type -> (serial kernel, parallel entry kernel)
+# type -> serial kernel
 KERNELS = {
-    GGMLType.F32: (dequant_f32, _par_f32),
-    GGMLType.F16: (dequant_f16, _par_f16),
-    GGMLType.BF16: (dequant_bf16, _par_bf16),
-    GGMLType.Q4_0: (dequant_q4_0, _par_q4_0),
-    GGMLType.Q4_1: (dequant_q4_1, _par_q4_1),
-    GGMLType.Q5_0: (dequant_q5_0, _par_q5_0),
-    GGMLType.Q5_1: (dequant_q5_1, _par_q5_1),
-    GGMLType.Q8_0: (dequant_q8_0, _par_q8_0),
-    GGMLType.Q4_K: (dequant_q4_k, _par_q4_k),
-    GGMLType.Q5_K: (dequant_q5_k, _par_q5_k),
-    GGMLType.Q6_K: (dequant_q6_k, _par_q6_k),
+    GGMLType.F32: dequant_f32,
+    GGMLType.F16: dequant_f16,
+    GGMLType.BF16: dequant_bf16,
+    GGMLType.Q4_0: dequant_q4_0,
+    GGMLType.Q4_1: dequant_q4_1,
+    GGMLType.Q5_0: dequant_q5_0,
+    GGMLType.Q5_1: dequant_q5_1,
+    GGMLType.Q8_0: dequant_q8_0,
+    GGMLType.Q4_K: dequant_q4_k,
+    GGMLType.Q5_K: dequant_q5_k,
+    GGMLType.Q6_K: dequant_q6_k,
 }
 assert set(KERNELS) == set(SUPPORTED_TYPES), "every type in quant_types.BLOCK_LAYOUT needs a kernel"
+
+
+# ==================================================================================================
+# Parallelism: contiguous chunks of blocks, one kernel call each, on a thread pool.
+#
+# The kernels are nogil, so plain Python threads run them in parallel. This replaces a
+# parallel=True / prange entry kernel on purpose: that costs ~0.7 s of extra compile per type
+# (doubling cold compile time), and Numba's fallback workqueue threading layer (used where neither
+# TBB nor OpenMP is installed) aborts when two Python threads launch parallel kernels at once,
+# whereas these kernels are safe to call from any number of threads.
+# ==================================================================================================
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _n_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_n_workers(), thread_name_prefix="ringllm-dequant")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    # a forked child inherits the executor but not its threads: submitting to it would hang
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 # ==================================================================================================
@@ -460,18 +417,24 @@ def _as_blocks(data: np.ndarray, type_size: int) -> np.ndarray:
 
 
 def _run(qtype: GGMLType, blocks: np.ndarray, n_values: int) -> np.ndarray:
+    """Decode validated C-contiguous (n_blocks, type_size) blocks into a new float32 (n_values,)."""
     out = np.empty(n_values, dtype=np.float32)
     n_blocks = blocks.shape[0]
     if n_blocks == 0:
         return out
-    serial, parallel = KERNELS[qtype]
+    kernel = KERNELS[qtype]
     block = BLOCK_LAYOUT[qtype][0]
-    if n_blocks * block < _PARALLEL_MIN_BLOCKS * 32:
-        serial(out, blocks)
-    else:
-        # a few chunks per thread evens out load; chunks stay >= 32 blocks so the calls amortise
-        n_chunks = max(1, min(n_blocks // 32, 4 * numba.get_num_threads()))
-        parallel(out, blocks, n_chunks)
+    workers = _n_workers()
+    if workers == 1 or n_values < _PARALLEL_MIN_VALUES:
+        kernel(out, blocks)
+        return out
+    # a few chunks per worker evens out the load; every chunk is a whole number of blocks
+    n_chunks = min(4 * workers, max(1, n_values // _CHUNK_MIN_VALUES))
+    bounds = [c * n_blocks // n_chunks for c in range(n_chunks + 1)]
+    futures = [_get_pool().submit(kernel, out[b0 * block:b1 * block], blocks[b0:b1])
+               for b0, b1 in zip(bounds[:-1], bounds[1:]) if b1 > b0]
+    for f in futures:
+        f.result()
     return out
 
 
@@ -536,7 +499,10 @@ def dequantize_rows(data: np.ndarray, qtype, n_cols: int, rows, *, name: str = "
     """
     t = _check_type(qtype, name)
     data = _check_bytes(data, name)
-    n_cols = int(n_cols)
+    try:
+        n_cols = int(n_cols)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: n_cols must be an int, got {n_cols!r}") from None
     rb = row_bytes(t, n_cols) if n_cols > 0 else None
     if rb is None:
         raise ConfigError(f"{name}: n_cols {n_cols} must be a positive multiple of the {t.name} "
@@ -550,13 +516,13 @@ def dequantize_rows(data: np.ndarray, qtype, n_cols: int, rows, *, name: str = "
         raise ConfigError(f"{name}: rows must be a 1-D array of row indices, got shape {idx.shape}")
     if idx.size and not np.issubdtype(idx.dtype, np.integer):
         raise ConfigError(f"{name}: rows must be integers, got dtype {idx.dtype}")
-    idx = idx.astype(np.int64, copy=False)
     if idx.size:
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= n_rows:
             bad = lo if lo < 0 else hi
             raise ConfigError(f"{name}: row index {bad} out of range: the tensor has {n_rows} rows "
                               f"(valid 0..{n_rows - 1})")
+    idx = idx.astype(np.intp, copy=False)
     matrix = data.reshape(n_rows, rb) if data.ndim != 2 or data.shape[1] != rb else data
     picked = matrix[idx]  # fancy indexing: a small C-contiguous copy of the quantized rows
     type_size = BLOCK_LAYOUT[t][1]
