@@ -9,7 +9,6 @@ but the NaN payload depends on operand order in NumPy's SIMD loops, which is not
 """
 from __future__ import annotations
 
-import struct
 
 import gguf
 import numpy as np
@@ -183,90 +182,13 @@ def smollm2():
         pytest.skip(f"bundled SmolLM2 model unavailable: {exc}")
 
 
-# GGUF metadata value types (gguf spec): fixed sizes; 8 = string, 9 = array.
-_GGUF_SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _fast_gguf_tensors(path: str) -> dict[str, GGUFTensor]:
-    """Tensors of a GGUF v2/v3 file, skipping over the metadata instead of decoding it.
-
-    GGUFFile (through gguf.GGUFReader) takes ~15 s on Gemma 3 because it builds numpy objects for
-    each of the 262k vocabulary strings; this walks past them in ~0.2 s. Checked against
-    GGUFFile on SmolLM2 (test_fast_gguf_tensors_agree_with_gguffile).
-    """
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(raw)
-    pos = 0
-
-    def take(fmt: str):
-        nonlocal pos
-        vals = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize("<" + fmt)
-        return vals if len(vals) > 1 else vals[0]
-
-    def take_str() -> bytes:
-        nonlocal pos
-        n = take("Q")
-        pos += n
-        return bytes(buf[pos - n:pos])
-
-    assert bytes(buf[:4]) == b"GGUF"
-    pos = 4
-    version, n_tensors, n_kv = take("IQQ")
-    assert version in (2, 3)
-    alignment = 32
-    for _ in range(n_kv):
-        key = take_str()
-        vtype = take("I")
-        if key == b"general.alignment":
-            assert vtype == 4
-            alignment = take("I")
-        elif vtype == 8:
-            take_str()
-        elif vtype == 9:
-            etype, count = take("IQ")
-            if etype == 8:
-                for _ in range(count):
-                    pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
-            else:
-                pos += count * _GGUF_SCALAR_SIZE[etype]   # nested arrays do not occur in these files
-        else:
-            pos += _GGUF_SCALAR_SIZE[vtype]
-    infos = []
-    for _ in range(n_tensors):
-        name = take_str().decode()
-        n_dims = take("I")
-        dims = [take("Q") for _ in range(n_dims)]
-        qtype, offset = take("IQ")
-        infos.append((name, dims, GGMLType(qtype), offset))
-    data_start = -(-pos // alignment) * alignment
-    tensors = {}
-    for name, dims, qtype, offset in infos:
-        n_cols, n_rows = dims[0], int(np.prod(dims[1:]))
-        rb = row_bytes(qtype, n_cols)
-        start = data_start + offset
-        data = raw[start:start + n_rows * rb].view(np.ndarray).reshape(n_rows, rb)
-        shape = tuple(reversed(dims)) if len(dims) > 1 else (dims[0],)
-        tensors[name] = GGUFTensor(name, qtype, shape, data)
-    return tensors
-
-
 @pytest.fixture(scope="module")
 def gemma3_tensors():
     try:
         path = gemma3_model_path()
     except ModelFileError as exc:
         pytest.skip(f"Gemma 3 270M model unavailable: {exc}")
-    return _fast_gguf_tensors(path)
-
-
-def test_fast_gguf_tensors_agree_with_gguffile(smollm2):
-    fast = _fast_gguf_tensors(smollm2.path)
-    assert fast.keys() == smollm2.tensors.keys()
-    for name, t in smollm2.tensors.items():
-        f = fast[name]
-        assert (f.qtype, f.shape, f.data.shape) == (t.qtype, t.shape, t.data.shape), name
-        assert np.array_equal(f.data[:2], t.data[:2]) and np.array_equal(f.data[-1], t.data[-1]), name
+    return GGUFFile(path).tensors
 
 
 def _pick_tensors(tensors: dict[str, GGUFTensor]) -> list:
