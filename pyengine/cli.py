@@ -29,8 +29,10 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:
         from ringllm.chat_template import render_chat
         text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                           bos_token=tok.bos_token, eos_token=tok.eos_token)
-    ids = tok.encode(text, parse_special=args.chat)
+                           bos_token=tok.bos_token or "", eos_token=tok.eos_token or "", tokenizer=tok)
+    # a rendered template that already starts with BOS must not get a second one
+    add_bos = False if args.chat and tok.bos_token and text.startswith(tok.bos_token) else None
+    ids = tok.encode(text, add_bos=add_bos, parse_special=args.chat)
     eng = ReferenceEngine(model.spec, model.tensors)
     cache = eng.new_cache(capacity=args.kv_capacity, policy=args.kv_policy, sinks=args.kv_sinks,
                           positions=args.positions)
@@ -40,7 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
     logits = eng.forward(ids, cache)[-1]
     t_prompt = time.perf_counter() - t1
     out: list[int] = []
-    printed = ""
+    stream = tok.stream_decoder()
     finish = "length"
     t2 = time.perf_counter()
     for _ in range(args.n_predict):
@@ -50,11 +52,8 @@ def _generate(args: argparse.Namespace) -> int:
             break
         out.append(nxt)
         if not args.json:
-            text_now = tok.decode(out)
-            if not text_now.endswith("\ufffd"):   # wait for the rest of a multi-byte character
-                sys.stdout.write(text_now[len(printed):])
-                sys.stdout.flush()
-                printed = text_now
+            sys.stdout.write(stream.push(nxt))   # holds back partial UTF-8 characters
+            sys.stdout.flush()
         logits = eng.forward([nxt], cache)[-1]
     t_gen = time.perf_counter() - t2
     result = {"model": model.path, "prompt_tokens": len(ids), "tokens": out, "text": tok.decode(out),
@@ -65,7 +64,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        sys.stdout.write(tok.decode(out)[len(printed):] + "\n")
+        sys.stdout.write(stream.flush() + "\n")
         print(f"[{len(ids)} prompt tokens, {len(out)} generated at {result['gen_tok_s']} tok/s, "
               f"reference engine]", file=sys.stderr)
     return 0

@@ -1,0 +1,773 @@
+"""The tokenizer of ringllm: a HF `tokenizers` backend built from GGUF metadata or a tokenizer.json.
+
+Two vocabulary kinds come from GGUF files (`tokenizer.ggml.model`):
+
+- "gpt2": byte-level BPE. The file gives the vocabulary (already spelled in GPT-2's byte alphabet)
+  and the merges; the text is cut into words by a regex chosen by `tokenizer.ggml.pre`, then
+  every word's bytes are spelled in the byte alphabet and merged.
+- "llama": SentencePiece-style BPE. Spaces become "▁", a missing piece falls back to <0xNN> byte
+  tokens. Files of this kind usually carry no merges; they are rebuilt from the vocabulary, ranked
+  by the token scores (or, for Gemma, by the order of the tokens in the file, which is the order
+  Gemma's merges were learned in; its scores do not follow it).
+
+Tokens the file marks CONTROL (token_type 3) become special added tokens and USER_DEFINED ones (4)
+plain added tokens, so a string such as "<|im_start|>" in the text is one token, as llama.cpp and
+transformers make it. `encode(..., parse_special=False)` treats the special ones as plain text.
+
+The reference is transformers' own GGUF conversion (AutoTokenizer.from_pretrained(dir,
+gguf_file=...)): for the bundled models this tokenizer gives the same ids (tests/test_tokenizer.py).
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import re
+import threading
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ringllm.runtime.errors import ConfigError, ModelFileError, UnsupportedModelError
+
+__all__ = ["Tokenizer", "StreamDecoder", "TokenizerWarning", "PRE_TOKENIZER_REGEXES", "SUPPORTED_GGUF_MODELS"]
+
+
+class TokenizerWarning(UserWarning):
+    """A tokenizer built with a guess (unknown pre-tokenizer name, inconsistent metadata)."""
+
+
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+SUPPORTED_GGUF_MODELS = ("gpt2", "llama")
+
+SPIECE_SPACE = "\u2581"  # "▁"
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+# Text of end-of-turn tokens: generation stops on them as on EOS (when the vocabulary has them).
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>",
+    "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>", "<end_of_utterance>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+)
+
+# ---------------------------------------------------------------------------------------------
+# Pre-tokenizer regexes, by `tokenizer.ggml.pre`. Each entry is a list of regexes applied in
+# turn, every match and every gap between matches becoming a piece (llama.cpp's
+# unicode_regex_split, tokenizers' Split(behavior="isolated")); None means GPT-2's own
+# ByteLevel regex. Where a model's tokenizer.json states the regex, that spelling is used.
+# ---------------------------------------------------------------------------------------------
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek LLM's letter class: the cased letters (Lu/Ll/Lt), as code-point ranges. Written as
+# numbers because several of its characters (U+1F7D, U+1FBE, U+2126, U+212A, ...) have canonical
+# singletons that a text editor or tool normalizing to NFC silently turns into other letters.
+_DEEPSEEK_LETTER_RANGES = (
+    (0x41, 0x5A), (0x61, 0x7A), (0xB5, 0xB5), (0xC0, 0xD6), (0xD8, 0xF6), (0xF8, 0x1BA),
+    (0x1BC, 0x1BF), (0x1C4, 0x293), (0x295, 0x2AF), (0x370, 0x373), (0x376, 0x377),
+    (0x37B, 0x37D), (0x37F, 0x37F), (0x386, 0x386), (0x388, 0x38A), (0x38C, 0x38C),
+    (0x38E, 0x3A1), (0x3A3, 0x3F5), (0x3F7, 0x481), (0x48A, 0x52F), (0x531, 0x556),
+    (0x10A0, 0x10C5), (0x13A0, 0x13F5), (0x13F8, 0x13FD), (0x1C90, 0x1CBA), (0x1CBD, 0x1CBF),
+    (0x1D00, 0x1D2B), (0x1D6B, 0x1D77), (0x1D79, 0x1D9A), (0x1E00, 0x1F15), (0x1F18, 0x1F1D),
+    (0x1F20, 0x1F45), (0x1F48, 0x1F4D), (0x1F50, 0x1F57), (0x1F59, 0x1F59), (0x1F5B, 0x1F5B),
+    (0x1F5D, 0x1F5D), (0x1F5F, 0x1F7D), (0x1F80, 0x1FB4), (0x1FB6, 0x1FBC), (0x1FBE, 0x1FBE),
+    (0x1FC2, 0x1FC4), (0x1FC6, 0x1FCC), (0x1FD0, 0x1FD3), (0x1FD6, 0x1FDB), (0x1FE0, 0x1FEC),
+    (0x1FF2, 0x1FF4), (0x1FF6, 0x1FFC), (0x2102, 0x2102), (0x2107, 0x2107), (0x210A, 0x2113),
+    (0x2115, 0x2115), (0x2119, 0x211D), (0x2124, 0x2124), (0x2126, 0x2126), (0x2128, 0x2128),
+    (0x212A, 0x212D), (0x212F, 0x2134), (0x2139, 0x2139), (0x213C, 0x213F), (0x2145, 0x2149),
+    (0x214E, 0x214E), (0x2183, 0x2184), (0x2C00, 0x2C7B), (0x2C7E, 0x2CE4), (0x2CEB, 0x2CEE),
+    (0x2CF2, 0x2CF3), (0xA640, 0xA66D), (0xA680, 0xA69B), (0xA722, 0xA76F), (0xA771, 0xA787),
+    (0xA78B, 0xA78E), (0xAB70, 0xABBF), (0xFB00, 0xFB06), (0xFB13, 0xFB17), (0xFF21, 0xFF3A),
+    (0xFF41, 0xFF5A), (0x10400, 0x1044F), (0x104B0, 0x104D3), (0x104D8, 0x104FB),
+    (0x10C80, 0x10CB2), (0x10CC0, 0x10CF2), (0x118A0, 0x118DF), (0x1E900, 0x1E943),
+)
+_DEEPSEEK_LETTERS = "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in _DEEPSEEK_LETTER_RANGES)
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_DEEPSEEK_LLM = [
+    r"[\r\n]",
+    r"\s?[" + _DEEPSEEK_LETTERS + r"]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    _CJK_HANGUL,
+    r"\p{N}+",
+]
+_DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}"]
+_DEEPSEEK_V3 = [
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+_FALCON = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]
+_DIGITS_THEN_GPT2 = [r"\p{N}", _GPT2]
+_BLOOM = [r" ?[^(\s|.,!?…。，、।۔،)]+"]
+
+PRE_TOKENIZER_REGEXES: dict[str, list[str] | None] = {
+    "default": None, "gpt-2": None, "gpt2": None, "mpt": None, "olmo": None, "jais": None,
+    # llama.cpp cuts digits apart for smollm (as SmolLM2's own tokenizer.json does, with a Digits
+    # pre-tokenizer), but transformers' GGUF conversion, our reference, has no entry for
+    # "smollm" and uses plain GPT-2. We follow the reference. The two differ only where a run of
+    # two or more whitespace characters ends right before a digit ("a  1": GPT-2 gives " ", " 1",
+    # llama.cpp "  ", "1"), because SmolLM2's merges never join a digit to anything.
+    "smollm": None,
+    "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "llama-bpe": [_LLAMA3], "dbrx": [_LLAMA3],
+    "smaug-bpe": [_LLAMA3], "falcon3": [_LLAMA3], "falcon-h1": [_LLAMA3], "pixtral": [_LLAMA3],
+    "chatglm-bpe": [_LLAMA3], "lfm2": [_LLAMA3],
+    "qwen2": [_QWEN2], "stablelm2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2], "megrez": [_QWEN2],
+    "gpt-4o": [_GPT4O], "llama4": [_GPT4O],
+    "tekken": [_TEKKEN],
+    "deepseek-llm": _DEEPSEEK_LLM, "deepseek-coder": _DEEPSEEK_CODER, "deepseek-v3": _DEEPSEEK_V3,
+    "falcon": _FALCON,
+    "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2, "command-r": _DIGITS_THEN_GPT2,
+    "codeshell": _DIGITS_THEN_GPT2, "exaone": _DIGITS_THEN_GPT2, "minerva-7b": _DIGITS_THEN_GPT2,
+    "poro-chat": _BLOOM, "bloom": _BLOOM, "gpt3-finnish": _BLOOM,
+    "viking": _BLOOM + [r"\p{N}"],
+}
+
+# Architectures whose "llama" vocabulary is Gemma's: merges ranked by file order, and tokens of
+# two or more literal spaces that stand for runs of "▁".
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding")
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's spelling of the 256 byte values as printable characters."""
+    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    spelling, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            spelling[b] = chr(b)
+        else:
+            spelling[b] = chr(256 + extra)
+            extra += 1
+    return spelling
+
+
+_BYTE_TO_CHAR = _byte_alphabet()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    """The bytes a byte-level vocabulary token stands for."""
+    if all(c in _CHAR_TO_BYTE for c in token):
+        return bytes(_CHAR_TO_BYTE[c] for c in token)
+    return token.encode("utf-8")
+
+
+def _spm_bytes(token: str) -> bytes:
+    m = _BYTE_TOKEN.match(token)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    return token.replace(SPIECE_SPACE, " ").encode("utf-8")
+
+
+def derive_merges(tokens: Sequence[str], ranks: Sequence[float]) -> list[tuple[str, str]]:
+    """Merges implied by a vocabulary: every split of a token into two tokens of the vocabulary.
+
+    A merge is ranked by the `ranks` value of the token it makes (higher first), then longer left
+    part, then longer right part, then token order; the splits of one token by the ids of their
+    parts. This is how SentencePiece BPE vocabularies are turned into BPE merges (the ordering
+    transformers uses, so ties break the same way).
+    """
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab[t] = i
+    rank_of: dict[str, float] = {}
+    for t, r in zip(tokens, ranks):
+        rank_of[t] = r
+    entries = []
+    seq = 0
+    for token, rank in rank_of.items():
+        n = len(token)
+        if n < 2:
+            continue
+        local = []
+        for k in range(1, n):
+            left = token[:k]
+            li = vocab.get(left)
+            if li is None:
+                continue
+            right = token[k:]
+            ri = vocab.get(right)
+            if ri is None:
+                continue
+            local.append((li, ri, left, right))
+        if not local:
+            continue
+        local.sort()
+        for _, _, left, right in local:
+            entries.append((-rank, -len(left), -len(right), seq, left, right))
+            seq += 1
+    entries.sort()
+    return [(e[4], e[5]) for e in entries]
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return list(value)
+
+
+class StreamDecoder:
+    """Turns token ids into text as they come, holding back a partial UTF-8 character.
+
+    `push(id)` returns the text completed by that token (maybe ""), `flush()` what is left.
+    """
+
+    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._dec.decode(self._tok.decode_bytes([token_id], skip_special=self._skip,
+                                                       strip_prefix=False))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model. Build with `from_gguf`, `from_hf_dir` or `load`."""
+
+    def __init__(self, backend, *, n_vocab: int, pieces: list[str], piece_kind: str,
+                 bos_id: int | None, eos_id: int | None, eos_ids: Iterable[int],
+                 unk_id: int | None = None, pad_id: int | None = None,
+                 add_bos: bool = False, add_eos: bool = False, strip_prefix_space: bool = False,
+                 chat_template: str | None = None, special_ids: Iterable[int] = (),
+                 source: str = ""):
+        self._backend = backend
+        self._n_vocab = int(n_vocab)
+        self._pieces = pieces          # vocabulary strings by id, as the source spells them
+        self._piece_kind = piece_kind  # "byte_level" | "spm" | "backend": how a piece maps to bytes
+        self._bos_id = bos_id
+        self._eos_id = eos_id
+        self._eos_ids = frozenset(i for i in eos_ids if i is not None)
+        self._unk_id = unk_id
+        self._pad_id = pad_id
+        self._add_bos = bool(add_bos)
+        self._add_eos = bool(add_eos)
+        self._strip_prefix_space = strip_prefix_space
+        self._chat_template = chat_template
+        self._special_ids = frozenset(special_ids)
+        self.source = source
+        self._lock = threading.Lock()
+        self._piece_bytes: list[bytes] | None = None
+        self._token_ids: dict[str, int] | None = None
+        self._added_contents: dict[int, str] = {
+            i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+
+    # ------------------------------------------------------------------ construction: GGUF
+    @classmethod
+    def from_gguf(cls, metadata: dict, path: str | os.PathLike) -> "Tokenizer":
+        """Build from a GGUF file's metadata (GGUFFile(path).metadata); `path` names it in errors."""
+        path = os.fspath(path)
+        model = metadata.get("tokenizer.ggml.model")
+        if model is None:
+            raise ModelFileError(path, "metadata key 'tokenizer.ggml.model' is missing: the file "
+                                 "carries no tokenizer")
+        if model not in SUPPORTED_GGUF_MODELS:
+            raise UnsupportedModelError(
+                path, f"tokenizer.ggml.model is {model!r}, which ringllm does not support "
+                f"(supported: {', '.join(SUPPORTED_GGUF_MODELS)})")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ModelFileError(path, "metadata key 'tokenizer.ggml.tokens' is missing: the file "
+                                 "has no vocabulary")
+        tokens = _as_list(tokens)
+        if not tokens or not all(isinstance(t, str) for t in tokens):
+            raise ModelFileError(path, "metadata key 'tokenizer.ggml.tokens' is not a non-empty "
+                                 "list of strings")
+        n = len(tokens)
+        types = _as_list(metadata.get("tokenizer.ggml.token_type"))
+        if types and len(types) != n:
+            raise ModelFileError(path, f"tokenizer.ggml.token_type has {len(types)} entries but "
+                                 f"tokenizer.ggml.tokens has {n}")
+        if not types:
+            types = [TOKEN_NORMAL] * n
+        types = [int(t) for t in types]
+
+        def token_id(key: str) -> int | None:
+            value = metadata.get(key)
+            if value is None:
+                return None
+            value = int(value)
+            if value < 0 or value == 0xFFFFFFFF:  # llama.cpp writes -1 / UINT32_MAX for "none"
+                return None
+            if value >= n:
+                raise ModelFileError(path, f"{key} is {value}, past the vocabulary of {n} tokens")
+            return value
+
+        bos_id = token_id("tokenizer.ggml.bos_token_id")
+        eos_id = token_id("tokenizer.ggml.eos_token_id")
+        unk_id = token_id("tokenizer.ggml.unknown_token_id")
+        pad_id = token_id("tokenizer.ggml.padding_token_id")
+        arch = str(metadata.get("general.architecture", ""))
+        named = (bos_id, eos_id, unk_id, pad_id)
+
+        if model == "gpt2":
+            backend, strip_prefix = cls._byte_level_backend(metadata, path, tokens, types, named)
+            piece_kind = "byte_level"
+            add_bos_default = False
+        else:
+            backend, strip_prefix = cls._spm_backend(metadata, path, tokens, types, arch, unk_id, named)
+            piece_kind = "spm"
+            add_bos_default = True  # llama.cpp's and transformers' rule for SentencePiece files
+
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token")
+        add_bos = add_bos_default if add_bos is None else bool(add_bos)
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        if add_bos and bos_id is None:
+            raise ModelFileError(path, "tokenizer.ggml.add_bos_token is set but the file names no "
+                                 "BOS token (tokenizer.ggml.bos_token_id)")
+
+        control = [i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN)]
+        special = set(control) | {i for i in (bos_id, eos_id, unk_id, pad_id) if i is not None}
+        eos_ids = {eos_id} if eos_id is not None else set()
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            i = token_id(key)
+            if i is not None:
+                eos_ids.add(i)
+        eot_texts = set(END_OF_TURN_TOKENS)
+        eos_ids.update(i for i in control if tokens[i] in eot_texts)
+
+        template = metadata.get("tokenizer.chat_template")
+        return cls(backend, n_vocab=n, pieces=tokens, piece_kind=piece_kind, bos_id=bos_id,
+                   eos_id=eos_id, eos_ids=eos_ids, unk_id=unk_id, pad_id=pad_id, add_bos=add_bos,
+                   add_eos=add_eos, strip_prefix_space=strip_prefix,
+                   chat_template=template if isinstance(template, str) else None,
+                   special_ids=special, source=path)
+
+    @staticmethod
+    def _added_tokens(backend, tokens: list[str], types: list[int], in_vocab,
+                      named: Iterable[int | None] = ()) -> None:
+        """CONTROL and UNKNOWN tokens, and the BOS/EOS/UNK/PAD the file names, as special added
+        tokens; USER_DEFINED ones as plain added tokens. Both are matched whole in the text."""
+        from tokenizers import AddedToken
+
+        special_types = (TOKEN_CONTROL, TOKEN_UNKNOWN)
+        named = {i for i in named if i is not None}
+        control = [AddedToken(t, normalized=False, special=True)
+                   for i, (t, ty) in enumerate(zip(tokens, types))
+                   if (ty in special_types or i in named) and in_vocab(t, TOKEN_CONTROL)]
+        if control:
+            backend.add_special_tokens(control)
+        user = [AddedToken(t, normalized=False, special=False)
+                for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED and in_vocab(t, ty)]
+        if user:
+            backend.add_tokens(user)
+
+    @classmethod
+    def _byte_level_backend(cls, metadata, path, tokens, types, named):
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as Backend
+
+        merges_raw = metadata.get("tokenizer.ggml.merges")
+        if merges_raw is None:
+            raise ModelFileError(path, "metadata key 'tokenizer.ggml.merges' is missing: a gpt2 "
+                                 "(byte-level BPE) vocabulary needs its merges")
+        alphabet = set(_BYTE_TO_CHAR.values())
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            # Tokens written as plain text rather than in the byte alphabet (some added tokens)
+            # are respelled, so the BPE model and the byte-level decoder agree on them.
+            key = t if set(t) <= alphabet else "".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8"))
+            vocab[key] = i
+        merges = []
+        for k, m in enumerate(_as_list(merges_raw)):
+            parts = m.split(" ")
+            if len(parts) != 2:
+                raise ModelFileError(path, f"tokenizer.ggml.merges[{k}] is {m!r}, not two tokens "
+                                     "separated by one space")
+            merges.append((parts[0], parts[1]))
+        try:
+            backend = Backend(models.BPE(vocab=vocab, merges=merges, dropout=None,
+                                         continuing_subword_prefix="", end_of_word_suffix="",
+                                         fuse_unk=False))
+        except Exception as exc:  # tokenizers raises plain Exception for a merge of unknown tokens
+            raise ModelFileError(path, f"the vocabulary and merges are inconsistent: {exc}") from exc
+
+        pre = metadata.get("tokenizer.ggml.pre") or "default"
+        if pre not in PRE_TOKENIZER_REGEXES:
+            warnings.warn(f"{path}: tokenizer.ggml.pre {pre!r} is unknown to ringllm; splitting "
+                          "words with GPT-2's regex, which may tokenize differently from the "
+                          "model's own tokenizer", TokenizerWarning, stacklevel=3)
+        regexes = PRE_TOKENIZER_REGEXES.get(pre)
+        if regexes is None:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.decoder = decoders.ByteLevel()
+        # A CONTROL token spelled outside the byte alphabet cannot be a real byte-level token
+        # (a mislabel in the file): it stays out of the added tokens, as transformers does.
+        cls._added_tokens(backend, tokens, types,
+                          lambda t, ty: set(t) <= alphabet if ty == TOKEN_CONTROL else t in vocab, named)
+        return backend, False
+
+    @classmethod
+    def _spm_backend(cls, metadata, path, tokens, types, arch, unk_id, named):
+        from tokenizers import decoders, models, normalizers, pre_tokenizers
+        from tokenizers import Tokenizer as Backend
+
+        gemma = arch in _GEMMA_ARCHS
+        vocab_tokens = list(tokens)
+        if gemma:
+            # Gemma stores its tokens of 2+ spaces with real spaces; in the text they are "▁▁...".
+            vocab_tokens = [SPIECE_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+        merges_raw = metadata.get("tokenizer.ggml.merges")
+        if merges_raw is not None:
+            merges = []
+            for k, m in enumerate(_as_list(merges_raw)):
+                parts = m.split(" ")
+                if len(parts) != 2:
+                    raise ModelFileError(path, f"tokenizer.ggml.merges[{k}] is {m!r}, not two "
+                                         "tokens separated by one space")
+                merges.append((parts[0], parts[1]))
+        elif gemma:
+            merges = derive_merges(vocab_tokens, [-i for i in range(len(vocab_tokens))])
+        else:
+            scores = metadata.get("tokenizer.ggml.scores")
+            if scores is None:
+                raise ModelFileError(path, "metadata key 'tokenizer.ggml.scores' is missing: a "
+                                     "llama (SentencePiece) vocabulary without merges needs scores")
+            scores = _as_list(scores)
+            if len(scores) != len(tokens):
+                raise ModelFileError(path, f"tokenizer.ggml.scores has {len(scores)} entries but "
+                                     f"tokenizer.ggml.tokens has {len(tokens)}")
+            merges = derive_merges(vocab_tokens, [float(s) for s in scores])
+        vocab = {t: i for i, t in enumerate(vocab_tokens)}
+        if unk_id is not None:
+            unk = vocab_tokens[unk_id]
+        else:
+            unk = "<unk>" if "<unk>" in vocab else None
+        try:
+            backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                                         byte_fallback=True, dropout=None))
+        except Exception as exc:
+            raise ModelFileError(path, f"the vocabulary and merges are inconsistent: {exc}") from exc
+
+        prefix = metadata.get("tokenizer.ggml.add_space_prefix")
+        prefix = True if prefix is None else bool(prefix)  # llama.cpp's default
+        steps = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            backend.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement=SPIECE_SPACE, prepend_scheme="first", split=False)
+            steps.append(decoders.Strip(content=" ", left=1, right=0))
+        else:
+            backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+        backend.decoder = decoders.Sequence(steps)
+        cls._added_tokens(backend, tokens, types, lambda t, ty: t in vocab, named)
+        return backend, prefix
+
+    # ------------------------------------------------------------------ construction: HF dir
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Build from a Hugging Face model folder: tokenizer.json, plus tokenizer_config.json,
+        special_tokens_map.json, chat_template.jinja / chat_template.json and
+        generation_config.json when present."""
+        from tokenizers import Tokenizer as Backend
+
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise ModelFileError(path, "no such directory" if not os.path.exists(path)
+                                 else "is not a directory (expected a model folder with tokenizer.json)")
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise ModelFileError(path, "tokenizer.json is missing: ringllm reads HF tokenizers only "
+                                 "in their tokenizer.json form (save it with a fast tokenizer's "
+                                 "save_pretrained)")
+        try:
+            backend = Backend.from_file(tj)
+        except Exception as exc:
+            raise ModelFileError(tj, f"not a readable tokenizer.json: {exc}") from exc
+
+        def read_json(name: str) -> dict:
+            p = os.path.join(path, name)
+            if not os.path.isfile(p):
+                return {}
+            try:
+                with open(p, encoding="utf-8") as fh:
+                    data = json.load(fh)
+            except (OSError, ValueError) as exc:
+                raise ModelFileError(p, f"not readable JSON: {exc}") from exc
+            if not isinstance(data, dict):
+                raise ModelFileError(p, "expected a JSON object")
+            return data
+
+        config = read_json("tokenizer_config.json")
+        special_map = read_json("special_tokens_map.json")
+        gen_config = read_json("generation_config.json")
+
+        def token_text(name: str) -> str | None:
+            for source in (config, special_map):
+                value = source.get(name)
+                if isinstance(value, dict):
+                    value = value.get("content")
+                if isinstance(value, str):
+                    return value
+            return None
+
+        def id_of(name: str) -> int | None:
+            text = token_text(name)
+            return backend.token_to_id(text) if text is not None else None
+
+        bos_id, eos_id = id_of("bos_token"), id_of("eos_token")
+        unk_id, pad_id = id_of("unk_token"), id_of("pad_token")
+
+        # What the tokenizer.json's post-processor adds around a text, unless the config says.
+        bare = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
+        pp_bos = len(full) > len(bare) and full[0] != bare[0]
+        pp_eos = len(full) > len(bare) and full[-1] != bare[-1]
+        if pp_bos and bos_id is None:
+            bos_id = full[0]
+        add_bos = config.get("add_bos_token", pp_bos)
+        add_eos = config.get("add_eos_token", pp_eos)
+        add_bos = bool(add_bos) and bos_id is not None
+
+        added = backend.get_added_tokens_decoder()
+        special = {i for i, t in added.items() if t.special}
+        special |= {i for i in (bos_id, eos_id, unk_id, pad_id) if i is not None}
+        eos_ids = {eos_id} if eos_id is not None else set()
+        gen_eos = gen_config.get("eos_token_id")
+        for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]):
+            if isinstance(i, int):
+                eos_ids.add(i)
+        eot_texts = set(END_OF_TURN_TOKENS)
+        eos_ids.update(i for i, t in added.items() if t.special and t.content in eot_texts)
+
+        template = None
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as fh:
+                template = fh.read()
+        else:
+            template = config.get("chat_template")
+            if template is None:
+                template = read_json("chat_template.json").get("chat_template")
+            if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default", next(iter(named.values()), None))
+            if not isinstance(template, str):
+                template = None
+
+        n_vocab = backend.get_vocab_size(with_added_tokens=True)
+        id_to_token = {i: t for t, i in backend.get_vocab(with_added_tokens=True).items()}
+        pieces = [id_to_token.get(i, "") for i in range(n_vocab)]
+        piece_kind = _piece_kind_of(backend)
+        strip_prefix = piece_kind == "spm" and '"Strip"' in _state(backend.decoder)
+        return cls(backend, n_vocab=n_vocab, pieces=pieces, piece_kind=piece_kind, bos_id=bos_id,
+                   eos_id=eos_id, eos_ids=eos_ids, unk_id=unk_id, pad_id=pad_id, add_bos=add_bos,
+                   add_eos=bool(add_eos), strip_prefix_space=strip_prefix, chat_template=template,
+                   special_ids=special, source=path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+        """From a .gguf file or a HF model folder."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            return cls.from_hf_dir(path)
+        from ringllm.models.gguf_file import GGUFFile
+
+        return cls.from_gguf(GGUFFile(path).metadata, path)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def bos_token(self) -> str:
+        """Text of the BOS token ("" when the model has none), e.g. for a chat template."""
+        return self._added_contents.get(self._bos_id, self._pieces[self._bos_id]) \
+            if self._bos_id is not None else ""
+
+    @property
+    def eos_token(self) -> str:
+        """Text of the EOS token ("" when the model has none)."""
+        return self._added_contents.get(self._eos_id, self._pieces[self._eos_id]) \
+            if self._eos_id is not None else ""
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """EOS plus the end-of-turn tokens of the vocabulary: generation stops on any of them."""
+        return self._eos_ids
+
+    @property
+    def unk_id(self) -> int | None:
+        return self._unk_id
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._pad_id
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether encode() puts BOS in front by default (the model's rule)."""
+        return self._add_bos
+
+    @property
+    def add_eos(self) -> bool:
+        return self._add_eos
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's own chat template (Jinja source), or None when it has none."""
+        return self._chat_template
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Control tokens (BOS, EOS, <|im_start|>, ...): decode(skip_special=True) leaves them out."""
+        return self._special_ids
+
+    @property
+    def backend(self):
+        """The underlying `tokenizers.Tokenizer` (read it, do not modify it)."""
+        return self._backend
+
+    def token_to_id(self, text: str) -> int | None:
+        """Id of the vocabulary entry spelled `text` (as the model file spells it), or None."""
+        if self._token_ids is None:
+            ids: dict[str, int] = {}
+            for i, t in enumerate(self._pieces):
+                ids.setdefault(t, i)
+            self._token_ids = ids
+        return self._token_ids.get(text)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id`, as the model file spells it."""
+        self._check_ids([token_id])
+        return self._pieces[token_id]
+
+    def __len__(self) -> int:
+        return self._n_vocab
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(n_vocab={self._n_vocab}, kind={self._piece_kind}, bos={self._bos_id}, "
+                f"eos={self._eos_id}, add_bos={self._add_bos}, source={self.source!r})")
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True,
+               add_eos: bool | None = None) -> list[int]:
+        """Token ids of `text`.
+
+        add_bos / add_eos: None follows the model's rule (the `add_bos` / `add_eos` properties).
+        parse_special: True matches control-token strings such as "<|im_start|>" in the text as
+        those tokens; False tokenizes them as plain text (use it for untrusted user text).
+        User-defined tokens are matched either way.
+        """
+        if not isinstance(text, str):
+            raise ConfigError(f"encode() takes a str, got {type(text).__name__}")
+        with self._lock:
+            self._backend.encode_special_tokens = not parse_special
+            try:
+                ids = self._backend.encode(text, add_special_tokens=False).ids
+            finally:
+                self._backend.encode_special_tokens = False
+        if self._add_bos if add_bos is None else add_bos:
+            if self._bos_id is None:
+                raise ConfigError("add_bos=True but this model has no BOS token")
+            ids.insert(0, self._bos_id)
+        if self._add_eos if add_eos is None else add_eos:
+            if self._eos_id is None:
+                raise ConfigError("add_eos=True but this model has no EOS token")
+            ids.append(self._eos_id)
+        return ids
+
+    def _check_ids(self, ids) -> list[int]:
+        out = []
+        n = self._n_vocab
+        for i in ids:
+            try:
+                v = int(i)
+            except (TypeError, ValueError):
+                raise ConfigError(f"token id {i!r} is not an integer") from None
+            if v != i or not 0 <= v < n:
+                raise ConfigError(f"token id {i!r} is outside the vocabulary (0..{n - 1})")
+            out.append(v)
+        return out
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids` (as transformers' decode gives it)."""
+        ids = self._check_ids(ids)
+        return self._backend.decode(ids, skip_special_tokens=skip_special)
+
+    def _piece_table(self) -> list[bytes]:
+        if self._piece_bytes is None:
+            if self._piece_kind == "byte_level":
+                table = [_byte_level_bytes(t) for t in self._pieces]
+            elif self._piece_kind == "spm":
+                table = [_spm_bytes(t) for t in self._pieces]
+            else:
+                table = [self._backend.decode([i], skip_special_tokens=False).encode("utf-8")
+                         for i in range(self._n_vocab)]
+            for i, content in self._added_contents.items():
+                if 0 <= i < len(table):
+                    table[i] = content.encode("utf-8")
+            self._piece_bytes = table
+        return self._piece_bytes
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False,
+                     strip_prefix: bool = True) -> bytes:
+        """The bytes of `ids`: what decode() gives, before UTF-8 decoding, so a character split
+        over several tokens (byte-level BPE, <0xNN> byte tokens) can be put together by the caller.
+
+        strip_prefix: drop the space a SentencePiece tokenizer with add_space_prefix puts before
+        the first word, as decode() does; False for pieces in the middle of a text (streaming).
+        """
+        ids = self._check_ids(ids)
+        table = self._piece_table()
+        special = self._special_ids if skip_special else ()
+        out = b"".join(table[i] for i in ids if i not in special)
+        if strip_prefix and self._strip_prefix_space and out.startswith(b" "):
+            out = out[1:]
+        return out
+
+    def token_to_piece(self, token_id: int) -> str:
+        """Text of one token as it appears inside a text (a SentencePiece word start keeps its
+        space). A token that is only part of a UTF-8 character gives U+FFFD: stream with
+        decode_bytes or StreamDecoder instead."""
+        return self.decode_bytes([token_id], strip_prefix=False).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special)
+
+
+def _state(obj) -> str:
+    if obj is None:
+        return ""
+    try:
+        state = obj.__getstate__()
+    except Exception:
+        return ""
+    return state.decode("utf-8", "replace") if isinstance(state, bytes) else str(state)
+
+
+def _piece_kind_of(backend) -> str:
+    decoder = _state(backend.decoder)
+    if '"ByteLevel"' in decoder:
+        return "byte_level"
+    if '"ByteFallback"' in decoder or '"Metaspace"' in decoder:
+        return "spm"
+    return "backend"
