@@ -30,6 +30,7 @@ from ringllm.runtime.model_spec import ModelSpec
 
 POSITION_MODES = ("reindexed", "original")
 STORE_POLICIES = ("full", "streaming")
+UPDATE_MODES = ("inplace", "shift")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,6 +72,35 @@ def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new,
             v_l[h, slot, d] = v_new[h, d]
 
 
+@njit(cache=True, nogil=True)
+def kv_write_shift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed):
+    """The shift-and-append baseline (HF-style StreamingLLM): same arguments as kv_write_streaming,
+    but the store is kept ordered: on eviction every slot after the victim (slot `sinks`, the oldest
+    non-sink) is copied one slot down and the new token is appended at the end. Kept only as the
+    honest baseline of the in-place update in benchmarks."""
+    n_kv, cap = seq_l.shape
+    hd = k_l.shape[2]
+    for h in range(n_kv):
+        n = count_l[h]
+        if n < cap:
+            slot = n
+            count_l[h] = n + 1
+        else:
+            evicted_l[h] += 1
+            for j in range(sinks, cap - 1):
+                seq_l[h, j] = seq_l[h, j + 1]
+                pos_l[h, j] = j if reindexed else pos_l[h, j + 1]
+                for d in range(hd):
+                    k_l[h, j, d] = k_l[h, j + 1, d]
+                    v_l[h, j, d] = v_l[h, j + 1, d]
+            slot = cap - 1
+        seq_l[h, slot] = seq_new
+        pos_l[h, slot] = slot if reindexed else seq_new
+        for d in range(hd):
+            k_l[h, slot, d] = k_new[h, d]
+            v_l[h, slot, d] = v_new[h, d]
+
+
 # ---------------------------------------------------------------------------------------------
 # Store
 # ---------------------------------------------------------------------------------------------
@@ -86,10 +116,16 @@ class KVStore:
         policy: "full" | "streaming".
         sinks: first tokens never evicted (streaming).
         positions: "reindexed" | "original".
+        update: "inplace" (EQUIP: the new token overwrites the victim's slot) | "shift" (the
+            shift-and-append baseline: survivors copied down to keep slots ordered).
     """
 
     def __init__(self, spec: ModelSpec, capacity: int | None = None, policy: str = "full", sinks: int = 4,
-                 positions: str = "reindexed"):
+                 positions: str = "reindexed", update: str = "inplace"):
+        if update not in UPDATE_MODES:
+            raise ConfigError(f"update {update!r} unknown; valid: {UPDATE_MODES}")
+        self.update = update
+        self._write = kv_write_streaming if update == "inplace" else kv_write_shift
         if policy not in STORE_POLICIES:
             raise ConfigError(f"policy {policy!r} unknown; valid: {STORE_POLICIES}")
         if positions not in POSITION_MODES:
@@ -132,7 +168,7 @@ class KVStore:
 
     def write(self, il: int, k_new: np.ndarray, v_new: np.ndarray, seq: int) -> None:
         """Put token `seq` into layer il: k_new, v_new (n_kv_head, head_dim) float32 before RoPE."""
-        kv_write_streaming(self.k[il], self.v[il], self.seq[il], self.pos[il], self.count[il], self.evicted[il],
+        self._write(self.k[il], self.v[il], self.seq[il], self.pos[il], self.count[il], self.evicted[il],
                            k_new, v_new, seq, self.layer_sinks[il], self.reindexed)
 
     def query_position(self, il: int, seq: int) -> int:
@@ -142,5 +178,5 @@ class KVStore:
     def stats(self) -> dict:
         return {"capacity": self.capacity, "length": int(max(int(c.max()) for c in self.count)),
                 "evicted_total": int(sum(int(e.sum()) for e in self.evicted)), "policy": self.policy,
-                "sinks": self.sinks, "positions": self.positions, "tokens_seen": self.n_seen,
+                "sinks": self.sinks, "positions": self.positions, "update": self.update, "tokens_seen": self.n_seen,
                 "bytes": int(sum(a.nbytes for a in self.k + self.v + self.seq + self.pos))}

@@ -30,11 +30,12 @@ def _ref_attention(cache: ReferenceCache, il: int, q: np.ndarray, spec: ModelSpe
                      for h in range(spec.n_head)])
 
 
+@pytest.mark.parametrize("update", ["inplace", "shift"])
 @pytest.mark.parametrize("positions", ["reindexed", "original"])
 @pytest.mark.parametrize("capacity,sinks,rotary_dim", [(6, 2, 0), (5, 0, 0), (7, 4, 4), (40, 4, 0)])
-def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_dim):
+def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_dim, update):
     spec = _spec(rotary_dim=rotary_dim)
-    store = KVStore(spec, capacity, "streaming", sinks, positions)
+    store = KVStore(spec, capacity, "streaming", sinks, positions, update)
     ref = ReferenceCache(spec, capacity, "streaming", sinks, positions)
     rng = np.random.default_rng(0)
     table = RopeTable(spec.rotary_dim, spec.rope_base[0], 1.0, n=4)   # small: forces growth
@@ -97,3 +98,13 @@ def test_bad_configs():
     store = KVStore(spec, capacity=8, policy="full")
     with pytest.raises(ConfigError, match="exceed the model's context 8"):
         store.check_room(9)
+
+
+def test_shift_mode_keeps_slots_ordered():
+    store = KVStore(_spec(), capacity=5, policy="streaming", sinks=2, update="shift")
+    kv = np.zeros((2, 8), np.float32)
+    for t in range(12):
+        store.write(0, kv + t, kv, t)
+    assert store.seq[0][0].tolist() == [0, 1, 9, 10, 11]
+    assert store.k[0][0, :, 0].tolist() == [0, 1, 9, 10, 11]
+    assert store.pos[0][0].tolist() == [0, 1, 2, 3, 4]

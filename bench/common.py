@@ -1,0 +1,73 @@
+"""Shared bits of the benchmarks: machine description, result writing, llama.cpp anchor loading."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import numba
+    import numpy
+    out = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": numpy.__version__,
+           "numba": numba.__version__}
+    try:
+        import llama_cpp
+        out["llama_cpp_python"] = llama_cpp.__version__
+    except ImportError:
+        pass
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        pass
+    return out
+
+
+def write_results(name: str, payload: dict, markdown: str) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, name + ".json"), "w") as fh:
+        json.dump(payload, fh, indent=2)
+    with open(os.path.join(RESULTS, name + ".md"), "w") as fh:
+        fh.write(markdown)
+
+
+def llama_cpp_model(path: str, n_ctx: int, n_threads: int, logits_all: bool = False):
+    """llama-cpp-python's Llama on `path` (the bench extra); None when it is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    return Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, n_batch=512,
+                 logits_all=logits_all, verbose=False)
+
+
+def llama_cpp_last_logits(llm):
+    """The last evaluated token's logits (n_vocab,) as a view (llama-cpp-python keeps `scores` only with logits_all)."""
+    import numpy as np
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+
+def llama_cpp_context_shift(llm, n_keep: int) -> int:
+    """llama.cpp's context shift (llama-cli/server): drop half of the tokens after the first n_keep, move the rest
+    down (K-shift re-rotates their keys on the next decode). Returns the number of tokens discarded."""
+    import llama_cpp
+    n_past = llm.n_tokens
+    n_discard = (n_past - n_keep) // 2
+    mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+    llama_cpp.llama_memory_seq_rm(mem, 0, n_keep, n_keep + n_discard)
+    llama_cpp.llama_memory_seq_add(mem, 0, n_keep + n_discard, n_past, -n_discard)
+    llm.input_ids[n_keep:n_past - n_discard] = llm.input_ids[n_keep + n_discard:n_past].copy()
+    llm.n_tokens = n_past - n_discard
+    return n_discard

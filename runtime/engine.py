@@ -1,0 +1,238 @@
+"""The CPU engine: batch-1 decode and chunked prefill over the in-place KV store, Numba kernels throughout.
+
+One forward pass, top to bottom, for a chunk of T tokens (T = 1 when decoding):
+
+    x (T, n_embd) = embed(tokens) * embed_scale
+    per layer il:
+        h = norm(x)                                      attn_norm
+        q, k, v = h @ Wq.T, h @ Wk.T, h @ Wv.T (+ bias)  quantized matvec (T = 1) / matmul (T > 1)
+        [q, k = rms_norm per head]                       qk_norm (Gemma 3)
+        per token t: store.write(il, k[t], v[t]); att[t] = attend(q[t], store)   in place, RoPE by slot position
+        a = att @ Wo.T (+ bias)  [post_attention_norm]
+        x = x + a (+ ffn(norm(x)) in parallel when parallel_residual) ...
+        ffn: down(act(gate h) * up h)  [post_ffw_norm]
+    logits = norm(x) @ W_out.T  [softcap]
+
+All buffers are allocated at construction for `n_batch` rows; a decode step reuses T = 1 views
+made once, so the decode loop allocates no arrays.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ringllm.runtime import matvec as mv
+from ringllm.runtime.attention import RopeTable, attend
+from ringllm.runtime.dequant import dequantize, dequantize_rows
+from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_store import KVStore
+from ringllm.runtime.model_spec import ModelSpec
+from ringllm.runtime.ops import ACT_CODES, add_bias, act_inplace, gated_act, layer_norm_rows, rms_norm_rows, softcap
+from ringllm.runtime.qtensor import QTensor
+
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class _Buffers:
+    """Run buffers for T rows: x, h (T, n_embd); q, att (T, n_head*hd); k, v (T, n_kv*hd); ff_a, ff_b (T, n_ff);
+    a (T, n_embd)."""
+
+    def __init__(self, spec: ModelSpec, T: int):
+        e, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
+        f32 = np.float32
+        self.x, self.h, self.a = np.zeros((T, e), f32), np.zeros((T, e), f32), np.zeros((T, e), f32)
+        self.q, self.att = np.zeros((T, q), f32), np.zeros((T, q), f32)
+        self.k, self.v = np.zeros((T, kv), f32), np.zeros((T, kv), f32)
+        self.ff_a, self.ff_b = np.zeros((T, spec.n_ff), f32), np.zeros((T, spec.n_ff), f32)
+        self.h2 = np.zeros((T, e), f32)
+
+    def view(self, T: int) -> "_Buffers":
+        out = object.__new__(_Buffers)
+        for name, arr in vars(self).items():
+            setattr(out, name, arr[:T])
+        return out
+
+
+class CPUEngine:
+    """Numba engine for one model.
+
+    Args:
+        spec, tensors: a LoadedModel's fields (internal names, see ModelSpec).
+        n_threads: Numba threads for the kernels (None = all cores).
+        n_batch: rows per prefill chunk (matrix-matrix kernels); longer prompts go in chunks.
+    """
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, QTensor], n_threads: int | None = None, n_batch: int = 64):
+        if n_threads is not None:
+            if not isinstance(n_threads, int) or n_threads < 1:
+                raise ConfigError(f"n_threads must be a positive integer, got {n_threads!r}")
+            if n_threads > numba.config.NUMBA_NUM_THREADS:
+                raise ConfigError(f"n_threads {n_threads} exceeds the {numba.config.NUMBA_NUM_THREADS} threads "
+                                  "Numba was started with (NUMBA_NUM_THREADS)")
+        if n_batch < 1:
+            raise ConfigError(f"n_batch must be >= 1, got {n_batch}")
+        self.spec, self.n_threads, self.n_batch = spec, n_threads, n_batch
+        self.mats = {name: mv.pack(t) for name, t in tensors.items()
+                     if len(t.shape) == 2 and (name != "token_embd.weight" or spec.tied_output)}
+        self.vecs = {name: dequantize(t.data, t.qtype, t.shape) for name, t in tensors.items() if len(t.shape) == 1}
+        self.embd = tensors["token_embd.weight"]
+        self.out_w = self.mats["token_embd.weight" if spec.tied_output else "output.weight"]
+        self.act = ACT_CODES[spec.act]
+        self.buf = _Buffers(spec, n_batch)
+        self.buf1 = self.buf.view(1)
+        self.logits_buf = np.zeros((n_batch, spec.n_vocab), np.float32)
+        nh, hd = spec.n_head, spec.head_dim
+        self.q3 = np.zeros((nh, hd), np.float32)
+        self.out3 = np.zeros((nh, hd), np.float32)
+        self.krot = np.zeros(hd, np.float32)
+        self.qrot = np.zeros((nh, hd), np.float32)
+        self.no_mass = np.zeros((0, 0), np.float32)
+        self.ropes: dict[tuple[float, float], RopeTable] = {}
+        self.layer_rope = []
+        for il in range(spec.n_layer):
+            key = (spec.rope_base[il], spec.rope_scale[il])
+            if key not in self.ropes:
+                self.ropes[key] = RopeTable(spec.rotary_dim, *key)
+            self.layer_rope.append(self.ropes[key])
+        self.scores = np.zeros((nh, 0), np.float32)
+
+    # -----------------------------------------------------------------------------------------
+    # Public verbs
+    # -----------------------------------------------------------------------------------------
+
+    def new_store(self, capacity: int | None = None, policy: str = "full", sinks: int = 4,
+                  positions: str = "reindexed", update: str = "inplace") -> KVStore:
+        store = KVStore(self.spec, capacity, policy, sinks, positions, update)
+        cap = max(store.layer_capacity)
+        if self.scores.shape[1] < cap:
+            self.scores = np.zeros((self.spec.n_head, cap), np.float32)
+        for table in self.ropes.values():
+            table.ensure(cap + 1)
+        return store
+
+    def step(self, token: int, store: KVStore) -> np.ndarray:
+        """Decode one token; returns its logits (n_vocab,) float32 (a view, valid until the next call)."""
+        return self.forward([token], store, all_logits=False)[0]
+
+    def prefill(self, ids, store: KVStore) -> np.ndarray:
+        """Feed a prompt in chunks of n_batch; returns the last token's logits (n_vocab,)."""
+        return self.forward(ids, store, all_logits=False)[-1]
+
+    def logits(self, ids, store: KVStore) -> np.ndarray:
+        """Logits (len(ids), n_vocab) of every token fed through the store (decode semantics)."""
+        return self.forward(ids, store, all_logits=True)
+
+    def forward(self, ids, store: KVStore, all_logits: bool = True) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ConfigError("no tokens to feed")
+        if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
+            raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
+        store.check_room(ids.size)
+        if self.n_threads is not None:
+            numba.set_num_threads(self.n_threads)
+        out = np.zeros((ids.size if all_logits else 1, self.spec.n_vocab), np.float32)
+        for start in range(0, ids.size, self.n_batch):
+            chunk = ids[start:start + self.n_batch]
+            last = start + chunk.size == ids.size
+            logits = self._chunk(chunk, store, want_logits=all_logits or last)
+            if all_logits:
+                out[start:start + chunk.size] = logits
+            elif last:
+                out[0] = logits[-1]
+        return out
+
+    # -----------------------------------------------------------------------------------------
+    # The pass
+    # -----------------------------------------------------------------------------------------
+
+    def _linear(self, out: np.ndarray, name: str, x: np.ndarray) -> None:
+        """out (T, n_out) = x (T, n_in) @ W.T (+ bias)."""
+        pm = self.mats[name + ".weight"]
+        if x.shape[0] == 1:
+            mv.matvec(out[0], pm, x[0])
+        else:
+            mv.matmul(out, pm, x)
+        bias = self.vecs.get(name + ".bias")
+        if bias is not None:
+            add_bias(out, bias)
+
+    def _norm(self, out: np.ndarray, x: np.ndarray, name: str) -> None:
+        if self.spec.norm == "layer":
+            layer_norm_rows(out, x, self.vecs[name + ".weight"], self.vecs[name + ".bias"], self.spec.norm_eps)
+        else:
+            rms_norm_rows(out, x, self.vecs[name + ".weight"], self.spec.norm_eps)
+
+    def _chunk(self, ids: np.ndarray, store: KVStore, want_logits: bool) -> np.ndarray:
+        s = self.spec
+        T = ids.size
+        b = self.buf1 if T == 1 else self.buf.view(T)
+        b.x[:] = dequantize_rows(self.embd.data, self.embd.qtype, s.n_embd, ids)
+        if s.embed_scale != 1.0:
+            b.x *= np.float32(s.embed_scale)
+        seq0 = store.n_seen
+        for il in range(s.n_layer):
+            self._layer(il, b, store, seq0)
+        store.n_seen += T
+        if not want_logits:
+            return self.logits_buf[:0]
+        self._norm(b.h, b.x, "output_norm")
+        logits = self.logits_buf[:T]
+        if T == 1:
+            mv.matvec(logits[0], self.out_w, b.h[0])
+        else:
+            mv.matmul(logits, self.out_w, b.h)
+        if s.final_logit_softcap:
+            softcap(logits, np.float32(s.final_logit_softcap))
+        return logits
+
+    def _layer(self, il: int, b: _Buffers, store: KVStore, seq0: int) -> None:
+        s, p = self.spec, f"blk.{il}."
+        self._norm(b.h, b.x, p + "attn_norm")
+        self._linear(b.q, p + "attn_q", b.h)
+        self._linear(b.k, p + "attn_k", b.h)
+        self._linear(b.v, p + "attn_v", b.h)
+        T, nh, nkv, hd = b.x.shape[0], s.n_head, s.n_head_kv, s.head_dim
+        q3, k3, v3 = b.q.reshape(T * nh, hd), b.k.reshape(T * nkv, hd), b.v.reshape(T, nkv, hd)
+        if s.qk_norm:
+            rms_norm_rows(q3, q3, self.vecs[p + "attn_q_norm.weight"], s.norm_eps)
+            rms_norm_rows(k3, k3, self.vecs[p + "attn_k_norm.weight"], s.norm_eps)
+        table = self.layer_rope[il]
+        scale = np.float32(s.attn_scale)
+        kk = b.k.reshape(T, nkv, hd)
+        for t in range(T):
+            seq = seq0 + t
+            store.write(il, kk[t], v3[t], seq)
+            qp = store.query_position(il, seq)
+            if qp >= table.cos.shape[0]:
+                table.ensure(qp + 1)
+            attend(self.out3, b.q[t].reshape(nh, hd), store.k[il], store.v[il], store.pos[il], store.count[il], qp,
+                   table.cos, table.sin, s.rotary_dim, scale, self.scores, self.krot, self.qrot, self.no_mass)
+            b.att[t] = self.out3.reshape(-1)
+        self._linear(b.a, p + "attn_output", b.att)
+        if s.sandwich_norm:
+            rms_norm_rows(b.a, b.a, self.vecs[p + "post_attention_norm.weight"], s.norm_eps)
+        if s.parallel_residual:
+            self._norm(b.h, b.x, p + "ffn_norm")
+            self._ffn(il, b)
+            b.x += b.a
+            b.x += b.h2
+            return
+        b.x += b.a
+        self._norm(b.h, b.x, p + "ffn_norm")
+        self._ffn(il, b)
+        if s.sandwich_norm:
+            rms_norm_rows(b.h2, b.h2, self.vecs[p + "post_ffw_norm.weight"], s.norm_eps)
+        b.x += b.h2
+
+    def _ffn(self, il: int, b: _Buffers) -> None:
+        """b.h2 = ffn(b.h)."""
+        p = f"blk.{il}."
+        self._linear(b.ff_b, p + "ffn_up", b.h)
+        if self.spec.gated_ffn:
+            self._linear(b.ff_a, p + "ffn_gate", b.h)
+            gated_act(b.ff_a, b.ff_a, b.ff_b, self.act)
+            self._linear(b.h2, p + "ffn_down", b.ff_a)
+        else:
+            act_inplace(b.ff_b, self.act)
+            self._linear(b.h2, p + "ffn_down", b.ff_b)

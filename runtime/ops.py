@@ -1,0 +1,90 @@
+"""Elementwise and normalization kernels of the CPU engine (batch of T rows), destination first.
+
+Each has a NumPy twin in runtime/reference.py written from the same formula (the oracle).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+ACT_SILU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
+ACT_CODES = {"silu": ACT_SILU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
+
+
+@njit(cache=True, nogil=True)
+def rms_norm_rows(out, x, w, eps):
+    """out (R, n) = x (R, n) * w (n,) / sqrt(mean(x^2) + eps), row by row (out may alias x)."""
+    rows, n = x.shape
+    for r in range(rows):
+        ss = 0.0
+        for i in range(n):
+            ss += x[r, i] * x[r, i]
+        inv = np.float32(1.0 / math.sqrt(ss / n + eps))
+        for i in range(n):
+            out[r, i] = x[r, i] * inv * w[i]
+
+
+@njit(cache=True, nogil=True)
+def layer_norm_rows(out, x, w, b, eps):
+    """out (R, n) = (x - mean) / sqrt(var + eps) * w + b, row by row (out may alias x)."""
+    rows, n = x.shape
+    for r in range(rows):
+        mu = 0.0
+        for i in range(n):
+            mu += x[r, i]
+        mu /= n
+        var = 0.0
+        for i in range(n):
+            d = x[r, i] - mu
+            var += d * d
+        inv = 1.0 / math.sqrt(var / n + eps)
+        for i in range(n):
+            out[r, i] = np.float32((x[r, i] - mu) * inv) * w[i] + b[i]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _act(x, kind):
+    if kind == ACT_SILU:
+        return x / (np.float32(1.0) + np.exp(-x))
+    if kind == ACT_GELU:
+        return np.float32(0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0))))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(np.float32(0.7978845608028654)
+                                                             * (x + np.float32(0.044715) * x * x * x)))
+
+
+@njit(cache=True, nogil=True)
+def gated_act(out, gate, up, kind):
+    """out (T, n_ff) = act(gate) * up."""
+    T, n = out.shape
+    for t in range(T):
+        for i in range(n):
+            out[t, i] = _act(gate[t, i], kind) * up[t, i]
+
+
+@njit(cache=True, nogil=True)
+def act_inplace(x, kind):
+    """x (T, n_ff) = act(x)."""
+    T, n = x.shape
+    for t in range(T):
+        for i in range(n):
+            x[t, i] = _act(x[t, i], kind)
+
+
+@njit(cache=True, nogil=True)
+def add_bias(x, b):
+    """x (T, n) += b (n,)."""
+    T, n = x.shape
+    for t in range(T):
+        for i in range(n):
+            x[t, i] += b[i]
+
+
+@njit(cache=True, nogil=True)
+def softcap(x, cap):
+    """x = cap * tanh(x / cap), elementwise over (T, n)."""
+    T, n = x.shape
+    for t in range(T):
+        for i in range(n):
+            x[t, i] = cap * np.tanh(x[t, i] / cap)
