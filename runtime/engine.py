@@ -34,8 +34,8 @@ MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "
 
 
 class _Buffers:
-    """Run buffers for T rows: x, h (T, n_embd); q, att (T, n_head*hd); k, v (T, n_kv*hd); ff_a, ff_b (T, n_ff);
-    a (T, n_embd)."""
+    """Run buffers for T rows: x, h, a, h2 (T, n_embd); q, att (T, n_head*hd); k, v (T, n_kv*hd);
+    ff_a, ff_b (T, n_ff); stacked outputs qkv (T, q+2kv), ff_gu (T, 2 n_ff)."""
 
     def __init__(self, spec: ModelSpec, T: int):
         e, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
@@ -45,6 +45,8 @@ class _Buffers:
         self.k, self.v = np.zeros((T, kv), f32), np.zeros((T, kv), f32)
         self.ff_a, self.ff_b = np.zeros((T, spec.n_ff), f32), np.zeros((T, spec.n_ff), f32)
         self.h2 = np.zeros((T, e), f32)
+        self.qkv = np.zeros((T, q + 2 * kv), f32)            # stacked q|k|v projection
+        self.ff_gu = np.zeros((T, 2 * spec.n_ff), f32)       # stacked gate|up projection
 
     def view(self, T: int) -> "_Buffers":
         out = object.__new__(_Buffers)
@@ -72,8 +74,7 @@ class CPUEngine:
         if n_batch < 1:
             raise ConfigError(f"n_batch must be >= 1, got {n_batch}")
         self.spec, self.n_threads, self.n_batch = spec, n_threads, n_batch
-        self.mats = {name: mv.pack(t) for name, t in tensors.items()
-                     if len(t.shape) == 2 and (name != "token_embd.weight" or spec.tied_output)}
+        self.mats = self._pack_matrices(tensors)
         self.vecs = {name: dequantize(t.data, t.qtype, t.shape) for name, t in tensors.items() if len(t.shape) == 1}
         self.embd = tensors["token_embd.weight"]
         self.out_w = self.mats["token_embd.weight" if spec.tied_output else "output.weight"]
@@ -95,6 +96,22 @@ class CPUEngine:
                 self.ropes[key] = RopeTable(spec.rotary_dim, *key)
             self.layer_rope.append(self.ropes[key])
         self.scores = np.zeros((nh, 0), np.float32)
+
+    def _pack_matrices(self, tensors: dict[str, QTensor]) -> dict:
+        """Repack every matrix once. Projections that read the same input and share a GGML type are
+        stacked into one matrix (q|k|v -> attn_qkv, gate|up -> ffn_gate_up): one kernel call instead
+        of three or two per token."""
+        spec, mats = self.spec, {}
+        for name, t in tensors.items():
+            if len(t.shape) == 2 and (name != "token_embd.weight" or spec.tied_output):
+                mats[name] = t
+        for il in range(spec.n_layer):
+            p = f"blk.{il}."
+            for fused, parts in (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_gate_up", ("ffn_gate", "ffn_up"))):
+                names = [p + part + ".weight" for part in parts]
+                if all(n in mats for n in names) and len({int(mats[n].qtype) for n in names}) == 1:
+                    mats[p + fused + ".weight"] = [mats.pop(n) for n in names]
+        return {name: mv.pack(t) for name, t in mats.items()}
 
     # -----------------------------------------------------------------------------------------
     # Public verbs
@@ -146,16 +163,39 @@ class CPUEngine:
     # The pass
     # -----------------------------------------------------------------------------------------
 
-    def _linear(self, out: np.ndarray, name: str, x: np.ndarray) -> None:
-        """out (T, n_out) = x (T, n_in) @ W.T (+ bias)."""
-        pm = self.mats[name + ".weight"]
+    def _matmul(self, out: np.ndarray, pm, x: np.ndarray) -> None:
+        """out (T, n_out) = x (T, n_in) @ W.T. T = 1 calls the kernel directly: the engine's own
+        contiguous float32 buffers were shaped for these matrices at construction."""
         if x.shape[0] == 1:
-            mv.matvec(out[0], pm, x[0])
+            pm.kernel(out[0], pm.buf, x[0], pm.scratch)
         else:
             mv.matmul(out, pm, x)
+
+    def _linear(self, out: np.ndarray, name: str, x: np.ndarray) -> None:
+        """out (T, n_out) = x (T, n_in) @ W.T (+ bias)."""
+        self._matmul(out, self.mats[name + ".weight"], x)
         bias = self.vecs.get(name + ".bias")
         if bias is not None:
             add_bias(out, bias)
+
+    def _qkv(self, b: "_Buffers", p: str) -> None:
+        """b.q, b.k, b.v = projections of b.h (one stacked matrix when the file allows it)."""
+        pm = self.mats.get(p + "attn_qkv.weight")
+        if pm is None:
+            self._linear(b.q, p + "attn_q", b.h)
+            self._linear(b.k, p + "attn_k", b.h)
+            self._linear(b.v, p + "attn_v", b.h)
+            return
+        qkv = b.qkv[:, :pm.n_rows]
+        self._matmul(qkv, pm, b.h)
+        nq, nk = b.q.shape[1], b.k.shape[1]
+        b.q[:] = qkv[:, :nq]
+        b.k[:] = qkv[:, nq:nq + nk]
+        b.v[:] = qkv[:, nq + nk:]
+        for part, buf in (("attn_q", b.q), ("attn_k", b.k), ("attn_v", b.v)):
+            bias = self.vecs.get(p + part + ".bias")
+            if bias is not None:
+                add_bias(buf, bias)
 
     def _norm(self, out: np.ndarray, x: np.ndarray, name: str) -> None:
         if self.spec.norm == "layer":
@@ -178,10 +218,7 @@ class CPUEngine:
             return self.logits_buf[:0]
         self._norm(b.h, b.x, "output_norm")
         logits = self.logits_buf[:T]
-        if T == 1:
-            mv.matvec(logits[0], self.out_w, b.h[0])
-        else:
-            mv.matmul(logits, self.out_w, b.h)
+        self._matmul(logits, self.out_w, b.h)
         if s.final_logit_softcap:
             softcap(logits, np.float32(s.final_logit_softcap))
         return logits
@@ -189,9 +226,7 @@ class CPUEngine:
     def _layer(self, il: int, b: _Buffers, store: KVStore, seq0: int) -> None:
         s, p = self.spec, f"blk.{il}."
         self._norm(b.h, b.x, p + "attn_norm")
-        self._linear(b.q, p + "attn_q", b.h)
-        self._linear(b.k, p + "attn_k", b.h)
-        self._linear(b.v, p + "attn_v", b.h)
+        self._qkv(b, p)
         T, nh, nkv, hd = b.x.shape[0], s.n_head, s.n_head_kv, s.head_dim
         q3, k3, v3 = b.q.reshape(T * nh, hd), b.k.reshape(T * nkv, hd), b.v.reshape(T, nkv, hd)
         if s.qk_norm:
@@ -228,6 +263,13 @@ class CPUEngine:
     def _ffn(self, il: int, b: _Buffers) -> None:
         """b.h2 = ffn(b.h)."""
         p = f"blk.{il}."
+        gate_up = self.mats.get(p + "ffn_gate_up.weight")
+        if gate_up is not None and p + "ffn_gate.bias" not in self.vecs and p + "ffn_up.bias" not in self.vecs:
+            n_ff = self.spec.n_ff
+            self._matmul(b.ff_gu, gate_up, b.h)
+            gated_act(b.ff_a, b.ff_gu[:, :n_ff], b.ff_gu[:, n_ff:], self.act)
+            self._linear(b.h2, p + "ffn_down", b.ff_a)
+            return
         self._linear(b.ff_b, p + "ffn_up", b.h)
         if self.spec.gated_ffn:
             self._linear(b.ff_a, p + "ffn_gate", b.h)
