@@ -26,13 +26,16 @@ class RopeTable:
         self.cos = self.sin = np.zeros((0, rotary_dim // 2), np.float32)
         self.ensure(n)
 
+    @property
+    def inv_freq(self) -> np.ndarray:
+        """(rotary_dim/2,) float64: base^(-2i/rotary_dim)."""
+        return self.base ** (-np.arange(self.rotary_dim // 2, dtype=np.float64) * 2.0 / self.rotary_dim)
+
     def ensure(self, n: int) -> None:
         if n <= self.cos.shape[0]:
             return
         size = max(n, 2 * self.cos.shape[0])
-        half = self.rotary_dim // 2
-        inv_freq = self.base ** (-np.arange(half, dtype=np.float64) * 2.0 / self.rotary_dim)
-        ang = (np.arange(size, dtype=np.float64) / self.scale)[:, None] * inv_freq[None, :]
+        ang = (np.arange(size, dtype=np.float64) / self.scale)[:, None] * self.inv_freq[None, :]
         self.cos = np.ascontiguousarray(np.cos(ang), dtype=np.float32)
         self.sin = np.ascontiguousarray(np.sin(ang), dtype=np.float32)
 
@@ -88,6 +91,105 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
                 acc = np.float32(0.0)
                 for d in range(hd):
                     acc += qg[d] * krot[d]
+                scores[h0 + g, j] = acc
+        for g in range(group):
+            hq = h0 + g
+            sc = scores[hq]
+            m = sc[0]
+            for j in range(1, n):
+                m = max(m, sc[j])
+            total = np.float32(0.0)
+            for j in range(n):
+                e = np.exp(sc[j] - m)
+                sc[j] = e
+                total += e
+            inv = np.float32(1.0) / total
+            o = out[hq]
+            for d in range(hd):
+                o[d] = 0.0
+            for j in range(n):
+                w = sc[j] * inv
+                sc[j] = w
+                vj = v_l[h, j]
+                for d in range(hd):
+                    o[d] += w * vj[d]
+        if want_mass:
+            for j in range(n):
+                acc = np.float32(0.0)
+                for g in range(group):
+                    acc += scores[h0 + g, j]
+                mass[h, j] = acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Stored-rotated keys: rotate once at write, rotate the query by the slot's offset at read
+# ---------------------------------------------------------------------------------------------
+#
+# Keys are stored rotated at their sequence index s_j. RoPE scores depend only on the position
+# difference, so with the query rotated at q_pos + (s_j - p_j) the score equals that of query and
+# key rotated at their logical positions q_pos and p_j. The offset s_j - p_j is 0 in `original`
+# mode and, for streaming in `reindexed` mode, 0 for the sinks and the head's eviction count for
+# every other slot: the query is rotated at most twice per head and no key is rotated at read.
+# Any other slot layout stays exact (the query is re-rotated whenever the offset changes).
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rotate_at(dst, src, p, inv_freq, inv_scale, rotary_dim):
+    """dst (hd,) = RoPE(src (hd,)) at position p, angles computed in float64 (any p, no table)."""
+    half = rotary_dim // 2
+    pf = p * inv_scale
+    for i in range(half):
+        ang = pf * inv_freq[i]
+        c = np.float32(np.cos(ang))
+        s = np.float32(np.sin(ang))
+        a = src[i]
+        b = src[i + half]
+        dst[i] = a * c - b * s
+        dst[i + half] = b * c + a * s
+    for i in range(rotary_dim, src.shape[0]):
+        dst[i] = src[i]
+
+
+@njit(cache=True, nogil=True)
+def rope_rows_at(x, p, inv_freq, inv_scale, rotary_dim, tmp):
+    """x (R, hd) rotated in place at position p (the key of one token, all kv heads); tmp (hd,) scratch."""
+    for r in range(x.shape[0]):
+        _rotate_at(tmp, x[r], p, inv_freq, inv_scale, rotary_dim)
+        for d in range(x.shape[1]):
+            x[r, d] = tmp[d]
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
+                  scores, qrot, mass):
+    """attend() for keys stored rotated at their sequence index (see the section comment).
+
+    seq_l (n_kv, cap) i64: sequence index of each slot; inv_freq (rotary_dim/2,) f64; inv_scale =
+    1 / rope_scale. Other arguments as in attend(); qrot (n_head, hd) holds the query rotated at
+    the current offset.
+    """
+    n_head, hd = q.shape
+    n_kv = k_l.shape[0]
+    group = n_head // n_kv
+    want_mass = mass.shape[0] > 0
+    for h in range(n_kv):
+        n = count_l[h]
+        h0 = h * group
+        cur = np.int64(-1) << 62   # no offset yet
+        for j in range(n):
+            off = seq_l[h, j] - pos_l[h, j]
+            if off != cur:
+                cur = off
+                for g in range(group):
+                    _rotate_at(qrot[h0 + g], q[h0 + g], q_pos + off, inv_freq, inv_scale, rotary_dim)
+                    for d in range(hd):
+                        qrot[h0 + g, d] *= scale
+            kj = k_l[h, j]
+            for g in range(group):
+                qg = qrot[h0 + g]
+                acc = np.float32(0.0)
+                for d in range(hd):
+                    acc += qg[d] * kj[d]
                 scores[h0 + g, j] = acc
         for g in range(group):
             hq = h0 + g

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from ringllm.runtime import matvec as mv
-from ringllm.runtime.attention import RopeTable, attend
+from ringllm.runtime.attention import RopeTable, attend, attend_stored, rope_rows_at
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_store import KVStore
@@ -62,9 +62,19 @@ class CPUEngine:
         spec, tensors: a LoadedModel's fields (internal names, see ModelSpec).
         n_threads: Numba threads for the kernels (None = all cores).
         n_batch: rows per prefill chunk (matrix-matrix kernels); longer prompts go in chunks.
+        rope: where RoPE is applied (both exact, see runtime/attention.py):
+            "stored" (default): keys rotated once at write by their sequence index, the query rotated
+                by each slot's offset (sequence index - logical position) at read;
+            "fused": keys stored plain, each rotated by its slot's logical position as it is read.
     """
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, QTensor], n_threads: int | None = None, n_batch: int = 64):
+    ROPE_MODES = ("stored", "fused")
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, QTensor], n_threads: int | None = None, n_batch: int = 64,
+                 rope: str = "stored"):
+        if rope not in self.ROPE_MODES:
+            raise ConfigError(f"rope {rope!r} unknown; valid: {self.ROPE_MODES}")
+        self.rope = rope
         if n_threads is not None:
             if not isinstance(n_threads, int) or n_threads < 1:
                 raise ConfigError(f"n_threads must be a positive integer, got {n_threads!r}")
@@ -93,8 +103,10 @@ class CPUEngine:
         for il in range(spec.n_layer):
             key = (spec.rope_base[il], spec.rope_scale[il])
             if key not in self.ropes:
-                self.ropes[key] = RopeTable(spec.rotary_dim, *key)
+                self.ropes[key] = RopeTable(spec.rotary_dim, *key, n=1 if rope == "stored" else 4096)
             self.layer_rope.append(self.ropes[key])
+        self.layer_inv_freq = [t.inv_freq for t in self.layer_rope]
+        self.ktmp = np.zeros(hd, np.float32)
         self.scores = np.zeros((nh, 0), np.float32)
 
     def _pack_matrices(self, tensors: dict[str, QTensor]) -> dict:
@@ -123,8 +135,9 @@ class CPUEngine:
         cap = max(store.layer_capacity)
         if self.scores.shape[1] < cap:
             self.scores = np.zeros((self.spec.n_head, cap), np.float32)
-        for table in self.ropes.values():
-            table.ensure(cap + 1)
+        if self.rope == "fused":
+            for table in self.ropes.values():
+                table.ensure(cap + 1)
         return store
 
     def step(self, token: int, store: KVStore) -> np.ndarray:
@@ -235,14 +248,22 @@ class CPUEngine:
         table = self.layer_rope[il]
         scale = np.float32(s.attn_scale)
         kk = b.k.reshape(T, nkv, hd)
+        inv_freq, inv_scale = self.layer_inv_freq[il], 1.0 / s.rope_scale[il]
         for t in range(T):
             seq = seq0 + t
+            if self.rope == "stored":
+                rope_rows_at(kk[t], seq, inv_freq, inv_scale, s.rotary_dim, self.ktmp)
             store.write(il, kk[t], v3[t], seq)
             qp = store.query_position(il, seq)
-            if qp >= table.cos.shape[0]:
-                table.ensure(qp + 1)
-            attend(self.out3, b.q[t].reshape(nh, hd), store.k[il], store.v[il], store.pos[il], store.count[il], qp,
-                   table.cos, table.sin, s.rotary_dim, scale, self.scores, self.krot, self.qrot, self.no_mass)
+            q_t = b.q[t].reshape(nh, hd)
+            if self.rope == "stored":
+                attend_stored(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.seq[il], store.count[il],
+                              qp, inv_freq, inv_scale, s.rotary_dim, scale, self.scores, self.qrot, self.no_mass)
+            else:
+                if qp >= table.cos.shape[0]:
+                    table.ensure(qp + 1)
+                attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il], qp,
+                       table.cos, table.sin, s.rotary_dim, scale, self.scores, self.krot, self.qrot, self.no_mass)
             b.att[t] = self.out3.reshape(-1)
         self._linear(b.a, p + "attn_output", b.att)
         if s.sandwich_norm:

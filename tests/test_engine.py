@@ -29,10 +29,10 @@ def greedy(step, first_logits, n):
     return toks, np.stack(all_logits)
 
 
-def run_pair(loaded, prompt, n_gen, capacity, policy, positions, n_batch=16):
-    eng = CPUEngine(loaded.spec, loaded.tensors, n_batch=n_batch)
+def run_pair(loaded, prompt, n_gen, capacity, policy, positions, n_batch=16, rope="stored", update="inplace"):
+    eng = CPUEngine(loaded.spec, loaded.tensors, n_batch=n_batch, rope=rope)
     ref = ReferenceEngine(loaded.spec, loaded.tensors)
-    st = eng.new_store(capacity=capacity, policy=policy, sinks=4, positions=positions)
+    st = eng.new_store(capacity=capacity, policy=policy, sinks=4, positions=positions, update=update)
     rc = ref.new_cache(capacity=capacity, policy=policy, sinks=4, positions=positions)
     got_prompt = eng.logits(prompt, st)
     want_prompt = ref.forward(prompt, rc)
@@ -54,10 +54,11 @@ def tiny(request, tmp_path_factory):
     return load_model(d, tokenizer=False)
 
 
+@pytest.mark.parametrize("rope,update", [("stored", "inplace"), ("fused", "inplace"), ("stored", "shift")])
 @pytest.mark.parametrize("positions", ["reindexed", "original"])
-def test_tiny_models_streaming(tiny, positions):
+def test_tiny_models_streaming(tiny, positions, rope, update):
     prompt = np.random.default_rng(0).integers(0, 256, 50).tolist()   # > capacity: chunked prefill evicts
-    st = run_pair(tiny, prompt, 40, capacity=12, policy="streaming", positions=positions)
+    st = run_pair(tiny, prompt, 40, capacity=12, policy="streaming", positions=positions, rope=rope, update=update)
     assert st.stats()["evicted_total"] > 0
 
 
@@ -69,6 +70,8 @@ def test_tiny_models_full_cache(tiny):
 def test_bad_engine_options(tiny):
     with pytest.raises(ConfigError, match="n_threads"):
         CPUEngine(tiny.spec, tiny.tensors, n_threads=0)
+    with pytest.raises(ConfigError, match="rope"):
+        CPUEngine(tiny.spec, tiny.tensors, rope="cached")
     eng = CPUEngine(tiny.spec, tiny.tensors)
     st = eng.new_store(capacity=None, policy="full")
     with pytest.raises(ConfigError, match="token ids"):
