@@ -75,6 +75,20 @@ def bench_llama_cpp(path, threads, n_tg, n_pp, repeats):
     return {"tg": float(np.median(tg)), "pp": float(np.median(pp))}
 
 
+def bench_llama_bench(binary, path, threads, n_tg, n_pp, repeats):
+    """llama.cpp's own llama-bench binary (pure C, no Python in the loop), when a path is given."""
+    import json
+    import subprocess
+    if not binary:
+        return None
+    out = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", str(n_pp), "-n", str(n_tg), "-r", str(repeats),
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    res = {}
+    for row in json.loads(out):
+        res["pp" if row["n_prompt"] else "tg"] = float(row["avg_ts"])
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model", default=None)
@@ -83,17 +97,23 @@ def main():
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--name", default="cpu_speed")
+    ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
+                    help="path of a llama-bench binary built from llama.cpp (optional second anchor)")
     args = ap.parse_args()
     from ringllm.models.bundled import default_model_path
     path = args.model or default_model_path()
     ours = bench_ringllm(path, args.threads, args.tg, args.pp, args.repeats)
     anchor = bench_llama_cpp(path, args.threads, args.tg, args.pp, args.repeats)
+    lb = bench_llama_bench(args.llama_bench, path, args.threads, args.tg, args.pp, args.repeats)
     gbs = ours["decode_bytes"] * ours["tg"] / 1e9
     rows = [("ringllm (Numba)", ours["tg"], ours["pp"], gbs)]
     if anchor:
-        rows.append(("llama.cpp (llama-cpp-python)", anchor["tg"], anchor["pp"], ours["decode_bytes"] * anchor["tg"] / 1e9))
+        rows.append(("llama.cpp (llama-cpp-python, Python loop like ours)", anchor["tg"], anchor["pp"],
+                     ours["decode_bytes"] * anchor["tg"] / 1e9))
+    if lb:
+        rows.append(("llama.cpp (llama-bench, C)", lb["tg"], lb["pp"], ours["decode_bytes"] * lb["tg"] / 1e9))
     payload = {"model": os.path.basename(path), "threads": args.threads, "tg_tokens": args.tg, "pp_tokens": args.pp,
-               "ringllm": ours, "llama_cpp": anchor, "machine": machine(),
+               "ringllm": ours, "llama_cpp": anchor, "llama_bench": lb, "machine": machine(),
                "ratio_tg": ours["tg"] / anchor["tg"] if anchor else None,
                "ratio_pp": ours["pp"] / anchor["pp"] if anchor else None}
     md = [f"# CPU speed: {os.path.basename(path)}, {args.threads} threads\n",
@@ -102,7 +122,9 @@ def main():
           f"| engine | tg{args.tg} tok/s | pp{args.pp} tok/s | decode GB/s of weights |", "|---|---|---|---|"]
     md += [f"| {n} | {tg:.1f} | {pp:.1f} | {g:.2f} |" for n, tg, pp, g in rows]
     if anchor:
-        md.append(f"\nringllm / llama.cpp: decode {payload['ratio_tg']:.2f}x, prefill {payload['ratio_pp']:.2f}x\n")
+        md.append(f"\nringllm / llama.cpp (llama-cpp-python): decode {payload['ratio_tg']:.2f}x, prefill {payload['ratio_pp']:.2f}x")
+    if lb:
+        md.append(f"ringllm / llama-bench: decode {ours['tg'] / lb['tg']:.2f}x, prefill {ours['pp'] / lb['pp']:.2f}x\n")
     text = "\n".join(md) + "\n"
     print(text)
     write_results(args.name, payload, text)

@@ -61,6 +61,41 @@ def _rotate_into(dst, src, p, cos, sin, rotary_dim):
         dst[i] = src[i]
 
 
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _softmax_weighted_v(out, scores, v_l, mass, h, n, group):
+    """For the query heads of kv head h: softmax over scores[hq, :n] (in place, becoming the weights),
+    out[hq] = weights @ v_l[h, :n]; mass[h, :n] = weights summed over the group when mass is wanted."""
+    hd = out.shape[1]
+    h0 = h * group
+    for g in range(group):
+        hq = h0 + g
+        sc = scores[hq]
+        m = sc[0]
+        for j in range(1, n):
+            m = max(m, sc[j])
+        total = np.float32(0.0)
+        for j in range(n):
+            e = np.exp(sc[j] - m)
+            sc[j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        o = out[hq]
+        for d in range(hd):
+            o[d] = 0.0
+        for j in range(n):
+            w = sc[j] * inv
+            sc[j] = w
+            vj = v_l[h, j]
+            for d in range(hd):
+                o[d] += w * vj[d]
+    if mass.shape[0] > 0:
+        for j in range(n):
+            acc = np.float32(0.0)
+            for g in range(group):
+                acc += scores[h0 + g, j]
+            mass[h, j] = acc
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale, scores, krot, qrot, mass):
     """Attention of one token over the occupied slots of one layer.
@@ -80,7 +115,6 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
         _rotate_into(qrot[hq], q[hq], q_pos, cos, sin, rotary_dim)
         for d in range(hd):
             qrot[hq, d] *= scale
-    want_mass = mass.shape[0] > 0
     for h in range(n_kv):
         n = count_l[h]
         h0 = h * group
@@ -92,33 +126,7 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
                 for d in range(hd):
                     acc += qg[d] * krot[d]
                 scores[h0 + g, j] = acc
-        for g in range(group):
-            hq = h0 + g
-            sc = scores[hq]
-            m = sc[0]
-            for j in range(1, n):
-                m = max(m, sc[j])
-            total = np.float32(0.0)
-            for j in range(n):
-                e = np.exp(sc[j] - m)
-                sc[j] = e
-                total += e
-            inv = np.float32(1.0) / total
-            o = out[hq]
-            for d in range(hd):
-                o[d] = 0.0
-            for j in range(n):
-                w = sc[j] * inv
-                sc[j] = w
-                vj = v_l[h, j]
-                for d in range(hd):
-                    o[d] += w * vj[d]
-        if want_mass:
-            for j in range(n):
-                acc = np.float32(0.0)
-                for g in range(group):
-                    acc += scores[h0 + g, j]
-                mass[h, j] = acc
+        _softmax_weighted_v(out, scores, v_l, mass, h, n, group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,54 +142,73 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rotate_at(dst, src, p, inv_freq, inv_scale, rotary_dim):
-    """dst (hd,) = RoPE(src (hd,)) at position p, angles computed in float64 (any p, no table)."""
-    half = rotary_dim // 2
+def _angles_at(cs, sn, p, inv_freq, inv_scale):
+    """cs, sn (rotary_dim/2,) f32 = cos, sin of p/scale * inv_freq, computed in float64 (any p, no table)."""
     pf = p * inv_scale
-    for i in range(half):
+    for i in range(cs.shape[0]):
         ang = pf * inv_freq[i]
-        c = np.float32(np.cos(ang))
-        s = np.float32(np.sin(ang))
+        cs[i] = np.cos(ang)
+        sn[i] = np.sin(ang)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _rotate_with(dst, src, cs, sn, rotary_dim):
+    """dst (hd,) = src (hd,) rotated by the angles cs, sn (rotary_dim/2,); dims past rotary_dim are copied."""
+    half = rotary_dim // 2
+    for i in range(half):
         a = src[i]
         b = src[i + half]
-        dst[i] = a * c - b * s
-        dst[i + half] = b * c + a * s
+        dst[i] = a * cs[i] - b * sn[i]
+        dst[i + half] = b * cs[i] + a * sn[i]
     for i in range(rotary_dim, src.shape[0]):
         dst[i] = src[i]
 
 
 @njit(cache=True, nogil=True)
 def rope_rows_at(x, p, inv_freq, inv_scale, rotary_dim, tmp):
-    """x (R, hd) rotated in place at position p (the key of one token, all kv heads); tmp (hd,) scratch."""
+    """x (R, hd) rotated in place at position p (the key of one token, all kv heads).
+
+    tmp (hd + rotary_dim,) f32 scratch: the rotated row, then cos and sin (computed once for all rows)."""
+    hd = x.shape[1]
+    half = rotary_dim // 2
+    cs = tmp[hd:hd + half]
+    sn = tmp[hd + half:hd + rotary_dim]
+    _angles_at(cs, sn, p, inv_freq, inv_scale)
+    row = tmp[:hd]
     for r in range(x.shape[0]):
-        _rotate_at(tmp, x[r], p, inv_freq, inv_scale, rotary_dim)
-        for d in range(x.shape[1]):
-            x[r, d] = tmp[d]
+        _rotate_with(row, x[r], cs, sn, rotary_dim)
+        for d in range(hd):
+            x[r, d] = row[d]
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
-                  scores, qrot, mass):
+                  scores, qrot, angles, mass):
     """attend() for keys stored rotated at their sequence index (see the section comment).
 
     seq_l (n_kv, cap) i64: sequence index of each slot; inv_freq (rotary_dim/2,) f64; inv_scale =
     1 / rope_scale. Other arguments as in attend(); qrot (n_head, hd) holds the query rotated at
-    the current offset.
+    the current offset; angles (2, rotary_dim/2) f32 scratch caches cos/sin of the last offset
+    (shared by every head: one sincos set per distinct offset per call).
     """
     n_head, hd = q.shape
     n_kv = k_l.shape[0]
     group = n_head // n_kv
-    want_mass = mass.shape[0] > 0
+    no_offset = np.int64(-1) << 62
+    have = no_offset                 # offset whose angles sit in `angles`
     for h in range(n_kv):
         n = count_l[h]
         h0 = h * group
-        cur = np.int64(-1) << 62   # no offset yet
+        cur = no_offset              # offset the group's queries are rotated at
         for j in range(n):
             off = seq_l[h, j] - pos_l[h, j]
             if off != cur:
                 cur = off
+                if off != have:
+                    have = off
+                    _angles_at(angles[0], angles[1], q_pos + off, inv_freq, inv_scale)
                 for g in range(group):
-                    _rotate_at(qrot[h0 + g], q[h0 + g], q_pos + off, inv_freq, inv_scale, rotary_dim)
+                    _rotate_with(qrot[h0 + g], q[h0 + g], angles[0], angles[1], rotary_dim)
                     for d in range(hd):
                         qrot[h0 + g, d] *= scale
             kj = k_l[h, j]
@@ -191,30 +218,4 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
                 for d in range(hd):
                     acc += qg[d] * kj[d]
                 scores[h0 + g, j] = acc
-        for g in range(group):
-            hq = h0 + g
-            sc = scores[hq]
-            m = sc[0]
-            for j in range(1, n):
-                m = max(m, sc[j])
-            total = np.float32(0.0)
-            for j in range(n):
-                e = np.exp(sc[j] - m)
-                sc[j] = e
-                total += e
-            inv = np.float32(1.0) / total
-            o = out[hq]
-            for d in range(hd):
-                o[d] = 0.0
-            for j in range(n):
-                w = sc[j] * inv
-                sc[j] = w
-                vj = v_l[h, j]
-                for d in range(hd):
-                    o[d] += w * vj[d]
-        if want_mass:
-            for j in range(n):
-                acc = np.float32(0.0)
-                for g in range(group):
-                    acc += scores[h0 + g, j]
-                mass[h, j] = acc
+        _softmax_weighted_v(out, scores, v_l, mass, h, n, group)

@@ -106,7 +106,8 @@ class CPUEngine:
                 self.ropes[key] = RopeTable(spec.rotary_dim, *key, n=1 if rope == "stored" else 4096)
             self.layer_rope.append(self.ropes[key])
         self.layer_inv_freq = [t.inv_freq for t in self.layer_rope]
-        self.ktmp = np.zeros(hd, np.float32)
+        self.ktmp = np.zeros(hd + spec.rotary_dim, np.float32)
+        self.angles = np.zeros((2, spec.rotary_dim // 2), np.float32)
         self.scores = np.zeros((nh, 0), np.float32)
 
     def _pack_matrices(self, tensors: dict[str, QTensor]) -> dict:
@@ -258,7 +259,8 @@ class CPUEngine:
             q_t = b.q[t].reshape(nh, hd)
             if self.rope == "stored":
                 attend_stored(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.seq[il], store.count[il],
-                              qp, inv_freq, inv_scale, s.rotary_dim, scale, self.scores, self.qrot, self.no_mass)
+                              qp, inv_freq, inv_scale, s.rotary_dim, scale, self.scores, self.qrot, self.angles,
+                              self.no_mass)
             else:
                 if qp >= table.cos.shape[0]:
                     table.ensure(qp + 1)

@@ -38,6 +38,16 @@ UPDATE_MODES = ("inplace", "shift")
 # ---------------------------------------------------------------------------------------------
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new):
+    """Slot `slot` of head h takes token seq_new at logical position pos_new: k_new[h], v_new[h] (hd,)."""
+    seq_l[h, slot] = seq_new
+    pos_l[h, slot] = pos_new
+    for d in range(k_l.shape[2]):
+        k_l[h, slot, d] = k_new[h, d]
+        v_l[h, slot, d] = v_new[h, d]
+
+
 @njit(cache=True, nogil=True)
 def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed):
     """Write one token into layer storage, evicting the oldest non-sink token when full.
@@ -47,7 +57,6 @@ def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new,
     written is the one holding `seq_new` afterwards.
     """
     n_kv, cap = seq_l.shape
-    hd = k_l.shape[2]
     for h in range(n_kv):
         n = count_l[h]
         if n < cap:
@@ -65,11 +74,7 @@ def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new,
                 pos_new = cap - 1
             else:
                 pos_new = seq_new
-        seq_l[h, slot] = seq_new
-        pos_l[h, slot] = pos_new
-        for d in range(hd):
-            k_l[h, slot, d] = k_new[h, d]
-            v_l[h, slot, d] = v_new[h, d]
+        _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new)
 
 
 @njit(cache=True, nogil=True)
@@ -94,11 +99,7 @@ def kv_write_shift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq
                     k_l[h, j, d] = k_l[h, j + 1, d]
                     v_l[h, j, d] = v_l[h, j + 1, d]
             slot = cap - 1
-        seq_l[h, slot] = seq_new
-        pos_l[h, slot] = slot if reindexed else seq_new
-        for d in range(hd):
-            k_l[h, slot, d] = k_new[h, d]
-            v_l[h, slot, d] = v_new[h, d]
+        _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringllm.runtime.attention import RopeTable, attend
+from ringllm.runtime.attention import RopeTable, attend, attend_stored, rope_rows_at
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
@@ -30,10 +30,11 @@ def _ref_attention(cache: ReferenceCache, il: int, q: np.ndarray, spec: ModelSpe
                      for h in range(spec.n_head)])
 
 
+@pytest.mark.parametrize("rope", ["fused", "stored"])
 @pytest.mark.parametrize("update", ["inplace", "shift"])
 @pytest.mark.parametrize("positions", ["reindexed", "original"])
 @pytest.mark.parametrize("capacity,sinks,rotary_dim", [(6, 2, 0), (5, 0, 0), (7, 4, 4), (40, 4, 0)])
-def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_dim, update):
+def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_dim, update, rope):
     spec = _spec(rotary_dim=rotary_dim)
     store = KVStore(spec, capacity, "streaming", sinks, positions, update)
     ref = ReferenceCache(spec, capacity, "streaming", sinks, positions)
@@ -43,16 +44,25 @@ def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_
     scores, krot, qrot = np.zeros((nh, capacity), np.float32), np.zeros(hd, np.float32), np.zeros((nh, hd), np.float32)
     mass = np.zeros((nkv, capacity), np.float32)
     out = np.zeros((nh, hd), np.float32)
+    inv_freq, ktmp = table.inv_freq, np.zeros(hd + spec.rotary_dim, np.float32)
+    angles = np.zeros((2, spec.rotary_dim // 2), np.float32)
     for t in range(30):
         q = rng.standard_normal((nh, hd)).astype(np.float32)
         k = rng.standard_normal((nkv, hd)).astype(np.float32)
         v = rng.standard_normal((nkv, hd)).astype(np.float32)
-        store.write(0, k, v, t)
         ref.insert(0, k, v, t)
+        if rope == "stored":           # keys rotated once, at write, by sequence index
+            k = k.copy()
+            rope_rows_at(k, t, inv_freq, 1.0, spec.rotary_dim, ktmp)
+        store.write(0, k, v, t)
         qp = store.query_position(0, t)
-        table.ensure(max(qp, int(store.pos[0].max())) + 1)
-        attend(out, q, store.k[0], store.v[0], store.pos[0], store.count[0], qp, table.cos, table.sin,
-               spec.rotary_dim, np.float32(spec.attn_scale), scores, krot, qrot, mass)
+        if rope == "stored":
+            attend_stored(out, q, store.k[0], store.v[0], store.pos[0], store.seq[0], store.count[0], qp, inv_freq,
+                          1.0, spec.rotary_dim, np.float32(spec.attn_scale), scores, qrot, angles, mass)
+        else:
+            table.ensure(max(qp, int(store.pos[0].max())) + 1)
+            attend(out, q, store.k[0], store.v[0], store.pos[0], store.count[0], qp, table.cos, table.sin,
+                   spec.rotary_dim, np.float32(spec.attn_scale), scores, krot, qrot, mass)
         np.testing.assert_allclose(out, _ref_attention(ref, 0, q, spec), atol=1e-5, err_msg=f"step {t}")
         # the same token set, slot by slot, with the same logical positions
         for h in range(nkv):
