@@ -105,3 +105,13 @@ def test_smollm2_2000_token_prompt_capacity_512(smollm2, positions):
     assert len(prompt) == 2000
     st = run_pair(smollm2, prompt, 50, capacity=512, policy="streaming", positions=positions, n_batch=64)
     assert st.stats()["evicted_total"] >= 1500 * smollm2.spec.n_layer * smollm2.spec.n_head_kv
+
+
+@pytest.mark.slow
+def test_gemma3_engine_matches_reference(gemma3_path):
+    """Gemma 3 270M (Q5_0, Q4_K, Q6_K, Q8_0 kernels; sliding-window layers) through eviction, both RoPE strategies."""
+    loaded = load_model(gemma3_path)
+    from conftest import novel_text
+    prompt = loaded.tokenizer.encode(novel_text()[50000:52000])[:48]
+    for rope in ("stored", "fused"):
+        run_pair(loaded, prompt, 12, capacity=24, policy="streaming", positions="reindexed", rope=rope)
