@@ -146,7 +146,8 @@ class CPUEngine:
         return self.forward([token], store, all_logits=False)[0]
 
     def prefill(self, ids, store: KVStore) -> np.ndarray:
-        """Feed a prompt in chunks of n_batch; returns the last token's logits (n_vocab,)."""
+        """Feed a prompt in chunks of n_batch; returns the last token's logits (n_vocab,) (a view, valid until
+        the next call)."""
         return self.forward(ids, store, all_logits=False)[-1]
 
     def logits(self, ids, store: KVStore) -> np.ndarray:
@@ -154,6 +155,8 @@ class CPUEngine:
         return self.forward(ids, store, all_logits=True)
 
     def forward(self, ids, store: KVStore, all_logits: bool = True) -> np.ndarray:
+        """Feed ids through the store. all_logits: a new (len(ids), n_vocab) array; else the last
+        token's logits (1, n_vocab) as a view of the run buffer, valid until the next call."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ConfigError("no tokens to feed")
@@ -162,7 +165,7 @@ class CPUEngine:
         store.check_room(ids.size)
         if self.n_threads is not None:
             numba.set_num_threads(self.n_threads)
-        out = np.zeros((ids.size if all_logits else 1, self.spec.n_vocab), np.float32)
+        out = np.zeros((ids.size, self.spec.n_vocab), np.float32) if all_logits else None
         for start in range(0, ids.size, self.n_batch):
             chunk = ids[start:start + self.n_batch]
             last = start + chunk.size == ids.size
@@ -170,7 +173,7 @@ class CPUEngine:
             if all_logits:
                 out[start:start + chunk.size] = logits
             elif last:
-                out[0] = logits[-1]
+                return logits[-1:]   # a view of the run buffer: decode allocates no logits array
         return out
 
     # -----------------------------------------------------------------------------------------
