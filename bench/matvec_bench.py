@@ -300,7 +300,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--merge", action="store_true",
                     help="keep the runs of other thread counts already in bench/results/matvec_cpu.json")
+    ap.add_argument("--only", default="", help="comma list of sections to run (shapes,token,overhead,types,"
+                    "matmul), merged into the existing results of the same thread count (implies --merge)")
     args = ap.parse_args(argv)
+    only = {x for x in args.only.split(",") if x}
+    if only:
+        args.merge = True
+
+    def want(section: str) -> bool:
+        return not only or section in only
+
     reps = 3 if args.quick else args.reps
     info = machine()
     path = default_model_path()
@@ -326,44 +335,47 @@ def main(argv=None) -> int:
         run = {"threads": nt, "shapes": {}, "types": [], "matmul": [],
                "load_avg_at_start": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
         print(f"\n## {nt} thread{'s' if nt > 1 else ''}")
-        for label, name in shapes:
+        for label, name in (shapes if want("shapes") else []):
             ts = [f.tensors[f"blk.{il}.{name}.weight"] for il in range(30)]
             r = stream_case(ts, reps)
             run["shapes"][label] = r
             print(f"{label:5s} {r['type']} {r['shape'][0]:5d}x{r['shape'][1]:<5d} stream {fmt_rate(r['stream'])}"
                   f"  {r['stream']['seconds'] * 1e6:7.1f} us | hot {fmt_rate(r['hot'])}")
-        r = stream_case([f.tensors["token_embd.weight"]], reps)
-        run["shapes"]["head"] = r
-        print(f"head  {r['type']} {r['shape'][0]:5d}x{r['shape'][1]:<5d} stream {fmt_rate(r['stream'])}"
-              f"  {r['stream']['seconds'] * 1e6:7.1f} us | hot {fmt_rate(r['hot'])}")
-        for stacked in (False, True):
+        r = stream_case([f.tensors["token_embd.weight"]], reps) if want("shapes") else None
+        if r is not None:
+            run["shapes"]["head"] = r
+            print(f"head  {r['type']} {r['shape'][0]:5d}x{r['shape'][1]:<5d} stream {fmt_rate(r['stream'])}"
+                  f"  {r['stream']['seconds'] * 1e6:7.1f} us | hot {fmt_rate(r['hot'])}")
+        for stacked in ((False, True) if want("token") else ()):
             r = token_case(f, 30, stacked, args.tokens)
             run["token_stacked" if stacked else "token"] = r
             print(f"SmolLM2 token set ({r['calls']} calls{', q|k|v and gate|up stacked' if stacked else ''}): "
                   f"layers {fmt_rate(r['layers'])} | head {fmt_rate(r['head'])} | all {fmt_rate(r['token'])} "
                   f"{r['token']['seconds'] * 1e3:.2f} ms -> {r['tok_per_s']:.1f} tok/s "
                   f"(median {r['tok_per_s_median']:.1f})")
-        if gemma is not None and not args.quick:
+        if gemma is not None and not args.quick and want("token"):
             r = token_case(gemma, 18, True, max(5, args.tokens // 4))
             run["gemma3_token_stacked"] = r
             print(f"Gemma 3 270M token set ({r['calls']} calls, stacked; layers {'/'.join(r['layer_types'])}, "
                   f"head {r['head_type']}): layers {fmt_rate(r['layers'])} | head {fmt_rate(r['head'])} | "
                   f"{r['token']['seconds'] * 1e3:.2f} ms -> {r['tok_per_s']:.1f} tok/s")
-        run["overhead"] = overhead_case(reps)
-        print(f"fixed cost per call: matvec {run['overhead']['matvec_us']:.2f} us, "
-              f"raw kernel {run['overhead']['raw_kernel_us']:.2f} us")
-        if not args.quick:
+        if want("overhead"):
+            run["overhead"] = overhead_case(reps)
+            print(f"fixed cost per call: matvec {run['overhead']['matvec_us']:.2f} us, "
+                  f"raw kernel {run['overhead']['raw_kernel_us']:.2f} us")
+        if not args.quick and want("types"):
             print("per type (streamed):")
             for r in type_cases(reps):
                 run["types"].append(r)
                 print(f"  {r['type']:5s} {r['shape'][0]:6d}x{r['shape'][1]:<5d} {fmt_rate(r['stream'])}"
                       f" | hot {fmt_rate(r['hot'])}  [{r['source']}]")
+        if not args.quick and want("matmul"):
             print("matmul vs matvec loop (G weight-tokens/s):")
             for r in matmul_case(f, reps):
                 run["matmul"].append(r)
                 print(f"  {r['type']} T={r['T']:3d}: matmul {r['matmul_gw_tok_per_s']:6.2f}  "
                       f"matvec loop {r['matvec_loop_gw_tok_per_s']:6.2f}")
-        if args.llama:
+        if args.llama and want("llama"):
             run["llama_cpp"] = llama_cpp_case(path, nt)
             if run["llama_cpp"]:
                 print(f"llama.cpp decode: {run['llama_cpp']['tok_per_s_incl_prompt']:.1f} tok/s")
@@ -374,7 +386,18 @@ def main(argv=None) -> int:
         if args.merge and os.path.exists(old_path):
             with open(old_path) as fh:
                 old = json.load(fh)
-            runs = {**old.get("runs", {}), **results["runs"]}
+            runs = dict(old.get("runs", {}))
+            for k, new_run in results["runs"].items():
+                if only and k in runs:
+                    merged = dict(runs[k])
+                    for key, val in new_run.items():
+                        if val not in ({}, [], None) and key not in ("threads", "time", "load_avg_at_start"):
+                            merged[key] = val
+                    merged.setdefault("sections_rerun", []).append(
+                        {"sections": sorted(only), "time": new_run["time"], "load_avg_at_start": new_run["load_avg_at_start"]})
+                    runs[k] = merged
+                else:
+                    runs[k] = new_run
             results["runs"] = {k: runs[k] for k in sorted(runs, key=int)}
             results["machine_earlier_runs"] = old.get("machine")
         with open(os.path.join(RESULTS, "matvec_cpu.json"), "w") as fh:
@@ -399,7 +422,9 @@ def markdown(res: dict) -> str:
              "(DRAM bound, the decode situation); 'hot' repeats one matrix (cache resident).", ""]
     for nt, run in res["runs"].items():
         lines += [f"## {nt} thread{'s' if nt != '1' else ''}", "",
-                  f"Run at {run.get('time', '?')}, load average {run.get('load_avg_at_start', '?')}.", "",
+                  f"Run at {run.get('time', '?')}, load average {run.get('load_avg_at_start', '?')}"
+                  + "".join(f"; sections {', '.join(r['sections'])} re-run at {r['time']}, load average "
+                            f"{r['load_avg_at_start']}" for r in run.get("sections_rerun", [])) + ".", "",
                   "| matrix | type | shape | stream Gw/s | stream GB/s | us/call | hot Gw/s |",
                   "|---|---|---|---|---|---|---|"]
         for label, r in run["shapes"].items():
