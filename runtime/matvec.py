@@ -298,34 +298,10 @@ def vmul(typingctx, a, b):
 
 
 @intrinsic
-def iand(typingctx, v, mask):
-    """v & mask (mask: a scalar integer, splat; only its low 32 bits count)."""
-    def codegen(context, builder, sig, args):
-        return builder.and_(args[0], _splat_i32(context, builder, args[1], sig.args[1]))
-    return i32x8(v, mask), codegen
-
-
-@intrinsic
-def ior(typingctx, a, b):
-    """a | b."""
-    def codegen(context, builder, sig, args):
-        return builder.or_(args[0], args[1])
-    return i32x8(a, b), codegen
-
-
-@intrinsic
 def isrl(typingctx, v, n):
     """v >> n, logical, every lane (n: scalar 0..31)."""
     def codegen(context, builder, sig, args):
         return builder.lshr(args[0], _splat_i32(context, builder, args[1], sig.args[1]))
-    return i32x8(v, n), codegen
-
-
-@intrinsic
-def isll(typingctx, v, n):
-    """v << n, every lane (n: scalar 0..31)."""
-    def codegen(context, builder, sig, args):
-        return builder.shl(args[0], _splat_i32(context, builder, args[1], sig.args[1]))
     return i32x8(v, n), codegen
 
 
