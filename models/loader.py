@@ -96,16 +96,17 @@ def _load_hf_dir(path: str, with_tokenizer: bool) -> LoadedModel:
 
 def _checked(spec: ModelSpec, tensors: dict[str, QTensor], path: str) -> dict[str, QTensor]:
     """Keep the tensors the spec uses; every required one present with its declared shape."""
+    required, optional = spec.expected_shapes(), spec.optional_shapes()
     out: dict[str, QTensor] = {}
-    for name, shape in spec.expected_shapes().items():
+    for name in required:
         if name not in tensors:
             raise ModelFileError(path, f"tensor '{name}' is missing (architecture {spec.arch})")
         out[name] = tensors[name]
-    for name, shape in spec.optional_shapes().items():
+    for name in optional:
         if name in tensors:
             out[name] = tensors[name]
     for name, t in out.items():
-        shape = spec.expected_shapes().get(name) or spec.optional_shapes()[name]
+        shape = required.get(name) or optional[name]
         if tuple(t.shape) != tuple(shape):
             raise ModelFileError(path, f"tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(shape)} "
                                  f"from the model's hyperparameters")

@@ -49,16 +49,7 @@ FASTMATH = {"reassoc", "contract", "nsz"}
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _rotate_into(dst, src, p, cos, sin, rotary_dim):
     """dst (hd,) = RoPE(src (hd,)) at table row p; dims past rotary_dim are copied."""
-    half = rotary_dim // 2
-    c = cos[p]
-    s = sin[p]
-    for i in range(half):
-        a = src[i]
-        b = src[i + half]
-        dst[i] = a * c[i] - b * s[i]
-        dst[i + half] = b * c[i] + a * s[i]
-    for i in range(rotary_dim, src.shape[0]):
-        dst[i] = src[i]
+    _rotate_with(dst, src, cos[p], sin[p], rotary_dim)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
