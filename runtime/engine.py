@@ -25,6 +25,7 @@ from ringllm.runtime import matvec as mv
 from ringllm.runtime.attention import RopeTable, attend, attend_stored, rope_rows_at
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.ops import ACT_CODES, add_bias, act_inplace, gated_act, layer_norm_rows, rms_norm_rows, softcap
@@ -130,9 +131,12 @@ class CPUEngine:
     # Public verbs
     # -----------------------------------------------------------------------------------------
 
-    def new_store(self, capacity: int | None = None, policy: str = "full", sinks: int = 4,
-                  positions: str = "reindexed", update: str = "inplace") -> KVStore:
-        store = KVStore(self.spec, capacity, policy, sinks, positions, update)
+    def new_store(self, kv: KVConfig | None = None, **kwargs) -> KVStore:
+        """A fresh KV store for one sequence: from a KVConfig, or keyword arguments of one."""
+        return self.adopt_store(KVStore(self.spec, kv, **kwargs))
+
+    def adopt_store(self, store: KVStore) -> KVStore:
+        """Size this engine's scratch for `store` (one built elsewhere, e.g. KVStore.restore)."""
         cap = max(store.layer_capacity)
         if self.scores.shape[1] < cap:
             self.scores = np.zeros((self.spec.n_head, cap), np.float32)

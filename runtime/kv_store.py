@@ -26,11 +26,10 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.model_spec import ModelSpec
 
-POSITION_MODES = ("reindexed", "original")
 STORE_POLICIES = ("full", "streaming")
-UPDATE_MODES = ("inplace", "shift")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,37 +111,31 @@ class KVStore:
 
     Args:
         spec: the model.
-        capacity: tokens a (global) layer attends to, the current one included. With policy full it
-            is the context size (default and maximum: the model's context); past it, an error.
-        policy: "full" | "streaming".
-        sinks: first tokens never evicted (streaming).
-        positions: "reindexed" | "original".
-        update: "inplace" (EQUIP: the new token overwrites the victim's slot) | "shift" (the
-            shift-and-append baseline: survivors copied down to keep slots ordered).
+        kv: the KVConfig (capacity, policy, sinks, positions, staging, policy knobs, update mode);
+            keyword arguments instead build one (KVStore(spec, capacity=64, policy="streaming")).
+            With policy full the capacity is the context size (default and maximum: the model's
+            context); past it, an error.
     """
 
-    def __init__(self, spec: ModelSpec, capacity: int | None = None, policy: str = "full", sinks: int = 4,
-                 positions: str = "reindexed", update: str = "inplace"):
-        if update not in UPDATE_MODES:
-            raise ConfigError(f"update {update!r} unknown; valid: {UPDATE_MODES}")
-        self.update = update
-        self._write = kv_write_streaming if update == "inplace" else kv_write_shift
-        if policy not in STORE_POLICIES:
-            raise ConfigError(f"policy {policy!r} unknown; valid: {STORE_POLICIES}")
-        if positions not in POSITION_MODES:
-            raise ConfigError(f"positions {positions!r} unknown; valid: {POSITION_MODES}")
-        if sinks < 0:
-            raise ConfigError(f"sinks must be >= 0, got {sinks}")
-        if policy == "full":
+    def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, **kwargs):
+        if kv is None:
+            kv = KVConfig(**kwargs)
+        elif kwargs:
+            raise ConfigError(f"pass a KVConfig or keyword arguments, not both (got {sorted(kwargs)})")
+        kv.validate()
+        if kv.policy not in STORE_POLICIES:
+            raise ConfigError(f"policy {kv.policy!r} is not available in this store yet; valid: {STORE_POLICIES}")
+        capacity, sinks = kv.capacity, kv.sinks
+        if kv.policy == "full":
             if capacity is not None and not 1 <= capacity <= spec.n_ctx:
                 raise ConfigError(f"with policy 'full' the capacity is the context size, 1..{spec.n_ctx}; got {capacity}")
             capacity, sinks = capacity or spec.n_ctx, 0
-        elif capacity is None or capacity < sinks + 1:
-            raise ConfigError(f"capacity must be at least sinks + 1 = {sinks + 1} (got {capacity}): "
-                              "the new token needs a slot beside the sinks")
-        self.spec, self.policy, self.positions = spec, policy, positions
+        self.kv = kv
+        self.update = kv.update
+        self._write = kv_write_streaming if kv.update == "inplace" else kv_write_shift
+        self.spec, self.policy, self.positions = spec, kv.policy, kv.positions
         self.capacity, self.sinks = int(capacity), int(sinks)
-        self.reindexed = positions == "reindexed"
+        self.reindexed = kv.positions == "reindexed"
         self.n_seen = 0
         nkv, hd = spec.n_head_kv, spec.head_dim
         self.layer_capacity: list[int] = []
@@ -160,6 +153,41 @@ class KVStore:
         self.pos = [np.zeros((nkv, c), np.int64) for c in self.layer_capacity]
         self.count = [np.zeros(nkv, np.int64) for _ in self.layer_capacity]
         self.evicted = [np.zeros(nkv, np.int64) for _ in self.layer_capacity]
+
+    # -----------------------------------------------------------------------------------------
+    # Save / restore (sessions)
+    # -----------------------------------------------------------------------------------------
+
+    ARRAY_FIELDS = ("k", "v", "seq", "pos", "count", "evicted")
+
+    def state(self) -> dict:
+        """Everything that defines this store, as plain values: {"kv": KVConfig dict, "n_seen": int,
+        "arrays": {"k.0": ndarray, ...}} (per-layer arrays named field.layer). Restored by restore()."""
+        arrays = {f"{name}.{il}": a for name in self.ARRAY_FIELDS for il, a in enumerate(getattr(self, name))}
+        return {"kv": self.kv.to_dict(), "n_seen": int(self.n_seen), "arrays": arrays}
+
+    @classmethod
+    def restore(cls, spec: ModelSpec, state: dict) -> "KVStore":
+        """A store equal to the one state() was taken from; every array is checked for name, shape and
+        dtype against a freshly built store (ConfigError naming the first mismatch), so a damaged
+        state never half-loads."""
+        try:
+            store = cls(spec, KVConfig.from_dict(dict(state["kv"])))
+            n_seen, arrays = int(state["n_seen"]), state["arrays"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"KV store state is malformed: {e!r}") from None
+        fresh = store.state()["arrays"]
+        if set(arrays) != set(fresh):
+            raise ConfigError(f"KV store state has arrays {sorted(set(arrays) ^ set(fresh))[:4]} that do not match "
+                              "this model/config")
+        for name, ref in fresh.items():
+            a = np.asarray(arrays[name])
+            if a.shape != ref.shape or a.dtype != ref.dtype:
+                raise ConfigError(f"KV store state array {name}: shape {a.shape} {a.dtype}, expected {ref.shape} {ref.dtype}")
+        for name, ref in fresh.items():
+            ref[...] = arrays[name]
+        store.n_seen = n_seen
+        return store
 
     def check_room(self, n_new: int) -> None:
         """Raise before any work when policy full would overflow the model's context."""

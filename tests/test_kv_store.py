@@ -36,7 +36,7 @@ def _ref_attention(cache: ReferenceCache, il: int, q: np.ndarray, spec: ModelSpe
 @pytest.mark.parametrize("capacity,sinks,rotary_dim", [(6, 2, 0), (5, 0, 0), (7, 4, 4), (40, 4, 0)])
 def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_dim, update, rope):
     spec = _spec(rotary_dim=rotary_dim)
-    store = KVStore(spec, capacity, "streaming", sinks, positions, update)
+    store = KVStore(spec, capacity=capacity, policy="streaming", sinks=sinks, positions=positions, update=update)
     ref = ReferenceCache(spec, capacity, "streaming", sinks, positions)
     rng = np.random.default_rng(0)
     table = RopeTable(spec.rotary_dim, spec.rope_base[0], 1.0, n=4)   # small: forces growth

@@ -1,0 +1,169 @@
+"""KVConfig: how a sequence's KV store is sized, which eviction policy chooses victims, and its knobs.
+
+One object carries every knob of DESIGN.md's "Eviction policies" table; `validate()` (run at
+construction) rejects unknown names and inconsistent budgets with errors that list the valid
+values. The same object configures the CPU engine, the NumPy reference engine and the CUDA backend.
+
+    KVConfig(capacity=512, policy="streaming", sinks=4)                 StreamingLLM
+    KVConfig(capacity=256, policy="h2o", recent=128)                    H2O, half heavy hitters, half recent
+    KVConfig(capacity=2048, policy="streaming", lazy=32, slack=16, max_drop=32)   staged eviction
+
+Staged eviction (DESIGN.md, seed "Lazy Pruning, Slack, Max_Drop", Algorithm 1), on top of any
+policy: with C = capacity and H = C + slack, nothing is evicted while the held length L (the new
+token included) satisfies L <= C or L - C < lazy; otherwise the store keeps
+L* = C if max_drop == 0 else min(max(L - max_drop, C), H) tokens. lazy = slack = max_drop = 0
+(the default) is plain per-step eviction: L* = C whenever L > C. With staging the store holds up to
+max(C + lazy, H + 1) tokens at once, which is what it allocates.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from ringllm.runtime.errors import ConfigError
+
+POLICIES = ("full", "streaming", "h2o", "scissorhands", "tova", "knorm", "lsh", "random", "snapkv", "pyramidkv",
+            "adakv", "gvote", "rkv")
+POSITION_MODES = ("reindexed", "original")
+UPDATE_MODES = ("inplace", "shift")
+
+# Protected recent tokens when `recent` is left at None (choices documented in each policy's module).
+DEFAULT_RECENT = {"full": 0, "streaming": 0, "h2o": None, "scissorhands": None, "tova": 0, "knorm": 0, "lsh": 10,
+                  "random": 0, "snapkv": None, "pyramidkv": None, "adakv": None, "gvote": None, "rkv": None}
+
+
+@dataclass
+class KVConfig:
+    """KV store configuration (DESIGN.md "KV store contract" and "Eviction policies").
+
+    capacity: tokens a query attends to, itself included (None with policy "full": the model's context).
+    policy: one of POLICIES.
+    sinks: first tokens never evicted.
+    recent: newest held tokens never evicted by score-based policies (None: the policy's default,
+        DEFAULT_RECENT; None there means capacity // 4).
+    positions: "reindexed" (rank among held tokens, StreamingLLM) | "original" (index in the sequence).
+    lazy, slack, max_drop: staged eviction R, sigma, delta (module docstring); 0 disables each.
+    lsh_bits: SimHash code length c of `lsh`, 1..64.
+    history: steps of the history window of `scissorhands`, 1..64.
+    window: observation window w (last queries scored) of `snapkv`, `pyramidkv`, `adakv`, `rkv`.
+    pool: max-pooling kernel over neighbouring tokens of the windowed scores (odd, >= 1).
+    pyramid_beta: `pyramidkv` top/bottom layer budget ratio (>= 1).
+    ada_floor: `adakv` share of each head's even split it is guaranteed, in [0, 1].
+    gvote_p: `gvote` nucleus mass p, in (0, 1]; gvote_samples: synthetic queries S, >= 1.
+    rkv_lambda: `rkv` weight of importance against redundancy, in [0, 1].
+    seed: seed of `random`, `lsh` projections and `gvote` sampling.
+    update: "inplace" (EQUIP) | "shift" (shift-and-append baseline for benchmarks; streaming only).
+    """
+
+    capacity: int | None = None
+    policy: str = "full"
+    sinks: int = 4
+    recent: int | None = None
+    positions: str = "reindexed"
+    lazy: int = 0
+    slack: int = 0
+    max_drop: int = 0
+    lsh_bits: int = 16
+    history: int = 32
+    window: int = 32
+    pool: int = 7
+    pyramid_beta: float = 20.0
+    ada_floor: float = 0.2
+    gvote_p: float = 0.95
+    gvote_samples: int = 8
+    rkv_lambda: float = 0.1
+    seed: int = 0
+    update: str = "inplace"
+
+    def __post_init__(self):
+        self.validate()
+
+    # -----------------------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        for f in fields(self):
+            val = getattr(self, f.name)
+            if f.type in ("int", "int | None") and val is not None:
+                need(isinstance(val, int) and not isinstance(val, bool), f"{f.name} must be an integer, got {val!r}")
+        need(self.policy in POLICIES, f"policy {self.policy!r} unknown; valid: {', '.join(POLICIES)}")
+        need(self.positions in POSITION_MODES, f"positions {self.positions!r} unknown; valid: {', '.join(POSITION_MODES)}")
+        need(self.update in UPDATE_MODES, f"update {self.update!r} unknown; valid: {', '.join(UPDATE_MODES)}")
+        need(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
+        need(self.recent is None or self.recent >= 0, f"recent must be >= 0, got {self.recent}")
+        for name in ("lazy", "slack", "max_drop"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(1 <= self.lsh_bits <= 64, f"lsh_bits must be in 1..64, got {self.lsh_bits}")
+        need(1 <= self.history <= 64, f"history must be in 1..64, got {self.history}")
+        need(self.window >= 1, f"window must be >= 1, got {self.window}")
+        need(self.pool >= 1 and self.pool % 2 == 1, f"pool must be an odd integer >= 1, got {self.pool}")
+        need(self.pyramid_beta >= 1, f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
+        need(0.0 <= self.ada_floor <= 1.0, f"ada_floor must be in [0, 1], got {self.ada_floor}")
+        need(0.0 < self.gvote_p <= 1.0, f"gvote_p must be in (0, 1], got {self.gvote_p}")
+        need(self.gvote_samples >= 1, f"gvote_samples must be >= 1, got {self.gvote_samples}")
+        need(0.0 <= self.rkv_lambda <= 1.0, f"rkv_lambda must be in [0, 1], got {self.rkv_lambda}")
+        if self.policy == "full":
+            need(self.capacity is None or self.capacity >= 1, f"capacity must be >= 1, got {self.capacity}")
+            need(not (self.lazy or self.slack or self.max_drop),
+                 "staged eviction (lazy/slack/max_drop) needs an eviction policy, not 'full'")
+            return
+        need(self.capacity is not None, f"policy {self.policy!r} needs a capacity (tokens kept)")
+        need(self.capacity >= self.sinks + 1, f"capacity must be at least sinks + 1 = {self.sinks + 1} "
+             f"(got {self.capacity}): the new token needs a slot beside the sinks")
+        recent = self.resolved_recent
+        need(self.sinks + recent < self.capacity, f"sinks + recent = {self.sinks} + {recent} must be below the capacity "
+             f"{self.capacity}: at least one slot must be evictable")
+        need(self.update == "inplace" or (self.policy == "streaming" and not self.staged),
+             "update 'shift' (the shift-and-append benchmark baseline) exists for plain streaming only")
+
+    # -----------------------------------------------------------------------------------------
+
+    @property
+    def resolved_recent(self) -> int:
+        """Protected recent tokens after applying the policy default (DEFAULT_RECENT)."""
+        if self.recent is not None:
+            return self.recent
+        d = DEFAULT_RECENT[self.policy]
+        return d if d is not None else (self.capacity or 0) // 4
+
+    @property
+    def staged(self) -> bool:
+        return bool(self.lazy or self.slack or self.max_drop)
+
+    def keep_after(self, length: int) -> int:
+        """Staged eviction (Algorithm 1): tokens to keep when `length` are held, the new one included."""
+        return keep_after(length, self.capacity, self.lazy, self.slack, self.max_drop)
+
+    @property
+    def physical_capacity(self) -> int:
+        """Slots allocated per (layer, kv head): capacity, or more with staging (module docstring)."""
+        if self.capacity is None or not self.staged:
+            return self.capacity or 0
+        return max(self.capacity + max(self.lazy, 1), self.capacity + self.slack + 1)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown KVConfig fields {unknown}; valid: {sorted(known)}")
+        return cls(**d)
+
+
+def keep_after(length: int, capacity: int, lazy: int, slack: int, max_drop: int) -> int:
+    """Algorithm 1 of the staged-eviction seed: how many of `length` held tokens survive this step.
+
+    C = capacity, H = C + slack. Returns `length` (no pruning) while length <= C or length - C < lazy,
+    else C when max_drop == 0, else min(max(length - max_drop, C), H).
+    (4, 2044, 32, 16, 32) i.e. C = 2048: keep_after(2090, 2048, 32, 16, 32) == 2058.
+    """
+    if length <= capacity or length - capacity < lazy:
+        return length
+    if max_drop == 0:
+        return capacity
+    return min(max(length - max_drop, capacity), capacity + slack)
