@@ -136,11 +136,22 @@ class CPUEngine:
         return self.adopt_store(KVStore(self.spec, kv, **kwargs))
 
     def adopt_store(self, store: KVStore) -> KVStore:
-        """Size this engine's scratch for `store` (one built elsewhere, e.g. KVStore.restore)."""
-        cap = max(store.layer_capacity)
+        """Size this engine's scratch for `store` (one built elsewhere, e.g. KVStore.restore).
+
+        Layers where an eviction policy chooses victims use fused RoPE whatever self.rope says: their
+        slots are permuted and re-ranked freely, so the offsets of the stored strategy would vary
+        from slot to slot."""
+        cap = max(store.layer_physical)
         if self.scores.shape[1] < cap:
             self.scores = np.zeros((self.spec.n_head, cap), np.float32)
-        if self.rope == "fused":
+        if store.needs_mass and getattr(store, "mass", None) is None:
+            store.mass = np.zeros((self.spec.n_head_kv, cap), np.float32)
+        modes = ["fused" if store.uses_policy(il) else self.rope for il in range(self.spec.n_layer)]
+        if store.layer_rope_mode is not None and store.layer_rope_mode != modes and store.n_seen > 0:
+            raise ConfigError(f"this store holds keys laid out for RoPE strategy {store.layer_rope_mode[0]!r}; "
+                              f"this engine uses {self.rope!r}: continue it with an engine of the same strategy")
+        store.layer_rope_mode = modes
+        if "fused" in store.layer_rope_mode:
             for table in self.ropes.values():
                 table.ensure(cap + 1)
         return store
@@ -167,6 +178,8 @@ class CPUEngine:
         if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
             raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
         store.check_room(ids.size)
+        if store.layer_rope_mode is None or (store.needs_mass and store.mass is None):
+            self.adopt_store(store)
         if self.n_threads is not None:
             numba.set_num_threads(self.n_threads)
         out = np.zeros((ids.size, self.spec.n_vocab), np.float32) if all_logits else None
@@ -257,22 +270,31 @@ class CPUEngine:
         scale = np.float32(s.attn_scale)
         kk = b.k.reshape(T, nkv, hd)
         inv_freq, inv_scale = self.layer_inv_freq[il], 1.0 / s.rope_scale[il]
+        fused = store.layer_rope_mode[il] == "fused"
+        policy = store.policy_impl if store.uses_policy(il) else None
+        mass = store.mass if policy is not None and policy.needs_mass else self.no_mass
         for t in range(T):
             seq = seq0 + t
-            if self.rope == "stored":
-                rope_rows_at(kk[t], seq, inv_freq, inv_scale, s.rotary_dim, self.ktmp)
-            store.write(il, kk[t], v3[t], seq)
-            qp = store.query_position(il, seq)
             q_t = b.q[t].reshape(nh, hd)
-            if self.rope == "stored":
-                attend_stored(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.seq[il], store.count[il],
-                              qp, inv_freq, inv_scale, s.rotary_dim, scale, self.scores, self.qrot, self.angles,
-                              self.no_mass)
+            if policy is not None:
+                store.write(il, kk[t], v3[t], seq, q_t)
+                policy.on_insert(store, il, kk[t], q_t)
             else:
+                if not fused:
+                    rope_rows_at(kk[t], seq, inv_freq, inv_scale, s.rotary_dim, self.ktmp)
+                store.write(il, kk[t], v3[t], seq)
+            qp = store.query_position(il, seq)
+            if fused:
                 if qp >= table.cos.shape[0]:
                     table.ensure(qp + 1)
                 attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il], qp,
-                       table.cos, table.sin, s.rotary_dim, scale, self.scores, self.krot, self.qrot, self.no_mass)
+                       table.cos, table.sin, s.rotary_dim, scale, self.scores, self.krot, self.qrot, mass)
+            else:
+                attend_stored(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.seq[il], store.count[il],
+                              qp, inv_freq, inv_scale, s.rotary_dim, scale, self.scores, self.qrot, self.angles,
+                              self.no_mass)
+            if policy is not None:
+                policy.observe(store, il, mass, seq)
             b.att[t] = self.out3.reshape(-1)
         self._linear(b.a, p + "attn_output", b.att)
         if s.sandwich_norm:

@@ -26,9 +26,14 @@ POLICIES = ("full", "streaming", "h2o", "scissorhands", "tova", "knorm", "lsh", 
 POSITION_MODES = ("reindexed", "original")
 UPDATE_MODES = ("inplace", "shift")
 
-# Protected recent tokens when `recent` is left at None (choices documented in each policy's module).
-DEFAULT_RECENT = {"full": 0, "streaming": 0, "h2o": None, "scissorhands": None, "tova": 0, "knorm": 0, "lsh": 10,
-                  "random": 0, "snapkv": None, "pyramidkv": None, "adakv": None, "gvote": None, "rkv": None}
+# Protected recent tokens when `recent` is left at None (choices documented in each policy's module):
+# an int, or a function of the config.
+DEFAULT_RECENT = {"full": 0, "streaming": 0, "h2o": lambda c: c.capacity // 2, "scissorhands": lambda c: c.capacity // 4,
+                  "tova": 0, "knorm": 0, "lsh": 10, "random": 0,
+                  "snapkv": lambda c: min(c.window, c.capacity - c.sinks - 1),
+                  "pyramidkv": lambda c: min(c.window, c.capacity - c.sinks - 1),
+                  "adakv": lambda c: min(c.window, c.capacity - c.sinks - 1),
+                  "gvote": lambda c: c.capacity // 4, "rkv": lambda c: min(c.window, c.capacity - c.sinks - 1)}
 
 
 @dataclass
@@ -39,7 +44,8 @@ class KVConfig:
     policy: one of POLICIES.
     sinks: first tokens never evicted.
     recent: newest held tokens never evicted by score-based policies (None: the policy's default,
-        DEFAULT_RECENT; None there means capacity // 4).
+        DEFAULT_RECENT: h2o capacity/2 as in the paper's even heavy/recent split, lsh 10 as in the
+        paper, windowed policies their observation window, scissorhands/gvote capacity/4, else 0).
     positions: "reindexed" (rank among held tokens, StreamingLLM) | "original" (index in the sequence).
     lazy, slack, max_drop: staged eviction R, sigma, delta (module docstring); 0 disables each.
     lsh_bits: SimHash code length c of `lsh`, 1..64.
@@ -126,7 +132,7 @@ class KVConfig:
         if self.recent is not None:
             return self.recent
         d = DEFAULT_RECENT[self.policy]
-        return d if d is not None else (self.capacity or 0) // 4
+        return d if isinstance(d, int) else max(0, int(d(self)))
 
     @property
     def staged(self) -> bool:

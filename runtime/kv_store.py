@@ -1,24 +1,36 @@
 """The fixed-capacity KV store of one sequence, written in place (EQUIP), with logical positions per slot.
 
-Arrays (allocated once, never resized, never shifted):
-    k[il], v[il]   (n_kv_head, capacity_l, head_dim) float32   keys are stored before RoPE
-    seq[il]        (n_kv_head, capacity_l) int64   sequence index of the token a slot holds, -1 = empty
-    pos[il]        (n_kv_head, capacity_l) int64   logical position of that token (see below)
-    count[il]      (n_kv_head,) int64              slots in use; slots [0, count) are occupied
+Arrays per layer il (allocated once, never resized, never shifted; P = physical slots, see below):
+    k[il], v[il]   (n_kv_head, P, head_dim) float32   keys before RoPE (or rotated by sequence index
+                                                       when the engine's "stored" RoPE strategy is used)
+    seq[il]        (n_kv_head, P) int64   sequence index of the token a slot holds, -1 = empty
+    rank[il]       (n_kv_head, P) int64   rank of that token by sequence index among the head's tokens
+    pos[il]        (n_kv_head, P) int64   logical position: `rank` itself in reindexed mode, the
+                                          sequence index in original mode
+    count[il]      (n_kv_head,) int64     slots in use; slots [0, count) are occupied, always
+    evicted[il]    (n_kv_head,) int64     tokens evicted so far
+    score[il]      (n_kv_head, P) float64 policy score per slot (accumulated attention, key norm, ...)
+    aux[il]        (n_kv_head, P) int64   policy bits per slot (LSH code, Scissorhands history)
+    hist[il]       (n_kv_head, P, w) float32  last w attention masses per slot (windowed policies only)
 
 Positions (DESIGN.md):
     reindexed: a token's position is its rank, by sequence index, among the tokens its head holds;
                after an eviction every held token newer than the victim moves down by one.
     original:  a token's position is its sequence index, fixed for life.
 
-Slot choice (kernels below, one call per layer per token): a free slot while there is one; when
-the store is full the policy's victim slot is overwritten by the new token. For `streaming` the
-victim is the oldest non-sink token, which in this layout walks a ring over slots
-[sinks, capacity): slot sinks + (evictions mod (capacity - sinks)). `capacity` counts the new
-token: the victim is replaced before the new token's attention.
+Slot choice, one kernel call per layer per token:
+  * streaming without staging (and every sliding-window layer): a ring over slots [sinks, capacity):
+    the victim is slot sinks + (evictions mod (capacity - sinks)); no scan, no policy state.
+  * every other policy: when the held length L (new token included) calls for pruning (staged
+    eviction, KVConfig.keep_after), the policy fills `key` for the held slots and the L - L* lowest
+    keys among unprotected slots (not among the `sinks` oldest or `recent` newest; ties -> oldest)
+    are evicted; each hole is filled by moving the last occupied slot into it (one slot copy, safe
+    because every slot carries its own position), ranks are updated, and the new token takes slot
+    `count`. Nothing is shifted.
+`capacity` counts the new token: victims are removed before the new token's attention.
 
 Gemma 3's sliding-window layers get capacity = window and no sinks when the window fits the
-configured capacity: their own window, exactly as the model defines it.
+configured capacity: their own window, exactly as the model defines it, whatever the policy.
 """
 from __future__ import annotations
 
@@ -26,11 +38,8 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.kv_config import KVConfig, keep_after
 from ringllm.runtime.model_spec import ModelSpec
-
-STORE_POLICIES = ("full", "streaming")
-
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -101,6 +110,112 @@ def kv_write_shift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq
         _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
 
 
+@njit(cache=True, nogil=True)
+def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
+    """The n_drop lowest keys among unprotected slots of one head; ties -> the older token.
+
+    key_h (P,) f64, seq_h, rank_h (P,) i64: slot arrays of the head; n: occupied slots. A slot is
+    protected when rank < sinks or rank >= n - recent. out (>= n_drop,) i64 receives the victims'
+    slots in the order chosen (lowest key first). Returns how many were chosen (fewer than n_drop
+    only when too few slots are unprotected).
+    """
+    got = 0
+    for i in range(n_drop):
+        best = -1
+        for j in range(n):
+            r = rank_h[j]
+            if r < sinks or r >= n - recent:
+                continue
+            taken = False
+            for m in range(got):
+                if out[m] == j:
+                    taken = True
+                    break
+            if taken:
+                continue
+            if best < 0 or key_h[j] < key_h[best] or (key_h[j] == key_h[best] and seq_h[j] < seq_h[best]):
+                best = j
+        if best < 0:
+            break
+        out[got] = best
+        got += 1
+    return got
+
+
+@njit(cache=True, nogil=True)
+def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, slots, n_slots,
+                reindexed):
+    """Remove the tokens in slots[:n_slots] of head h, keeping slots [0, count) occupied.
+
+    Ranks of the survivors drop by the number of victims older than them (in reindexed mode pos_l is
+    rank_l, so positions follow). Each hole takes the last occupied slot (k, v, seq, rank, pos,
+    score, aux, hist move together): one slot copy per victim, no shifting.
+    """
+    n = count_l[h]
+    # rank update first, while the victims are still in place
+    for j in range(n):
+        s = seq_l[h, j]
+        older = 0
+        for m in range(n_slots):
+            if seq_l[h, slots[m]] < s:
+                older += 1
+        rank_l[h, j] -= older
+    # holes, highest slot first: the last occupied slot is then never a pending victim
+    for a in range(n_slots):          # selection sort of the victims' slots, descending
+        best = a
+        for b in range(a + 1, n_slots):
+            if slots[b] > slots[best]:
+                best = b
+        slots[a], slots[best] = slots[best], slots[a]
+    hd = k_l.shape[2]
+    w = hist_l.shape[2]
+    for m in range(n_slots):
+        j = slots[m]
+        last = n - 1
+        if j != last:
+            seq_l[h, j] = seq_l[h, last]
+            rank_l[h, j] = rank_l[h, last]
+            if not reindexed:
+                pos_l[h, j] = pos_l[h, last]
+            score_l[h, j] = score_l[h, last]
+            aux_l[h, j] = aux_l[h, last]
+            for d in range(hd):
+                k_l[h, j, d] = k_l[h, last, d]
+                v_l[h, j, d] = v_l[h, last, d]
+            for i in range(w):
+                hist_l[h, j, i] = hist_l[h, last, i]
+        seq_l[h, last] = -1
+        n -= 1
+    count_l[h] = n
+    evicted_l[h] += n_slots
+
+
+@njit(cache=True, nogil=True)
+def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
+                    seq_new, key_l, n_drop, sinks, recent, reindexed, victims):
+    """Evict n_drop tokens per head (lowest key_l among unprotected slots) and write the new token.
+
+    key_l (n_kv, P) f64 filled by the policy for occupied slots when n_drop > 0; victims (>= n_drop,)
+    i64 scratch. The new token goes to slot count with rank count, zero score/aux/hist (the policy
+    initialises them afterwards). Returns None.
+    """
+    n_kv = seq_l.shape[0]
+    w = hist_l.shape[2]
+    for h in range(n_kv):
+        if n_drop > 0:
+            got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], n_drop, sinks, recent, victims)
+            evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, victims,
+                        got, reindexed)
+        slot = count_l[h]
+        rank_l[h, slot] = slot
+        _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
+        score_l[h, slot] = 0.0
+        aux_l[h, slot] = 0
+        for i in range(w):
+            hist_l[h, slot, i] = 0.0
+        count_l[h] = slot + 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Store
 # ---------------------------------------------------------------------------------------------
@@ -115,16 +230,19 @@ class KVStore:
             keyword arguments instead build one (KVStore(spec, capacity=64, policy="streaming")).
             With policy full the capacity is the context size (default and maximum: the model's
             context); past it, an error.
+
+    The eviction policy object (runtime/policies) is `self.policy_impl`; it owns no per-slot state:
+    what it keeps per slot lives in score/aux/hist so that it moves with the slot.
     """
 
     def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, **kwargs):
+        from ringllm.runtime.policies import make_policy
+
         if kv is None:
             kv = KVConfig(**kwargs)
         elif kwargs:
             raise ConfigError(f"pass a KVConfig or keyword arguments, not both (got {sorted(kwargs)})")
         kv.validate()
-        if kv.policy not in STORE_POLICIES:
-            raise ConfigError(f"policy {kv.policy!r} is not available in this store yet; valid: {STORE_POLICIES}")
         capacity, sinks = kv.capacity, kv.sinks
         if kv.policy == "full":
             if capacity is not None and not 1 <= capacity <= spec.n_ctx:
@@ -132,39 +250,113 @@ class KVStore:
             capacity, sinks = capacity or spec.n_ctx, 0
         self.kv = kv
         self.update = kv.update
-        self._write = kv_write_streaming if kv.update == "inplace" else kv_write_shift
         self.spec, self.policy, self.positions = spec, kv.policy, kv.positions
         self.capacity, self.sinks = int(capacity), int(sinks)
+        self.recent = kv.resolved_recent if kv.policy != "full" else 0
         self.reindexed = kv.positions == "reindexed"
         self.n_seen = 0
+        self.policy_impl = make_policy(kv, spec)
         nkv, hd = spec.n_head_kv, spec.head_dim
-        self.layer_capacity: list[int] = []
+        budgets = self.policy_impl.layer_budgets(self.capacity, spec.n_layer)
+        self.layer_capacity: list[int] = []      # tokens kept after pruning (C_l)
         self.layer_sinks: list[int] = []
+        self.layer_ring: list[bool] = []         # True: the streaming ring kernel serves this layer
+        phys: list[int] = []
         for il in range(spec.n_layer):
-            cap, s = self.capacity, self.sinks
+            cap, s = budgets[il], self.sinks
             w = spec.window[il]
+            ring = kv.policy in ("full", "streaming") and not kv.staged
             if w and w <= cap:
-                cap, s = w, 0
+                cap, s, ring = w, 0, True
             self.layer_capacity.append(cap)
             self.layer_sinks.append(s)
-        self.k = [np.zeros((nkv, c, hd), np.float32) for c in self.layer_capacity]
-        self.v = [np.zeros((nkv, c, hd), np.float32) for c in self.layer_capacity]
-        self.seq = [np.full((nkv, c), -1, np.int64) for c in self.layer_capacity]
-        self.pos = [np.zeros((nkv, c), np.int64) for c in self.layer_capacity]
-        self.count = [np.zeros(nkv, np.int64) for _ in self.layer_capacity]
-        self.evicted = [np.zeros(nkv, np.int64) for _ in self.layer_capacity]
+            self.layer_ring.append(ring)
+            phys.append(cap if ring else KVConfig(capacity=cap, policy="streaming", sinks=0, lazy=kv.lazy,
+                                                  slack=kv.slack, max_drop=kv.max_drop).physical_capacity)
+        self.layer_physical = phys
+        hw = self.policy_impl.history_width
+        self.k = [np.zeros((nkv, p, hd), np.float32) for p in phys]
+        self.v = [np.zeros((nkv, p, hd), np.float32) for p in phys]
+        self.seq = [np.full((nkv, p), -1, np.int64) for p in phys]
+        self.rank = [np.zeros((nkv, p), np.int64) for p in phys]
+        self.pos = self.rank if self.reindexed else [np.zeros((nkv, p), np.int64) for p in phys]
+        self.count = [np.zeros(nkv, np.int64) for _ in phys]
+        self.evicted = [np.zeros(nkv, np.int64) for _ in phys]
+        self.score = [np.zeros((nkv, p), np.float64) for p in phys]
+        self.aux = [np.zeros((nkv, p), np.int64) for p in phys]
+        self.hist = [np.zeros((nkv, p, hw), np.float32) for p in phys]
+        self.key = np.zeros((nkv, max(phys)), np.float64)      # victim keys, filled by the policy
+        self.victims = np.zeros(max(phys) + 1, np.int64)
+        self.needs_mass = self.policy_impl.needs_mass
+        self.mass = None                  # (n_kv, P) float32 attention mass scratch, set by the engine
+        self.layer_rope_mode = None       # per layer "stored" | "fused", fixed by the first engine
+
+    # -----------------------------------------------------------------------------------------
+    # Writes
+    # -----------------------------------------------------------------------------------------
+
+    def check_room(self, n_new: int) -> None:
+        """Raise before any work when policy full would overflow the model's context."""
+        if self.policy == "full" and self.n_seen + n_new > self.capacity:
+            raise ConfigError(f"{self.n_seen + n_new} tokens exceed the model's context {self.capacity} with "
+                              "policy 'full'; choose an eviction policy (e.g. streaming) or a shorter input")
+
+    def drops(self, il: int) -> int:
+        """Tokens the next write into layer il evicts per head (staged eviction, Algorithm 1)."""
+        if self.layer_ring[il]:
+            return int(self.count[il][0] >= self.layer_capacity[il])
+        held = int(self.count[il][0]) + 1
+        kv = self.kv
+        return held - keep_after(held, self.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop)
+
+    def write(self, il: int, k_new: np.ndarray, v_new: np.ndarray, seq: int, q: np.ndarray | None = None) -> None:
+        """Put token `seq` into layer il: k_new, v_new (n_kv_head, head_dim) float32 (keys before RoPE,
+        or rotated by `seq` with the engine's stored strategy). q (n_head, head_dim): the token's
+        query before RoPE, for policies whose victim depends on it (lsh); k_pre: see Policy.on_insert."""
+        if self.layer_ring[il]:
+            write = kv_write_streaming if self.update == "inplace" else kv_write_shift
+            write(self.k[il], self.v[il], self.seq[il], self.pos[il], self.count[il], self.evicted[il],
+                  k_new, v_new, seq, self.layer_sinks[il], self.reindexed)
+            return
+        n_drop = self.drops(il)
+        if n_drop > 0:
+            self.policy_impl.fill_keys(self, il, q, seq)
+        kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.score[il],
+                        self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new, seq, self.key,
+                        n_drop, self.layer_sinks[il], self.recent, self.reindexed, self.victims)
+
+    def query_position(self, il: int, seq: int) -> int:
+        """Logical position of the newest token (just written) in layer il (per-head counts are equal
+        for every policy here)."""
+        return int(self.count[il][0]) - 1 if self.reindexed else seq
+
+    def uses_policy(self, il: int) -> bool:
+        """Whether layer il runs the policy (False: the plain ring of streaming/full or a sliding window)."""
+        return not self.layer_ring[il]
+
+    def stats(self) -> dict:
+        return {"capacity": self.capacity, "length": int(max(int(c.max()) for c in self.count)),
+                "evicted_total": int(sum(int(e.sum()) for e in self.evicted)), "policy": self.policy,
+                "sinks": self.sinks, "recent": self.recent, "positions": self.positions, "update": self.update,
+                "tokens_seen": self.n_seen, "layer_capacity": list(self.layer_capacity),
+                "bytes": int(sum(a.nbytes for a in self.k + self.v + self.seq + self.rank + self.score + self.aux
+                                 + self.hist) + (0 if self.reindexed else sum(a.nbytes for a in self.pos)))}
 
     # -----------------------------------------------------------------------------------------
     # Save / restore (sessions)
     # -----------------------------------------------------------------------------------------
 
-    ARRAY_FIELDS = ("k", "v", "seq", "pos", "count", "evicted")
+    @property
+    def array_fields(self) -> tuple[str, ...]:
+        base = ("k", "v", "seq", "rank", "count", "evicted", "score", "aux", "hist")
+        return base if self.reindexed else base + ("pos",)
 
     def state(self) -> dict:
         """Everything that defines this store, as plain values: {"kv": KVConfig dict, "n_seen": int,
         "arrays": {"k.0": ndarray, ...}} (per-layer arrays named field.layer). Restored by restore()."""
-        arrays = {f"{name}.{il}": a for name in self.ARRAY_FIELDS for il, a in enumerate(getattr(self, name))}
-        return {"kv": self.kv.to_dict(), "n_seen": int(self.n_seen), "arrays": arrays}
+        arrays = {f"{name}.{il}": a for name in self.array_fields for il, a in enumerate(getattr(self, name))}
+        return {"kv": self.kv.to_dict(), "n_seen": int(self.n_seen), "arrays": arrays,
+                "layer_rope_mode": list(self.layer_rope_mode) if self.layer_rope_mode else None}
 
     @classmethod
     def restore(cls, spec: ModelSpec, state: dict) -> "KVStore":
@@ -174,6 +366,10 @@ class KVStore:
         try:
             store = cls(spec, KVConfig.from_dict(dict(state["kv"])))
             n_seen, arrays = int(state["n_seen"]), state["arrays"]
+            rope_mode = state.get("layer_rope_mode")
+            if rope_mode is not None and (len(rope_mode) != spec.n_layer
+                                          or not set(rope_mode) <= {"stored", "fused"}):
+                raise ValueError(f"layer_rope_mode {rope_mode!r}")
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"KV store state is malformed: {e!r}") from None
         fresh = store.state()["arrays"]
@@ -187,25 +383,5 @@ class KVStore:
         for name, ref in fresh.items():
             ref[...] = arrays[name]
         store.n_seen = n_seen
+        store.layer_rope_mode = list(rope_mode) if rope_mode is not None else None
         return store
-
-    def check_room(self, n_new: int) -> None:
-        """Raise before any work when policy full would overflow the model's context."""
-        if self.policy == "full" and self.n_seen + n_new > self.capacity:
-            raise ConfigError(f"{self.n_seen + n_new} tokens exceed the model's context {self.capacity} with "
-                              "policy 'full'; choose an eviction policy (e.g. streaming) or a shorter input")
-
-    def write(self, il: int, k_new: np.ndarray, v_new: np.ndarray, seq: int) -> None:
-        """Put token `seq` into layer il: k_new, v_new (n_kv_head, head_dim) float32 before RoPE."""
-        self._write(self.k[il], self.v[il], self.seq[il], self.pos[il], self.count[il], self.evicted[il],
-                           k_new, v_new, seq, self.layer_sinks[il], self.reindexed)
-
-    def query_position(self, il: int, seq: int) -> int:
-        """Logical position of the newest token (just written) in layer il."""
-        return int(self.count[il][0]) - 1 if self.reindexed else seq
-
-    def stats(self) -> dict:
-        return {"capacity": self.capacity, "length": int(max(int(c.max()) for c in self.count)),
-                "evicted_total": int(sum(int(e.sum()) for e in self.evicted)), "policy": self.policy,
-                "sinks": self.sinks, "positions": self.positions, "update": self.update, "tokens_seen": self.n_seen,
-                "bytes": int(sum(a.nbytes for a in self.k + self.v + self.seq + self.pos))}

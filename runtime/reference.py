@@ -7,10 +7,12 @@ position. Positions (DESIGN.md):
     reindexed: a key's position is its rank among the tokens the layer holds (0..n-1), the query's n-1;
     original:  a key's position is its index in the whole sequence, the query's its own index.
 
-Eviction: `full` (grow to the model's context, then an error) and `streaming` (StreamingLLM: keep
-the first `sinks` tokens and the most recent ones; the victim is the oldest non-sink token). Sliding-
-window layers (Gemma 3) hold min(window, capacity) tokens and, when the window fits the capacity,
-behave exactly like the model's own window: the oldest token leaves, no sinks.
+Eviction: `full` (grow to the model's context, then an error), `streaming` (StreamingLLM: keep
+the first `sinks` tokens and the most recent ones; the victim is the oldest non-sink token) and the
+score-based policies of runtime/reference_policies.py (NumPy, written apart from the Numba ones),
+with staged eviction (lazy/slack/max_drop). Sliding-window layers (Gemma 3) hold min(window,
+capacity) tokens and, when the window fits the capacity, behave exactly like the model's own
+window: the oldest token leaves, no sinks, no policy.
 
 This file never imports a Numba kernel: weights are dequantized with the `gguf` package's NumPy
 implementation, so it stays independent of ringllm.runtime.dequant.
@@ -22,11 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.qtensor import QTensor
+from ringllm.runtime.reference_policies import REF_POLICIES, staged_keep
 
-POSITION_MODES = ("reindexed", "original")
-REFERENCE_POLICIES = ("full", "streaming")
 
 # ---------------------------------------------------------------------------------------------
 # Weights
@@ -48,13 +50,18 @@ def dequantize_reference(t: QTensor) -> np.ndarray:
 
 @dataclass
 class LayerCache:
-    """One layer's cache. k, v: (n_kv_head, L, head_dim) float32, keys before RoPE; seq: (L,) int64."""
+    """One layer's cache, oldest first. k, v: (n_kv_head, L, head_dim) float32, keys before RoPE;
+    seq: (n_kv_head, L) int64 (heads may hold different tokens under per-head policies); state:
+    the policy's per-token arrays, (n_kv_head, L, ...) aligned with seq."""
 
     k: np.ndarray
     v: np.ndarray
     seq: np.ndarray
-    capacity: int        # tokens attended including the query; 0 = unbounded (full)
+    capacity: int        # tokens kept after pruning, the current one included; 0 = unbounded (full)
     sinks: int
+    recent: int
+    policy: bool         # False: plain streaming order (sliding-window layers, full)
+    state: dict
 
 
 class ReferenceCache:
@@ -62,53 +69,82 @@ class ReferenceCache:
 
     Args:
         spec: the model.
-        capacity: tokens each (global) layer holds, the current one included; None = policy full.
-        policy: "full" | "streaming".
-        sinks: first tokens never evicted (streaming).
-        positions: "reindexed" | "original".
+        kv: a KVConfig, or its keyword arguments (capacity, policy, sinks, positions, knobs).
     """
 
-    def __init__(self, spec: ModelSpec, capacity: int | None = None, policy: str = "full", sinks: int = 4,
-                 positions: str = "reindexed"):
-        if policy not in REFERENCE_POLICIES:
-            raise ConfigError(f"reference engine policy {policy!r} unknown; valid: {REFERENCE_POLICIES}")
-        if positions not in POSITION_MODES:
-            raise ConfigError(f"positions {positions!r} unknown; valid: {POSITION_MODES}")
-        if policy == "streaming":
-            if capacity is None or capacity < sinks + 1:
-                raise ConfigError(f"streaming needs capacity >= sinks + 1 (capacity={capacity}, sinks={sinks})")
-        self.spec, self.policy, self.positions = spec, policy, positions
+    def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, **kwargs):
+        kv = kv if kv is not None else KVConfig(**kwargs)
+        kv.validate()
+        if kv.policy not in REF_POLICIES:
+            raise ConfigError(f"reference engine policy {kv.policy!r} unknown; valid: {tuple(REF_POLICIES)}")
+        self.spec, self.kv, self.policy, self.positions = spec, kv, kv.policy, kv.positions
+        self.impl = REF_POLICIES[kv.policy](kv, spec)
         self.n_seen = 0
         hd, nkv = spec.head_dim, spec.n_head_kv
+        budgets = (self.impl.budgets(kv.capacity, spec.n_layer) if hasattr(self.impl, "budgets")
+                   else [kv.capacity or 0] * spec.n_layer)
         self.layers: list[LayerCache] = []
         for il in range(spec.n_layer):
-            cap, s = (capacity or 0) if policy == "streaming" else 0, sinks if policy == "streaming" else 0
+            evicting = kv.policy != "full"
+            cap, s = (budgets[il] if evicting else 0), (kv.sinks if evicting else 0)
+            recent = kv.resolved_recent if evicting else 0
+            uses_policy = evicting
             w = spec.window[il]
             if w and (cap == 0 or w <= cap):
-                cap, s = w, 0   # the model's own sliding window
+                cap, s, recent, uses_policy = w, 0, 0, False   # the model's own sliding window
             self.layers.append(LayerCache(np.zeros((nkv, 0, hd), np.float32), np.zeros((nkv, 0, hd), np.float32),
-                                          np.zeros(0, np.int64), cap, s))
+                                          np.zeros((nkv, 0), np.int64), cap, s, recent, uses_policy,
+                                          self.impl.new_state(nkv) if uses_policy else {}))
 
-    def insert(self, il: int, k: np.ndarray, v: np.ndarray, seq: int) -> None:
-        """Make room (shift out the victim) and append token `seq`: k, v (n_kv_head, head_dim) before RoPE."""
+    def n_drop(self, il: int) -> int:
+        """Tokens to evict before token number L = held + 1 enters layer il."""
         lc = self.layers[il]
-        if lc.capacity and lc.seq.size >= lc.capacity:
-            victim = lc.sinks   # oldest non-sink token
-            lc.k = np.delete(lc.k, victim, axis=1)
-            lc.v = np.delete(lc.v, victim, axis=1)
-            lc.seq = np.delete(lc.seq, victim)
+        held = lc.seq.shape[1] + 1
+        if not lc.capacity:
+            return 0
+        if not lc.policy:
+            return max(0, held - lc.capacity)
+        kv = self.kv
+        return held - staged_keep(held, lc.capacity, kv.lazy, kv.slack, kv.max_drop)
+
+    def insert(self, il: int, k: np.ndarray, v: np.ndarray, seq: int, q: np.ndarray | None = None) -> None:
+        """Make room (shift out the victims) and append token `seq`: k, v (n_kv_head, head_dim) before RoPE;
+        q (n_head, head_dim) its query before RoPE (policies that choose by the query)."""
+        lc = self.layers[il]
+        n_drop = self.n_drop(il)
+        if n_drop > 0:
+            if lc.policy:
+                drop = [self.impl.victims(lc, il, h, n_drop, q, seq, lc.sinks, lc.recent) for h in range(lc.seq.shape[0])]
+            else:
+                drop = [np.arange(lc.sinks, lc.sinks + n_drop)] * lc.seq.shape[0]   # oldest non-sink tokens
+            keep = [np.setdiff1d(np.arange(lc.seq.shape[1]), d) for d in drop]
+            lc.k = np.stack([lc.k[h, kp] for h, kp in enumerate(keep)])
+            lc.v = np.stack([lc.v[h, kp] for h, kp in enumerate(keep)])
+            lc.seq = np.stack([lc.seq[h, kp] for h, kp in enumerate(keep)])
+            lc.state = {name: np.stack([a[h, kp] for h, kp in enumerate(keep)]) for name, a in lc.state.items()}
+        nkv = lc.seq.shape[0]
         lc.k = np.concatenate([lc.k, k[:, None, :]], axis=1)
         lc.v = np.concatenate([lc.v, v[:, None, :]], axis=1)
-        lc.seq = np.append(lc.seq, seq)
+        lc.seq = np.concatenate([lc.seq, np.full((nkv, 1), seq, np.int64)], axis=1)
+        lc.state = {name: np.concatenate([a, np.zeros((nkv, 1) + a.shape[2:], a.dtype)], axis=1)
+                    for name, a in lc.state.items()}
+        if lc.policy:
+            self.impl.after_insert(lc, il, k)
 
-    def key_positions(self, il: int) -> np.ndarray:
-        """(L,) positions of the held keys under the position mode; the last entry is the query's."""
-        seq = self.layers[il].seq
+    def observe(self, il: int, weights: np.ndarray) -> None:
+        """weights (n_head, L): this step's attention rows, in the order of the held tokens."""
+        lc = self.layers[il]
+        if lc.policy:
+            self.impl.observe(lc, il, weights)
+
+    def key_positions(self, il: int, h: int = 0) -> np.ndarray:
+        """(L,) positions of head h's held keys under the position mode; the last entry is the query's."""
+        seq = self.layers[il].seq[h]
         return np.arange(seq.size, dtype=np.int64) if self.positions == "reindexed" else seq.copy()
 
     @property
     def length(self) -> int:
-        return max(int(lc.seq.size) for lc in self.layers)
+        return max(int(lc.seq.shape[1]) for lc in self.layers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,11 +175,12 @@ def activation(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 def rope(x: np.ndarray, pos: np.ndarray, rotary_dim: int, base: float, scale: float) -> np.ndarray:
-    """Rotate-half RoPE. x (..., L, head_dim) at positions pos (L,): the first rotary_dim dims are
-    split in halves (a, b) and become (a cos - b sin, b cos + a sin) with angle pos/scale * base^(-2i/rd)."""
+    """Rotate-half RoPE. x (..., L, head_dim) at positions pos (L,) or (..., L) broadcasting with x's
+    leading dims: the first rotary_dim dims are split in halves (a, b) and become
+    (a cos - b sin, b cos + a sin) with angle pos/scale * base^(-2i/rd)."""
     half = rotary_dim // 2
     inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rotary_dim)
-    ang = (pos.astype(np.float64) / scale)[:, None] * inv_freq[None, :]
+    ang = (pos.astype(np.float64) / scale)[..., None] * inv_freq
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     a, b = x[..., :half], x[..., half:rotary_dim]
     out = x.copy()
@@ -175,9 +212,8 @@ class ReferenceEngine:
         if spec.tied_output:
             self.w["output.weight"] = self.w["token_embd.weight"]
 
-    def new_cache(self, capacity: int | None = None, policy: str = "full", sinks: int = 4,
-                  positions: str = "reindexed") -> ReferenceCache:
-        return ReferenceCache(self.spec, capacity, policy, sinks, positions)
+    def new_cache(self, kv: KVConfig | None = None, **kwargs) -> ReferenceCache:
+        return ReferenceCache(self.spec, kv, **kwargs)
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
         if self.spec.norm == "layer":
@@ -253,13 +289,12 @@ class ReferenceEngine:
         out = np.zeros((T, nh, hd), np.float32)
         base, scale = s.rope_base[il], s.rope_scale[il]
         for t in range(T):
-            cache.insert(il, k[t], v[t], int(seqs[t]))
+            cache.insert(il, k[t], v[t], int(seqs[t]), q[t])
             lc = cache.layers[il]
-            pos = cache.key_positions(il)
-            keys = rope(lc.k, pos, s.rotary_dim, base, scale)                   # (nkv, L, hd)
-            qt = rope(q[t][:, None, :], pos[-1:], s.rotary_dim, base, scale)[:, 0]  # (nh, hd)
-            for hq in range(nh):
-                hk = hq // group
-                w = softmax((keys[hk] @ qt[hq]) * np.float32(s.attn_scale))
-                out[t, hq] = w @ lc.v[hk]
+            pos = np.stack([cache.key_positions(il, hk) for hk in range(nkv)])             # (nkv, L)
+            keys = rope(lc.k, pos, s.rotary_dim, base, scale)                            # (nkv, L, hd)
+            qt = rope(q[t].reshape(nkv, group, hd), pos[:, -1:], s.rotary_dim, base, scale)  # (nkv, group, hd)
+            weights = softmax(np.einsum("kgd,kld->kgl", qt, keys) * np.float32(s.attn_scale))
+            out[t] = np.einsum("kgl,kld->kgd", weights, lc.v).reshape(nh, hd)
+            cache.observe(il, weights.reshape(nh, -1))
         return out.reshape(T, nh * hd)

@@ -37,7 +37,7 @@ def _ref_attention(cache: ReferenceCache, il: int, q: np.ndarray, spec: ModelSpe
 def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_dim, update, rope):
     spec = _spec(rotary_dim=rotary_dim)
     store = KVStore(spec, capacity=capacity, policy="streaming", sinks=sinks, positions=positions, update=update)
-    ref = ReferenceCache(spec, capacity, "streaming", sinks, positions)
+    ref = ReferenceCache(spec, capacity=capacity, policy="streaming", sinks=sinks, positions=positions)
     rng = np.random.default_rng(0)
     table = RopeTable(spec.rotary_dim, spec.rope_base[0], 1.0, n=4)   # small: forces growth
     nh, nkv, hd = spec.n_head, spec.n_head_kv, spec.head_dim
@@ -68,7 +68,7 @@ def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_
         for h in range(nkv):
             n = store.count[0][h]
             order = np.argsort(store.seq[0][h, :n])
-            np.testing.assert_array_equal(store.seq[0][h, :n][order], ref.layers[0].seq)
+            np.testing.assert_array_equal(store.seq[0][h, :n][order], ref.layers[0].seq[h])
             np.testing.assert_array_equal(store.pos[0][h, :n][order], ref.key_positions(0))
         # attention mass per slot = sum over the group's heads of their softmax weights
         assert np.allclose(mass[:, : store.count[0][0]].sum(axis=1), nh // nkv, atol=1e-5)

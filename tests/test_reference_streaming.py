@@ -28,7 +28,7 @@ def test_cache_keeps_sinks_and_drops_oldest_non_sink():
     for t in range(10):
         cache.insert(0, kv + t, kv - t, t)
     lc = cache.layers[0]
-    assert lc.seq.tolist() == [0, 1, 6, 7, 8, 9]
+    assert lc.seq[0].tolist() == [0, 1, 6, 7, 8, 9]
     assert lc.k[0, :, 0].tolist() == [0, 1, 6, 7, 8, 9]   # keys moved with their tokens
     assert cache.key_positions(0).tolist() == [0, 1, 2, 3, 4, 5]
     cache.positions = "original"
@@ -41,12 +41,12 @@ def test_window_layers_slide_without_sinks():
     for t in range(7):
         for il in range(2):
             cache.insert(il, kv, kv, t)
-    assert cache.layers[0].seq.tolist() == [4, 5, 6]          # the model's window: no sinks
-    assert cache.layers[1].seq.tolist() == [0, 3, 4, 5, 6]    # the policy: sink 0 + recent
+    assert cache.layers[0].seq[0].tolist() == [4, 5, 6]          # the model's window: no sinks
+    assert cache.layers[1].seq[0].tolist() == [0, 3, 4, 5, 6]    # the policy: sink 0 + recent
 
 
 def test_bad_configs_raise():
-    with pytest.raises(ConfigError, match="capacity >= sinks"):
+    with pytest.raises(ConfigError, match="at least sinks \\+ 1"):
         ReferenceCache(_spec(), capacity=4, policy="streaming", sinks=4)
     with pytest.raises(ConfigError, match="positions"):
         ReferenceCache(_spec(), capacity=8, policy="streaming", positions="absolute")

@@ -68,7 +68,7 @@ def test_gemma3_window_really_slides(tmp_path):
     cache = eng.new_cache()
     eng.forward(list(range(20)), cache)
     assert [lc.seq.size for lc in cache.layers] == [8, 8, 20]
-    assert cache.layers[0].seq.tolist() == list(range(12, 20))
+    assert cache.layers[0].seq[0].tolist() == list(range(12, 20))
 
 
 def test_sharded_checkpoint_equals_single_file(tmp_path):

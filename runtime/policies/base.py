@@ -1,0 +1,66 @@
+"""The interface every eviction policy implements, and kernels several policies share.
+
+A policy owns no per-slot state of its own: what it remembers about a token lives in the store's
+per-slot arrays score (f64), aux (i64) and hist (f32, w wide), which move with the token when its
+slot is refilled. The engine calls, per layer and token:
+
+    store.write(il, k, v, seq, q)      -> policy.fill_keys(store, il, q, seq) when tokens must go
+    policy.on_insert(store, il, k_pre, q_pre)   the new token sits in slot count - 1
+    attention (emits per-slot mass only when policy.needs_mass)
+    policy.observe(store, il, mass, seq)
+
+fill_keys writes store.key[h, :count[h]]: the lowest keys among unprotected slots are evicted,
+ties going to the older token (store kernel choose_victims).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+class Policy:
+    """Base: streaming order (oldest first), no attention needed, no per-slot state."""
+
+    name = "base"
+    needs_mass = False        # the attention kernel must emit per-slot mass for observe()
+    history_width = 0         # columns of the store's hist array
+
+    def __init__(self, kv, spec):
+        self.kv, self.spec = kv, spec
+
+    def layer_budgets(self, capacity: int, n_layer: int) -> list[int]:
+        """Tokens kept per layer after pruning (PyramidKV overrides)."""
+        return [capacity] * n_layer
+
+    def fill_keys(self, store, il: int, q, seq: int) -> None:
+        seq_keys(store.key, store.seq[il], store.count[il])
+
+    def on_insert(self, store, il: int, k_pre: np.ndarray, q_pre: np.ndarray) -> None:
+        pass
+
+    def observe(self, store, il: int, mass: np.ndarray, seq: int) -> None:
+        pass
+
+
+@njit(cache=True, nogil=True)
+def seq_keys(key, seq_l, count_l):
+    """key[h, j] = sequence index: the oldest unprotected token goes first."""
+    for h in range(seq_l.shape[0]):
+        for j in range(count_l[h]):
+            key[h, j] = seq_l[h, j]
+
+
+@njit(cache=True, nogil=True)
+def copy_keys(key, score_l, count_l, sign):
+    """key[h, j] = sign * score[h, j] for occupied slots."""
+    for h in range(score_l.shape[0]):
+        for j in range(count_l[h]):
+            key[h, j] = sign * score_l[h, j]
+
+
+@njit(cache=True, nogil=True)
+def accumulate_mass(score_l, mass, count_l):
+    """score[h, j] += mass[h, j] (float64 accumulation) for occupied slots."""
+    for h in range(score_l.shape[0]):
+        for j in range(count_l[h]):
+            score_l[h, j] += mass[h, j]

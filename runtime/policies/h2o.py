@@ -1,0 +1,23 @@
+"""`h2o` (Heavy-Hitter Oracle, Zhang et al. 2023): evict the token with the lowest attention mass
+accumulated since it was inserted.
+
+Per (layer, kv head): after each attention step, every held token's score grows by the softmax
+weight it received, summed over the query heads of the GQA group; the new token's own weight counts
+(it attended to itself). Prefill tokens accumulate exactly like decode tokens (token by token).
+Accumulation is float64. Ties -> the older token. Default `recent` = capacity / 2: the paper's even
+split between heavy hitters and the recent window.
+"""
+from __future__ import annotations
+
+from ringllm.runtime.policies.base import Policy, accumulate_mass, copy_keys
+
+
+class H2O(Policy):
+    name = "h2o"
+    needs_mass = True
+
+    def fill_keys(self, store, il, q, seq):
+        copy_keys(store.key, store.score[il], store.count[il], 1.0)
+
+    def observe(self, store, il, mass, seq):
+        accumulate_mass(store.score[il], mass, store.count[il])

@@ -1,0 +1,192 @@
+"""Eviction policies of the NumPy reference engine: an ordered (oldest-first) cache per layer, written
+from DESIGN.md's definitions independently of the Numba policies in runtime/policies/.
+
+The reference cache of a layer keeps, per kv head, its tokens in sequence order (shift-and-append);
+index i of a head's arrays is therefore the token's rank. Per-token policy state is kept in arrays
+aligned with that order (np.delete'd with the token), never bit-packed: Scissorhands keeps a boolean
+history matrix, LSH boolean code vectors. Each policy answers:
+
+    victims(lc, il, h, n_drop, q, seq_new) -> indices (into head h's order) to evict
+    after_insert(lc, il, k_pre)                the new token is the last entry of every head
+    observe(lc, il, weights)                   weights (n_head, L): this step's softmax rows
+
+Selection rule shared by all (DESIGN.md): candidates are the tokens not among the `sinks` oldest or
+the `recent` newest already held; the n_drop with the lowest key go, ties to the older token.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+U64 = np.uint64
+
+
+def lowest_keys(key: np.ndarray, seq: np.ndarray, sinks: int, recent: int, n_drop: int) -> np.ndarray:
+    """Indices of the n_drop lowest keys among unprotected entries of an ordered head (ties: lower seq)."""
+    n = key.shape[0]
+    cand = np.arange(n)
+    cand = cand[(cand >= sinks) & (cand < n - recent)]
+    order = np.lexsort((seq[cand], key[cand]))
+    return cand[order[:n_drop]]
+
+
+class RefPolicy:
+    """Streaming order: the oldest unprotected tokens go."""
+
+    needs_weights = False
+
+    def __init__(self, kv, spec):
+        self.kv, self.spec = kv, spec
+        self.group = spec.n_head // spec.n_head_kv
+
+    def new_state(self, n_kv: int) -> dict:
+        return {}
+
+    def key(self, lc, il, h, q, seq_new) -> np.ndarray:
+        return lc.seq[h].astype(np.float64)
+
+    def victims(self, lc, il, h, n_drop, q, seq_new, sinks, recent):
+        return lowest_keys(self.key(lc, il, h, q, seq_new), lc.seq[h], sinks, recent, n_drop)
+
+    def after_insert(self, lc, il, k_pre):
+        pass
+
+    def observe(self, lc, il, weights):
+        pass
+
+    def group_sum(self, weights: np.ndarray) -> np.ndarray:
+        """(n_head, L) -> (n_kv, L): contributions of each GQA group's query heads added."""
+        return weights.reshape(self.spec.n_head_kv, self.group, -1).astype(np.float64).sum(axis=1)
+
+
+class RefH2O(RefPolicy):
+    needs_weights = True
+
+    def new_state(self, n_kv):
+        return {"acc": np.zeros((n_kv, 0))}
+
+    def key(self, lc, il, h, q, seq_new):
+        return lc.state["acc"][h]
+
+    def observe(self, lc, il, weights):
+        lc.state["acc"] = lc.state["acc"] + self.group_sum(weights)
+
+
+class RefTOVA(RefPolicy):
+    needs_weights = True
+
+    def new_state(self, n_kv):
+        return {"last": np.zeros((n_kv, 0))}
+
+    def key(self, lc, il, h, q, seq_new):
+        return lc.state["last"][h]
+
+    def observe(self, lc, il, weights):
+        mean = weights.astype(np.float64).sum(axis=0) / self.spec.n_head
+        lc.state["last"] = np.broadcast_to(mean, lc.state["last"].shape).copy()
+
+
+class RefScissorhands(RefPolicy):
+    needs_weights = True
+
+    def new_state(self, n_kv):
+        return {"low": np.zeros((n_kv, 0, self.kv.history), bool)}   # newest step last
+
+    def key(self, lc, il, h, q, seq_new):
+        return -lc.state["low"][h].sum(axis=1).astype(np.float64)
+
+    def observe(self, lc, il, weights):
+        n = weights.shape[1]
+        low = self.group_sum(weights) / self.group < 1.0 / n
+        lc.state["low"] = np.concatenate([lc.state["low"][:, :, 1:], low[:, :, None]], axis=2)
+
+
+class RefKNorm(RefPolicy):
+    def new_state(self, n_kv):
+        return {"norm": np.zeros((n_kv, 0))}
+
+    def key(self, lc, il, h, q, seq_new):
+        return -lc.state["norm"][h]
+
+    def after_insert(self, lc, il, k_pre):
+        lc.state["norm"][:, -1] = np.sqrt((k_pre.astype(np.float64) ** 2).sum(axis=1))
+
+
+class RefLSH(RefPolicy):
+    def __init__(self, kv, spec):
+        super().__init__(kv, spec)
+        self.proj = [np.random.default_rng(kv.seed + il).standard_normal((kv.lsh_bits, spec.head_dim)).astype(np.float32)
+                     for il in range(spec.n_layer)]
+
+    def new_state(self, n_kv):
+        return {"code": np.zeros((n_kv, 0, self.kv.lsh_bits), bool)}
+
+    def bits(self, il, x):
+        return (x.astype(np.float32) @ self.proj[il].T) > 0
+
+    def key(self, lc, il, h, q, seq_new):
+        qb = self.bits(il, q[h * self.group:(h + 1) * self.group])           # (group, c)
+        kb = lc.state["code"][h]                                            # (L, c)
+        return -(qb[:, None, :] != kb[None, :, :]).sum(axis=(0, 2)).astype(np.float64)
+
+    def after_insert(self, lc, il, k_pre):
+        lc.state["code"][:, -1] = self.bits(il, k_pre)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = (x + U64(0x9E3779B97F4A7C15)).astype(U64)
+        x = (x ^ (x >> U64(30))) * U64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> U64(27))) * U64(0x94D049BB133111EB)
+        return x ^ (x >> U64(31))
+
+
+class RefRandom(RefPolicy):
+    def key(self, lc, il, h, q, seq_new):
+        s = _splitmix64(np.array([self.kv.seed], U64))
+        s = _splitmix64(s ^ U64(il * 1024 + h))
+        base = _splitmix64(s ^ U64(seq_new))
+        return (_splitmix64(base ^ lc.seq[h].astype(U64)) >> U64(11)).astype(np.float64) / 2.0 ** 53
+
+
+class RefSnapKV(RefPolicy):
+    needs_weights = True
+
+    def new_state(self, n_kv):
+        return {"win": np.zeros((n_kv, 0, self.kv.window), np.float32)}
+
+    def key(self, lc, il, h, q, seq_new):
+        raw = lc.state["win"][h].astype(np.float64).sum(axis=1)
+        half, n = self.kv.pool // 2, raw.shape[0]
+        return np.array([raw[max(0, i - half):min(n, i + half + 1)].max() for i in range(n)])
+
+    def observe(self, lc, il, weights):
+        col = int(lc.seq[0, -1]) % self.kv.window         # the query is the newest token
+        lc.state["win"][:, :, col] = self.group_sum(weights).astype(np.float32)
+
+    def budgets(self, capacity, n_layer):
+        return [capacity] * n_layer
+
+
+class RefPyramidKV(RefSnapKV):
+    def budgets(self, capacity, n_layer):
+        if n_layer == 1:
+            return [capacity]
+        top = capacity / self.kv.pyramid_beta
+        bottom = 2 * capacity - top
+        floor = self.kv.sinks + self.kv.resolved_recent + 1
+        return [max(floor, int(round(bottom - (bottom - top) * il / (n_layer - 1)))) for il in range(n_layer)]
+
+
+REF_POLICIES = {"full": RefPolicy, "streaming": RefPolicy, "h2o": RefH2O, "tova": RefTOVA,
+                "scissorhands": RefScissorhands, "knorm": RefKNorm, "lsh": RefLSH, "random": RefRandom,
+                "snapkv": RefSnapKV, "pyramidkv": RefPyramidKV}
+
+
+def staged_keep(length: int, capacity: int, lazy: int, slack: int, max_drop: int) -> int:
+    """Algorithm 1 of the staged-eviction seed, written out on its own: tokens kept of `length` held."""
+    over = length - capacity
+    if over <= 0 or over < lazy:
+        return length
+    if max_drop == 0:
+        return capacity
+    return int(np.clip(length - max_drop, capacity, capacity + slack))

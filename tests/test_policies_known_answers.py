@@ -1,0 +1,227 @@
+"""Known answers per eviction policy on small hand-built stores: which slot goes given these scores,
+keys, codes or histories (ties included), and the staged-eviction rule (Algorithm 1) step by step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_config import KVConfig, keep_after
+from ringllm.runtime.kv_store import KVStore
+from ringllm.runtime.model_spec import ModelSpec
+from ringllm.runtime.reference_policies import staged_keep
+
+HD = 4
+
+
+def _spec(n_head=2, n_kv=1, n_layer=1):
+    return ModelSpec(arch="llama", n_vocab=16, n_embd=n_head * HD, n_layer=n_layer, n_head=n_head, n_head_kv=n_kv,
+                     head_dim=HD, n_ff=8, n_ctx=512)
+
+
+def _fill(store, n, keys=None):
+    """Write tokens 0..n-1 into layer 0 (no eviction yet); key of token t = keys[t] (HD,) or t."""
+    nkv = store.spec.n_head_kv
+    for t in range(n):
+        k = np.zeros((nkv, HD), np.float32) + (t if keys is None else np.asarray(keys[t], np.float32))
+        store.write(0, k, np.zeros((nkv, HD), np.float32), t, np.zeros((store.spec.n_head, HD), np.float32))
+        store.policy_impl.on_insert(store, 0, k, None)
+        store.n_seen += 1
+
+
+def _evicted_by_next_write(store, q=None):
+    """Sequence indices that leave layer 0 when the next token arrives."""
+    before = set(store.seq[0][0, : store.count[0][0]].tolist())
+    nkv, nh = store.spec.n_head_kv, store.spec.n_head
+    q = np.zeros((nh, HD), np.float32) if q is None else q
+    k = np.zeros((nkv, HD), np.float32)
+    store.write(0, k, k, store.n_seen, q)
+    store.n_seen += 1
+    after = set(store.seq[0][0, : store.count[0][0]].tolist())
+    return sorted(before - after)
+
+
+def _scored(policy, scores, **kw):
+    st = KVStore(_spec(), KVConfig(capacity=len(scores), policy=policy, **kw))
+    _fill(st, len(scores))
+    st.score[0][0, : len(scores)] = scores
+    return st
+
+
+def test_h2o_lowest_accumulated_mass_ties_to_older():
+    st = _scored("h2o", [9.0, 1.0, 0.5, 0.5, 7.0, 3.0], sinks=1, recent=1)
+    assert _evicted_by_next_write(st) == [2]                     # tie 0.5/0.5 -> older token 2
+    # the hole took the last slot's token; nothing shifted
+    assert st.seq[0][0, :6].tolist() == [0, 1, 5, 3, 4, 6]
+    assert st.rank[0][0, :6].tolist() == [0, 1, 4, 2, 3, 5]
+
+
+def test_h2o_protects_sinks_and_recent():
+    st = _scored("h2o", [0.0, 5.0, 6.0, 7.0, 0.1, 0.0], sinks=1, recent=2)
+    assert _evicted_by_next_write(st) == [1]                     # 0 is a sink, 4 and 5 are recent
+
+
+def test_h2o_accumulates_mass_from_attention():
+    st = KVStore(_spec(), KVConfig(capacity=4, policy="h2o", sinks=0, recent=0))
+    _fill(st, 3)
+    mass = np.array([[0.5, 1.0, 0.5, 0.0]], np.float32)
+    st.policy_impl.observe(st, 0, mass, 2)
+    st.policy_impl.observe(st, 0, mass, 2)
+    assert st.score[0][0, :3].tolist() == [1.0, 2.0, 1.0]
+
+
+def test_tova_one_victim_for_all_heads():
+    st = KVStore(_spec(n_head=4, n_kv=2), KVConfig(capacity=4, policy="tova", sinks=0))
+    _fill(st, 4)
+    mass = np.array([[0.9, 0.1, 0.5, 0.5], [0.9, 0.3, 0.1, 0.7]], np.float32)   # per kv head, group-summed
+    st.policy_impl.observe(st, 0, mass, 3)
+    np.testing.assert_allclose(st.score[0][:, :4], [[0.45, 0.1, 0.15, 0.3]] * 2, rtol=1e-6)
+    assert _evicted_by_next_write(st) == [1]
+    assert st.seq[0][0].tolist() == st.seq[0][1].tolist()          # the heads stay aligned
+
+
+def test_scissorhands_most_unimportant_steps_goes():
+    st = KVStore(_spec(), KVConfig(capacity=5, policy="scissorhands", sinks=0, recent=1, history=4))
+    _fill(st, 5)
+    # group of 2 query heads; 1/n = 0.2: a token is unimportant when its mass / 2 < 0.2
+    for mass in ([0.1, 0.9, 0.2, 0.6, 0.2], [0.1, 0.9, 0.9, 0.1, 0.0], [0.5, 0.1, 0.1, 0.1, 0.2]):
+        st.policy_impl.observe(st, 0, np.array([mass], np.float32), 4)
+    # bits, oldest step first: t0 110 -> 2 set, t1 001 -> 1, t2 101 -> 2, t3 011 -> 2, t4 (recent)
+    assert [bin(int(a)).count("1") for a in st.aux[0][0, :5]] == [2, 1, 2, 2, 3]
+    assert _evicted_by_next_write(st) == [0]                       # ties among 2s -> oldest
+    st2 = KVStore(_spec(), KVConfig(capacity=3, policy="scissorhands", sinks=0, recent=0, history=2))
+    _fill(st2, 3)
+    for _ in range(5):                                             # history window of 2 steps caps the count
+        st2.policy_impl.observe(st2, 0, np.array([[0.0, 1.0, 0.0]], np.float32), 2)
+    assert st2.aux[0][0, :3].tolist() == [3, 0, 3]
+
+
+def test_knorm_largest_key_norm_goes():
+    keys = [[1, 0, 0, 0], [3, 4, 0, 0], [0, 0, 0, 2], [0, -5, 0, 0], [1, 1, 1, 1]]   # norms 1 5 2 5 2
+    st = KVStore(_spec(), KVConfig(capacity=5, policy="knorm", sinks=0))
+    _fill(st, 5, keys)
+    assert st.score[0][0, :5].tolist() == [1.0, 5.0, 2.0, 5.0, 2.0]
+    assert _evicted_by_next_write(st) == [1]                       # tie 5/5 -> older
+
+
+def test_lsh_farthest_code_goes():
+    st = KVStore(_spec(), KVConfig(capacity=4, policy="lsh", sinks=0, recent=0, lsh_bits=4))
+    st.policy_impl.proj[0] = np.eye(4, dtype=np.float32)          # code bit i = sign of dim i
+    keys = [[1, 1, 1, 1], [-1, -1, -1, -1], [1, -1, 1, 1], [-1, -1, 1, 1]]
+    _fill(st, 4, keys)
+    assert st.aux[0][0, :4].tolist() == [0b1111, 0, 0b1101, 0b1100]
+    q = np.array([[1, 1, 1, 1], [1, 1, -1, 1]], np.float32)      # codes 1111, 1011 (group of 2)
+    # Hamming sums: t0 0+1=1, t1 4+3=7, t2 1+2=3, t3 2+3=5
+    assert _evicted_by_next_write(st, q) == [1]
+    assert np.all(st.aux[0][0, :4] >= 0)
+
+
+def test_random_is_seeded_and_uniform():
+    def victims(seed):
+        out = []
+        for trial in range(300):
+            st = KVStore(_spec(), KVConfig(capacity=6, policy="random", sinks=1, seed=seed))
+            _fill(st, 6)
+            st.n_seen = 6 + trial                                  # a different draw per trial
+            out += _evicted_by_next_write(st)
+        return out
+
+    a = victims(0)
+    assert a == victims(0) and a != victims(1)
+    counts = np.bincount(a, minlength=6)
+    assert counts[0] == 0                                          # the sink
+    assert counts[1:].min() > 30 and counts[1:].max() < 90         # ~60 each
+
+
+def test_snapkv_pooled_window_scores():
+    st = KVStore(_spec(), KVConfig(capacity=7, policy="snapkv", sinks=1, recent=1, window=2, pool=3))
+    _fill(st, 7)
+    st.policy_impl.observe(st, 0, np.array([[0, 0.1, 0, 0, 0.4, 0, 0]], np.float32), 5)
+    st.policy_impl.observe(st, 0, np.array([[0, 0.1, 0, 0, 0.1, 0, 0]], np.float32), 6)
+    # window sums [0 .2 0 0 .5 0 0]; pooled over 3: [.2 .2 .2 .5 .5 .5 0]; unprotected 1..5 -> lowest .2, oldest 1
+    assert _evicted_by_next_write(st) == [1]
+    st.policy_impl.observe(st, 0, np.zeros((1, 7), np.float32), 7)   # column 7 % 2 = 1 replaced: only step 6 left
+    sums = dict(zip(st.seq[0][0, :7].tolist(), st.hist[0][0, :7].sum(axis=1).tolist()))
+    assert sums[4] == pytest.approx(0.1) and sum(sums.values()) == pytest.approx(0.1)
+
+
+def test_pyramidkv_budgets_fall_with_depth_and_average_capacity():
+    st = KVStore(_spec(n_layer=5), KVConfig(capacity=100, policy="pyramidkv", sinks=4, window=8, pyramid_beta=4))
+    assert st.layer_capacity == [175, 138, 100, 62, 25]
+    assert sum(st.layer_capacity) == 500
+
+
+# ---------------------------------------------------------------------------------------------
+# Staged eviction (Algorithm 1)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_seed_worked_example():
+    # (S, W, R, sigma, delta) = (4, 2044, 32, 16, 32): C = S + W = 2048, H = 2064
+    assert keep_after(2090, 2048, 32, 16, 32) == 2058 == staged_keep(2090, 2048, 32, 16, 32)
+    assert keep_after(2079, 2048, 32, 16, 32) == 2079              # L - C = 31 < R: lazy, nothing dropped
+    assert keep_after(2080, 2048, 32, 16, 32) == 2048              # max(2048, 2048) capped by H
+    assert keep_after(2200, 2048, 32, 16, 32) == 2064              # slack caps what is kept at H
+    assert keep_after(2090, 2048, 32, 16, 0) == 2048               # delta = 0: back to C
+    assert keep_after(2049, 2048, 0, 0, 0) == 2048                 # all zero: plain per-step eviction
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "knorm"])
+def test_staged_trace_step_by_step(policy):
+    # C = 8, R = 3, sigma = 2, delta = 2: hold until L = 11, keep min(max(11 - 2, 8), 10) = 9, ...
+    kv = KVConfig(capacity=8, policy=policy, sinks=1, recent=1, lazy=3, slack=2, max_drop=2)
+    st = KVStore(_spec(), kv)
+    lengths, dropped = [], []
+    for t in range(16):
+        before = int(st.evicted[0][0])
+        _fill_one(st, t)
+        lengths.append(int(st.count[0][0]))
+        dropped.append(int(st.evicted[0][0]) - before)
+    assert lengths == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 9, 10, 9, 10, 9, 10]
+    assert dropped == [0] * 10 + [2, 0, 2, 0, 2, 0]
+    assert max(lengths) <= st.layer_physical[0]
+    if policy == "streaming":                                      # oldest non-sinks went, sink 0 stayed
+        assert sorted(st.seq[0][0, :10].tolist()) == [0, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+
+
+def _fill_one(st, t):
+    k = np.full((1, HD), float(t % 5), np.float32)
+    st.write(0, k, k, t, np.zeros((2, HD), np.float32))
+    st.policy_impl.on_insert(st, 0, k, None)
+    st.n_seen += 1
+
+
+def test_staged_held_length_bound():
+    kv = KVConfig(capacity=16, policy="h2o", sinks=2, recent=2, lazy=5, slack=3, max_drop=4)
+    st = KVStore(_spec(), kv)
+    top = 0
+    for t in range(200):
+        _fill_one(st, t)
+        top = max(top, int(st.count[0][0]))
+    assert top == 16 + 5 - 1 <= kv.physical_capacity               # C + R - 1: pruning at L = C + R
+
+
+# ---------------------------------------------------------------------------------------------
+# KVConfig validation
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(capacity=64, policy="h3o"), "valid: full, streaming, h2o"),
+    (dict(capacity=64, policy="h2o", sinks=4, recent=60), "sinks \\+ recent"),
+    (dict(capacity=4, policy="streaming", sinks=4), "at least sinks \\+ 1"),
+    (dict(capacity=64, policy="gvote", gvote_p=0.0), "gvote_p must be in \\(0, 1\\]"),
+    (dict(capacity=64, policy="gvote", gvote_p=1.5), "gvote_p"),
+    (dict(capacity=64, policy="lsh", lsh_bits=0), "lsh_bits must be in 1..64"),
+    (dict(capacity=64, policy="lsh", lsh_bits=65), "lsh_bits"),
+    (dict(capacity=64, policy="streaming", positions="absolute"), "valid: reindexed, original"),
+    (dict(policy="streaming"), "needs a capacity"),
+    (dict(capacity=64, policy="full", lazy=8), "needs an eviction policy"),
+    (dict(capacity=64, policy="h2o", update="shift"), "streaming only"),
+    (dict(capacity=64, policy="snapkv", pool=4), "odd"),
+    (dict(capacity=64.5, policy="streaming"), "integer"),
+])
+def test_kvconfig_errors_name_the_problem(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        KVConfig(**kw)
