@@ -3,6 +3,8 @@
     python bench/rope_strategies.py [-m MODEL] [--capacity 512] [-n 300] [-t THREADS] [--repeats 3]
 
 rope "fused": keys stored plain, rotated by their slot's logical position as attention reads them.
+rope "rk": EQUIP's cached rotate-half: rotate_half(k) stored beside k (+50% KV), two FMAs per dim at read.
+rope "kshift": keys stored rotated at their logical position, re-rotated by -1 on every re-index (llama.cpp).
 rope "stored": keys rotated once at write by sequence index; the query rotated by the slot offset.
 update "inplace" (EQUIP) vs "shift" (HF-style shift-and-append: survivors copied on every eviction).
 Writes bench/results/rope_strategies.{json,md}.
@@ -35,8 +37,9 @@ def main():
     path = args.model or default_model_path()
     model = load_model(path, tokenizer=False)
     fill = np.random.default_rng(0).integers(100, 5000, args.capacity + 16).tolist()
-    configs = [(r, u, p) for r in ("stored", "fused") for u in ("inplace", "shift") for p in ("reindexed", "original")]
-    engines = {r: CPUEngine(model.spec, model.tensors, n_threads=args.threads, rope=r) for r in ("stored", "fused")}
+    configs = [(r, "inplace", p) for r in CPUEngine.ROPE_MODES for p in ("reindexed", "original")]
+    configs += [(r, "shift", p) for r in ("stored", "fused") for p in ("reindexed", "original")]
+    engines = {r: CPUEngine(model.spec, model.tensors, n_threads=args.threads, rope=r) for r in CPUEngine.ROPE_MODES}
     results = {c: [] for c in configs}
     for _ in range(args.repeats):           # interleave configs so drift hits all alike
         for rope, update, positions in configs:

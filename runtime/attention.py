@@ -210,3 +210,75 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
                     acc += qg[d] * kj[d]
                 scores[h0 + g, j] = acc
         _softmax_weighted_v(out, scores, v_l, mass, h, n, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# EQUIP's cached rotate-half (RK cache): RoPE(k) at p = k * C[p] + rk * S[p], rk = rotate_half(k)
+# ---------------------------------------------------------------------------------------------
+#
+# C, S (n_pos, rotary_dim) are the cos/sin tables repeated over both halves and rk = (-b, a) for a
+# key's halves (a, b) is stored beside the key at write time (+rotary_dim floats per key, i.e. +50%
+# KV memory at full rotary), so rotating a key at read is two multiply-adds per dim with no half-split
+# shuffle: the form EQUIP uses to make re-indexed RoPE cheap on the fly.
+
+
+class FullRopeTable:
+    """cos, sin (n, rotary_dim) float32: a RopeTable's rows repeated over both halves."""
+
+    def __init__(self, table: RopeTable):
+        self.table = table
+        self.cos = self.sin = np.zeros((0, table.rotary_dim), np.float32)
+        self.ensure(table.cos.shape[0])
+
+    def ensure(self, n: int) -> None:
+        if n <= self.cos.shape[0]:
+            return
+        self.table.ensure(n)
+        self.cos = np.ascontiguousarray(np.concatenate([self.table.cos, self.table.cos], axis=1))
+        self.sin = np.ascontiguousarray(np.concatenate([self.table.sin, self.table.sin], axis=1))
+
+
+@njit(cache=True, nogil=True)
+def rk_write(rk_l, k_l, seq_l, count_l, seq_new, rotary_dim):
+    """rk_l[h, slot] = rotate_half(k_l[h, slot]) over the rotary dims, for the slot holding seq_new."""
+    half = rotary_dim // 2
+    for h in range(seq_l.shape[0]):
+        for j in range(seq_l.shape[1]):
+            if seq_l[h, j] == seq_new:
+                for i in range(half):
+                    rk_l[h, j, i] = -k_l[h, j, i + half]
+                    rk_l[h, j, i + half] = k_l[h, j, i]
+                break
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def attend_rk(out, q, k_l, rk_l, v_l, pos_l, count_l, q_pos, cosf, sinf, cos, sin, rotary_dim, scale, scores,
+              qrot, mass):
+    """attend() reading keys through the RK cache: rk_l (n_kv, cap, rotary_dim) f32 = rotate_half of
+    each key; cosf, sinf (n_pos, rotary_dim) full-width tables (FullRopeTable); cos, sin the
+    half-width ones (the query is rotated once). Other arguments as in attend()."""
+    n_head, hd = q.shape
+    n_kv = k_l.shape[0]
+    group = n_head // n_kv
+    for hq in range(n_head):
+        _rotate_into(qrot[hq], q[hq], q_pos, cos, sin, rotary_dim)
+        for d in range(hd):
+            qrot[hq, d] *= scale
+    for h in range(n_kv):
+        n = count_l[h]
+        h0 = h * group
+        for j in range(n):
+            p = pos_l[h, j]
+            c = cosf[p]
+            s = sinf[p]
+            kj = k_l[h, j]
+            rj = rk_l[h, j]
+            for g in range(group):
+                qg = qrot[h0 + g]
+                acc = np.float32(0.0)
+                for d in range(rotary_dim):
+                    acc += qg[d] * (kj[d] * c[d] + rj[d] * s[d])
+                for d in range(rotary_dim, hd):
+                    acc += qg[d] * kj[d]
+                scores[h0 + g, j] = acc
+        _softmax_weighted_v(out, scores, v_l, mass, h, n, group)

@@ -22,11 +22,12 @@ import numba
 import numpy as np
 
 from ringllm.runtime import matvec as mv
-from ringllm.runtime.attention import RopeTable, attend, attend_stored, rope_rows_at
+from ringllm.runtime.attention import (FullRopeTable, RopeTable, attend, attend_rk, attend_stored, rk_write,
+                                      rope_rows_at)
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
-from ringllm.runtime.kv_store import KVStore
+from ringllm.runtime.kv_store import KVStore, kv_write_kshift
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.ops import ACT_CODES, add_bias, act_inplace, gated_act, layer_norm_rows, rms_norm_rows, softcap
 from ringllm.runtime.qtensor import QTensor
@@ -66,10 +67,16 @@ class CPUEngine:
         rope: where RoPE is applied (both exact, see runtime/attention.py):
             "stored" (default): keys rotated once at write by their sequence index, the query rotated
                 by each slot's offset (sequence index - logical position) at read;
-            "fused": keys stored plain, each rotated by its slot's logical position as it is read.
+            "fused": keys stored plain, each rotated by its slot's logical position as it is read;
+            "rk": EQUIP's cached rotate-half: rotate_half(k) stored beside each key (+50% KV memory),
+                keys rotated at read by two multiply-adds per dim;
+            "kshift": keys stored rotated at their logical position and re-rotated by the position
+                change when an eviction re-indexes them (llama.cpp's K-shift).
+        Layers where a score-based policy chooses victims always use "fused" (see adopt_store).
+        bench/rope_strategies.py measures them against each other.
     """
 
-    ROPE_MODES = ("stored", "fused")
+    ROPE_MODES = ("stored", "fused", "rk", "kshift")
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, QTensor], n_threads: int | None = None, n_batch: int = 64,
                  rope: str = "stored"):
@@ -104,9 +111,14 @@ class CPUEngine:
         for il in range(spec.n_layer):
             key = (spec.rope_base[il], spec.rope_scale[il])
             if key not in self.ropes:
-                self.ropes[key] = RopeTable(spec.rotary_dim, *key, n=1 if rope == "stored" else 4096)
+                self.ropes[key] = RopeTable(spec.rotary_dim, *key, n=4096 if rope in ("fused", "rk") else 1)
             self.layer_rope.append(self.ropes[key])
         self.layer_inv_freq = [t.inv_freq for t in self.layer_rope]
+        full = {id(t): FullRopeTable(t) for t in self.ropes.values()}
+        self.layer_full_rope = [full[id(t)] for t in self.layer_rope]
+        # cos, sin of a one-position step back, per layer (kshift)
+        self.layer_back = [np.stack([np.cos(-t.inv_freq / t.scale), np.sin(-t.inv_freq / t.scale)]).astype(np.float32)
+                           for t in self.layer_rope]
         self.ktmp = np.zeros(hd + spec.rotary_dim, np.float32)
         self.angles = np.zeros((2, spec.rotary_dim // 2), np.float32)
         self.scores = np.zeros((nh, 0), np.float32)
@@ -147,13 +159,18 @@ class CPUEngine:
         if store.needs_mass and getattr(store, "mass", None) is None:
             store.mass = np.zeros((self.spec.n_head_kv, cap), np.float32)
         modes = ["fused" if store.uses_policy(il) else self.rope for il in range(self.spec.n_layer)]
+        if store.update == "shift" and self.rope in ("rk", "kshift"):
+            raise ConfigError(f"rope {self.rope!r} works on the in-place store only (update 'inplace')")
         if store.layer_rope_mode is not None and store.layer_rope_mode != modes and store.n_seen > 0:
             raise ConfigError(f"this store holds keys laid out for RoPE strategy {store.layer_rope_mode[0]!r}; "
                               f"this engine uses {self.rope!r}: continue it with an engine of the same strategy")
         store.layer_rope_mode = modes
-        if "fused" in store.layer_rope_mode:
-            for table in self.ropes.values():
-                table.ensure(cap + 1)
+        if "rk" in modes and store.rk is None:
+            store.rk = [np.zeros(k.shape[:2] + (self.spec.rotary_dim,), np.float32) for k in store.k]
+        if "fused" in modes or "rk" in modes:
+            for il in range(self.spec.n_layer):
+                self.layer_rope[il].ensure(cap + 1)
+                self.layer_full_rope[il].ensure(cap + 1)
         return store
 
     def step(self, token: int, store: KVStore) -> np.ndarray:
@@ -270,7 +287,7 @@ class CPUEngine:
         scale = np.float32(s.attn_scale)
         kk = b.k.reshape(T, nkv, hd)
         inv_freq, inv_scale = self.layer_inv_freq[il], 1.0 / s.rope_scale[il]
-        fused = store.layer_rope_mode[il] == "fused"
+        mode = store.layer_rope_mode[il]
         policy = store.policy_impl if store.uses_policy(il) else None
         mass = store.mass if policy is not None and policy.needs_mass else self.no_mass
         for t in range(T):
@@ -279,18 +296,32 @@ class CPUEngine:
             if policy is not None:
                 store.write(il, kk[t], v3[t], seq, q_t)
                 policy.on_insert(store, il, kk[t], q_t)
+            elif mode == "kshift":
+                kv_write_kshift(store.k[il], store.v[il], store.seq[il], store.pos[il], store.count[il],
+                                store.evicted[il], kk[t], v3[t], seq, store.layer_sinks[il], store.reindexed,
+                                inv_freq, inv_scale, s.rotary_dim, self.layer_back[il], self.angles, self.ktmp)
             else:
-                if not fused:
+                if mode == "stored":
                     rope_rows_at(kk[t], seq, inv_freq, inv_scale, s.rotary_dim, self.ktmp)
                 store.write(il, kk[t], v3[t], seq)
+                if mode == "rk":
+                    rk_write(store.rk[il], store.k[il], store.seq[il], store.count[il], seq, s.rotary_dim)
             qp = store.query_position(il, seq)
-            if fused:
+            if mode == "fused" or mode == "rk":
                 if qp >= table.cos.shape[0]:
                     table.ensure(qp + 1)
+                    self.layer_full_rope[il].ensure(qp + 1)
+            if mode == "fused":
                 attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il], qp,
                        table.cos, table.sin, s.rotary_dim, scale, self.scores, self.krot, self.qrot, mass)
-            else:
-                attend_stored(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.seq[il], store.count[il],
+            elif mode == "rk":
+                ft = self.layer_full_rope[il]
+                attend_rk(self.out3, q_t, store.k[il], store.rk[il], store.v[il], store.pos[il], store.count[il], qp,
+                          ft.cos, ft.sin, table.cos, table.sin, s.rotary_dim, scale, self.scores, self.qrot,
+                          self.no_mass)
+            else:   # stored (offsets seq - pos) or kshift (keys at their own position: offsets pos - pos = 0)
+                ref = store.seq[il] if mode == "stored" else store.pos[il]
+                attend_stored(self.out3, q_t, store.k[il], store.v[il], store.pos[il], ref, store.count[il],
                               qp, inv_freq, inv_scale, s.rotary_dim, scale, self.scores, self.qrot, self.angles,
                               self.no_mass)
             if policy is not None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ringllm.runtime.attention import _angles_at, _rotate_with
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig, keep_after
 from ringllm.runtime.model_spec import ModelSpec
@@ -216,6 +217,48 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, coun
         count_l[h] = slot + 1
 
 
+@njit(cache=True, nogil=True)
+def kv_write_kshift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed, inv_freq,
+                    inv_scale, rotary_dim, back, angles, tmp):
+    """kv_write_streaming for keys stored rotated at their logical position (llama.cpp's K-shift, the
+    staged-eviction seed's Eq. 4): in reindexed mode an eviction moves every newer token down one
+    position, so its stored key is re-rotated by -1 in place (back (2, rotary_dim/2) f32: cos, sin of
+    -inv_freq/scale). The new key k_new (pre-RoPE) is rotated at its position as it is written.
+    angles (2, rotary_dim/2) f32 and tmp (hd,) f32 are scratch."""
+    n_kv, cap = seq_l.shape
+    hd = k_l.shape[2]
+    have = np.int64(-1)
+    for h in range(n_kv):
+        n = count_l[h]
+        if n < cap:
+            slot = n
+            count_l[h] = n + 1
+            pos_new = n if reindexed else seq_new
+        else:
+            slot = sinks + evicted_l[h] % (cap - sinks)
+            evicted_l[h] += 1
+            if reindexed:
+                victim_seq = seq_l[h, slot]
+                for j in range(cap):
+                    if seq_l[h, j] > victim_seq:
+                        pos_l[h, j] -= 1
+                        _rotate_with(tmp, k_l[h, j], back[0], back[1], rotary_dim)
+                        for d in range(hd):
+                            k_l[h, j, d] = tmp[d]
+                pos_new = cap - 1
+            else:
+                pos_new = seq_new
+        if pos_new != have:
+            _angles_at(angles[0], angles[1], pos_new, inv_freq, inv_scale)
+            have = pos_new
+        _rotate_with(tmp, k_new[h], angles[0], angles[1], rotary_dim)
+        seq_l[h, slot] = seq_new
+        pos_l[h, slot] = pos_new
+        for d in range(hd):
+            k_l[h, slot, d] = tmp[d]
+            v_l[h, slot, d] = v_new[h, d]
+
+
 # ---------------------------------------------------------------------------------------------
 # Store
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +332,8 @@ class KVStore:
         self.victims = np.zeros(max(phys) + 1, np.int64)
         self.needs_mass = self.policy_impl.needs_mass
         self.mass = None                  # (n_kv, P) float32 attention mass scratch, set by the engine
-        self.layer_rope_mode = None       # per layer "stored" | "fused", fixed by the first engine
+        self.layer_rope_mode = None       # per layer "stored" | "fused" | "rk" | "kshift", fixed by the first engine
+        self.rk = None                    # RK cache, per layer (n_kv, P, rotary_dim) f32, rope "rk" only
 
     # -----------------------------------------------------------------------------------------
     # Writes
@@ -349,7 +393,7 @@ class KVStore:
     @property
     def array_fields(self) -> tuple[str, ...]:
         base = ("k", "v", "seq", "rank", "count", "evicted", "score", "aux", "hist")
-        return base if self.reindexed else base + ("pos",)
+        return base + (() if self.reindexed else ("pos",)) + (("rk",) if self.rk is not None else ())
 
     def state(self) -> dict:
         """Everything that defines this store, as plain values: {"kv": KVConfig dict, "n_seen": int,
@@ -368,10 +412,12 @@ class KVStore:
             n_seen, arrays = int(state["n_seen"]), state["arrays"]
             rope_mode = state.get("layer_rope_mode")
             if rope_mode is not None and (len(rope_mode) != spec.n_layer
-                                          or not set(rope_mode) <= {"stored", "fused"}):
+                                          or not set(rope_mode) <= {"stored", "fused", "rk", "kshift"}):
                 raise ValueError(f"layer_rope_mode {rope_mode!r}")
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"KV store state is malformed: {e!r}") from None
+        if rope_mode is not None and "rk" in rope_mode:
+            store.rk = [np.zeros(k.shape[:2] + (spec.rotary_dim,), np.float32) for k in store.k]
         fresh = store.state()["arrays"]
         if set(arrays) != set(fresh):
             raise ConfigError(f"KV store state has arrays {sorted(set(arrays) ^ set(fresh))[:4]} that do not match "

@@ -108,7 +108,8 @@ class RefKNorm(RefPolicy):
         return -lc.state["norm"][h]
 
     def after_insert(self, lc, il, k_pre):
-        lc.state["norm"][:, -1] = np.sqrt((k_pre.astype(np.float64) ** 2).sum(axis=1))
+        norm = np.sqrt((k_pre.astype(np.float64) ** 2).sum(axis=1))
+        lc.state["norm"][:, -1] = np.floor(256.0 * np.log2(norm + 1e-30) + 0.5)   # 1/256-octave grid
 
 
 class RefLSH(RefPolicy):

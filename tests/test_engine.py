@@ -54,7 +54,8 @@ def tiny(request, tmp_path_factory):
     return load_model(d, tokenizer=False)
 
 
-@pytest.mark.parametrize("rope,update", [("stored", "inplace"), ("fused", "inplace"), ("stored", "shift")])
+@pytest.mark.parametrize("rope,update", [("stored", "inplace"), ("fused", "inplace"), ("rk", "inplace"),
+                                         ("kshift", "inplace"), ("stored", "shift")])
 @pytest.mark.parametrize("positions", ["reindexed", "original"])
 def test_tiny_models_streaming(tiny, positions, rope, update):
     prompt = np.random.default_rng(0).integers(0, 256, 50).tolist()   # > capacity: chunked prefill evicts
@@ -109,9 +110,9 @@ def test_smollm2_2000_token_prompt_capacity_512(smollm2, positions):
 
 @pytest.mark.slow
 def test_gemma3_engine_matches_reference(gemma3_path):
-    """Gemma 3 270M (Q5_0, Q4_K, Q6_K, Q8_0 kernels; sliding-window layers) through eviction, both RoPE strategies."""
+    """Gemma 3 270M (Q5_0, Q4_K, Q6_K, Q8_0 kernels; sliding-window layers) through eviction, every RoPE strategy."""
     loaded = load_model(gemma3_path)
     from conftest import novel_text
     prompt = loaded.tokenizer.encode(novel_text()[50000:52000])[:48]
-    for rope in ("stored", "fused"):
+    for rope in CPUEngine.ROPE_MODES:
         run_pair(loaded, prompt, 12, capacity=24, policy="streaming", positions="reindexed", rope=rope)

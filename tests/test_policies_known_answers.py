@@ -101,7 +101,7 @@ def test_knorm_largest_key_norm_goes():
     keys = [[1, 0, 0, 0], [3, 4, 0, 0], [0, 0, 0, 2], [0, -5, 0, 0], [1, 1, 1, 1]]   # norms 1 5 2 5 2
     st = KVStore(_spec(), KVConfig(capacity=5, policy="knorm", sinks=0))
     _fill(st, 5, keys)
-    assert st.score[0][0, :5].tolist() == [1.0, 5.0, 2.0, 5.0, 2.0]
+    assert st.score[0][0, :5].tolist() == [0.0, 594.0, 256.0, 594.0, 256.0]   # 256 log2(norm), rounded
     assert _evicted_by_next_write(st) == [1]                       # tie 5/5 -> older
 
 
