@@ -178,9 +178,24 @@ class RefPyramidKV(RefSnapKV):
         return [max(floor, int(round(bottom - (bottom - top) * il / (n_layer - 1)))) for il in range(n_layer)]
 
 
+class RefRKV(RefSnapKV):
+    """Importance (window mass / max) and redundancy (mean pairwise cosine of the pre-RoPE keys)."""
+
+    def key(self, lc, il, h, q, seq_new):
+        imp = lc.state["win"][h].astype(np.float64).sum(axis=1)
+        imp = imp / imp.max() if imp.max() > 0 else imp
+        k = lc.k[h].astype(np.float64)
+        unit = k / np.maximum(np.linalg.norm(k, axis=1, keepdims=True), 1e-30)
+        cos = unit @ unit.T
+        n = k.shape[0]
+        red = (cos.sum(axis=1) - np.diag(cos)) / max(n - 1, 1)
+        lam = self.kv.rkv_lambda
+        return lam * imp - (1 - lam) * red
+
+
 REF_POLICIES = {"full": RefPolicy, "streaming": RefPolicy, "h2o": RefH2O, "tova": RefTOVA,
                 "scissorhands": RefScissorhands, "knorm": RefKNorm, "lsh": RefLSH, "random": RefRandom,
-                "snapkv": RefSnapKV, "pyramidkv": RefPyramidKV}
+                "snapkv": RefSnapKV, "pyramidkv": RefPyramidKV, "rkv": RefRKV}
 
 
 def staged_keep(length: int, capacity: int, lazy: int, slack: int, max_drop: int) -> int:

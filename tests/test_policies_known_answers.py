@@ -146,6 +146,21 @@ def test_snapkv_pooled_window_scores():
     assert sums[4] == pytest.approx(0.1) and sum(sums.values()) == pytest.approx(0.1)
 
 
+def test_rkv_redundant_unimportant_key_goes():
+    keys = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 1, 0.01, 0], [0, 0, 0, 1]]
+    st = KVStore(_spec(), KVConfig(capacity=6, policy="rkv", sinks=1, recent=1, window=2, rkv_lambda=0.5))
+    _fill(st, 6, keys)
+    st.policy_impl.observe(st, 0, np.array([[0.2, 0.2, 0.2, 0.2, 0.0, 0.2]], np.float32), 5)
+    # importance 1 for all but token 4; tokens 1, 2, 4 repeat one direction (redundancy ~2/5), 3 is unique (0):
+    # Z = .5 I - .5 R -> token 4 (unimportant and redundant) lowest, then the twins 1, 2
+    assert _evicted_by_next_write(st) == [4]
+    st2 = KVStore(_spec(), KVConfig(capacity=6, policy="rkv", sinks=1, recent=1, window=2, rkv_lambda=0.5))
+    keys[4] = [0, 1, 0, 0]                                 # three exact twins
+    _fill(st2, 6, keys)
+    st2.policy_impl.observe(st2, 0, np.array([[0.2] * 6], np.float32), 5)
+    assert _evicted_by_next_write(st2) == [1]              # equal importance: the oldest of the redundant ones
+
+
 def test_pyramidkv_budgets_fall_with_depth_and_average_capacity():
     st = KVStore(_spec(n_layer=5), KVConfig(capacity=100, policy="pyramidkv", sinks=4, window=8, pyramid_beta=4))
     assert st.layer_capacity == [175, 138, 100, 62, 25]

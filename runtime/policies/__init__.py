@@ -7,13 +7,14 @@ from ringllm.runtime.policies.h2o import H2O
 from ringllm.runtime.policies.knorm import KNorm
 from ringllm.runtime.policies.lsh import LSH
 from ringllm.runtime.policies.random_policy import Random
+from ringllm.runtime.policies.rkv import RKV
 from ringllm.runtime.policies.scissorhands import Scissorhands
 from ringllm.runtime.policies.snapkv import PyramidKV, SnapKV
 from ringllm.runtime.policies.streaming import Full, Streaming
 from ringllm.runtime.policies.tova import TOVA
 
 REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Streaming, H2O, TOVA, Scissorhands, KNorm, LSH,
-                                                                 Random, SnapKV, PyramidKV)}
+                                                                 Random, SnapKV, PyramidKV, RKV)}
 
 
 def make_policy(kv, spec) -> Policy:

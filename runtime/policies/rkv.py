@@ -1,0 +1,67 @@
+"""`rkv` (R-KV, Cai et al. 2025): evict by importance combined with redundancy.
+
+Importance I_j: the attention mass token j received from the last w queries (summed over the GQA
+group; the store's hist ring, as for SnapKV), divided by the largest I in the head (so I in [0, 1]).
+Redundancy R_j: the mean cosine similarity of key j (before RoPE) with the other keys the head
+holds, in [-1, 1], computed as (k_j/|k_j|) . S - 1 over n - 1 with S the sum of the normalised held
+keys (O(n d) per decision, not O(n^2 d)). Score Z_j = lambda I_j - (1 - lambda) R_j (lambda =
+rkv_lambda, default 0.1 as in the paper): the victim has the lowest Z, i.e. it is unimportant and
+repeats what other keys already say. Ties -> the older token. Default recent = w.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ringllm.runtime.policies.base import Policy
+from ringllm.runtime.policies.snapkv import _record
+
+
+@njit(cache=True, nogil=True)
+def _rkv_keys(key, k_l, hist_l, count_l, lam, s):
+    """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); s (hd,) f64 scratch."""
+    hd = k_l.shape[2]
+    w = hist_l.shape[2]
+    for h in range(k_l.shape[0]):
+        n = count_l[h]
+        for d in range(hd):
+            s[d] = 0.0
+        top = 0.0
+        for j in range(n):
+            nrm = 0.0
+            for d in range(hd):
+                nrm += np.float64(k_l[h, j, d]) * k_l[h, j, d]
+            inv = 1.0 / max(np.sqrt(nrm), 1e-30)
+            for d in range(hd):
+                s[d] += k_l[h, j, d] * inv
+            imp = 0.0
+            for i in range(w):
+                imp += hist_l[h, j, i]
+            key[h, j] = imp                   # importance, normalised below
+            top = max(top, imp)
+        top = 1.0 / top if top > 0 else 0.0
+        for j in range(n):
+            nrm = 0.0
+            dot = 0.0
+            for d in range(hd):
+                x = np.float64(k_l[h, j, d])
+                nrm += x * x
+                dot += x * s[d]
+            red = (dot / max(np.sqrt(nrm), 1e-30) - 1.0) / max(n - 1, 1)
+            key[h, j] = lam * key[h, j] * top - (1.0 - lam) * red
+
+
+class RKV(Policy):
+    name = "rkv"
+    needs_mass = True
+
+    def __init__(self, kv, spec):
+        super().__init__(kv, spec)
+        self.history_width = kv.window
+        self.s = np.zeros(spec.head_dim, np.float64)
+
+    def fill_keys(self, store, il, q, seq):
+        _rkv_keys(store.key, store.k[il], store.hist[il], store.count[il], self.kv.rkv_lambda, self.s)
+
+    def observe(self, store, il, mass, seq):
+        _record(store.hist[il], mass, store.count[il], seq % self.kv.window)
