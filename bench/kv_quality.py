@@ -1,0 +1,168 @@
+"""KV eviction quality: streaming perplexity and a needle-retrieval probe per policy and budget.
+
+    python bench/kv_quality.py [--models smollm2,gemma3] [--tokens 20000] [--budgets 128,256,512]
+                               [--policies all] [--needles 4] [-t THREADS] [--name kv_quality]
+
+Perplexity: StreamingLLM's protocol, every token of a novel fed one at a time through the bounded
+store (engine.logits: chunked projections, attention token by token), NLL of each next token.
+Ceiling: the streaming policy at the model's whole context (8192 for SmolLM2, far above the budgets).
+Needle: a passphrase sentence planted 10-60% into ~1,300 tokens of the novel, then a completion-style
+question at the end, 12 greedy tokens; a hit when the passphrase comes back. --needles positions.
+Writes bench/results/<name>.{json,md} and <name>.png (perplexity against budget per policy).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import RESULTS, machine, write_results  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "prideprejudice.txt")
+NEEDLE = "Remember this: the secret passphrase of the Bennet family is {code}."
+QUESTION = "\n\nQuestion: what is the secret passphrase of the Bennet family?\nAnswer: the secret passphrase of the Bennet family is"
+CODES = ["amber-falcon-417", "violet-harbor-236", "copper-lantern-958", "silver-meadow-601", "crimson-otter-342",
+         "golden-quarry-775"]
+
+
+def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    m = logits.max(axis=1, keepdims=True)
+    lse = (m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))).astype(np.float64)
+    return lse - logits[np.arange(len(targets)), targets]
+
+
+def streaming_ppl(eng, kv, ids: np.ndarray, chunk: int = 512) -> float:
+    st = eng.new_store(kv)
+    nll = []
+    for start in range(0, len(ids) - 1, chunk):
+        part = ids[start:start + chunk + 1]
+        logits = eng.logits(part[:-1], st)
+        nll.append(log_softmax_nll(logits, part[1:]))
+    return float(math.exp(np.concatenate(nll).mean()))
+
+
+def needle_hits(eng, model, kv, text: str, n_needles: int, filler_words: int = 1000) -> list[bool]:
+    """Completion-style needle probes (a 135M model answers these, not chat questions): the passphrase
+    sentence planted 10%..60% into ~1,300 tokens of the novel, then "Answer: the secret passphrase ...
+    is" and 12 greedy tokens; a hit when the passphrase comes back."""
+    tok = model.tokenizer
+    words = text.split(" ")
+    hits = []
+    for i in range(n_needles):
+        code = CODES[i % len(CODES)]
+        frac = 0.1 + 0.5 * i / max(1, n_needles - 1)
+        body = " ".join(words[3000 + 2000 * i:3000 + 2000 * i + filler_words])
+        cut = int(len(body) * frac)
+        body = body[:cut] + " " + NEEDLE.format(code=code) + " " + body[cut:]
+        ids = tok.encode(body + QUESTION)
+        st = eng.new_store(kv)
+        logits = eng.prefill(ids, st)
+        out = []
+        for _ in range(12):
+            t = int(np.argmax(logits))
+            out.append(t)
+            logits = eng.step(t, st)
+        hits.append(code in tok.decode(out))
+    return hits
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--tokens", type=int, default=20000)
+    ap.add_argument("--budgets", default="128,256,512")
+    ap.add_argument("--policies", default="all")
+    ap.add_argument("--needles", type=int, default=4)
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--name", default="kv_quality")
+    args = ap.parse_args()
+    from ringllm.models.bundled import default_model_path, gemma3_model_path
+    from ringllm.models.loader import load_model
+    from ringllm.runtime.engine import CPUEngine
+    from ringllm.runtime.kv_config import KVConfig
+    from ringllm.runtime.policies import REGISTRY
+
+    policies = [p for p in REGISTRY if p != "full"] if args.policies == "all" else args.policies.split(",")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    text = open(DATA, encoding="utf-8").read()
+    paths = {"smollm2": default_model_path, "gemma3": gemma3_model_path}
+    results = {"machine": machine(), "tokens": args.tokens, "budgets": budgets, "policies": policies, "models": {}}
+    for name in args.models.split(","):
+        model = load_model(paths[name]())
+        eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads)
+        ids = np.asarray(model.tokenizer.encode(text), np.int64)[:args.tokens + 1]
+        res = {"ceiling": None, "ppl": {}, "needle": {}, "seconds": {}}
+        t0 = time.time()
+        ceiling_kv = KVConfig(capacity=model.spec.n_ctx, policy="streaming", sinks=4)
+        res["ceiling"] = streaming_ppl(eng, ceiling_kv, ids)
+        res["needle_ceiling"] = needle_hits(eng, model, ceiling_kv, text, args.needles)
+        print(name, "ceiling", res["ceiling"], res["needle_ceiling"], f"{time.time() - t0:.0f}s", flush=True)
+        for pol in policies:
+            for b in budgets:
+                kv = KVConfig(capacity=b, policy=pol, sinks=4)
+                t0 = time.time()
+                key = f"{pol}@{b}"
+                res["ppl"][key] = streaming_ppl(eng, kv, ids)
+                res["needle"][key] = needle_hits(eng, model, kv, text, args.needles)
+                res["seconds"][key] = time.time() - t0
+                print(name, key, f"ppl {res['ppl'][key]:.3f}", "needle", sum(res["needle"][key]), "/", args.needles,
+                      f"{res['seconds'][key]:.0f}s", flush=True)
+        results["models"][name] = res
+        write(results, args)
+    write(results, args)
+
+
+def write(results: dict, args) -> None:
+    md = [f"# KV eviction quality: streaming perplexity over {results['tokens']} tokens of Pride and Prejudice, "
+          "and needle retrieval\n",
+          f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores. Command: "
+          f"`python bench/kv_quality.py --models {args.models} --tokens {args.tokens} --budgets {args.budgets} "
+          f"--needles {args.needles}`.\n",
+          "Perplexity: lower is better; the ceiling is the streaming policy at the model's whole context. "
+          "Needle: hits / probes (passphrase planted 10-60% into a ~1,300-token prompt, asked at the end).\n"]
+    for name, res in results["models"].items():
+        md.append(f"## {name}\n")
+        md.append(f"Ceiling (streaming at the model's whole context): perplexity {res['ceiling']:.3f}, needle "
+                  f"{sum(res['needle_ceiling'])}/{len(res['needle_ceiling'])}\n")
+        md.append("| policy | " + " | ".join(f"ppl @{b}" for b in results["budgets"]) + " | "
+                  + " | ".join(f"needle @{b}" for b in results["budgets"]) + " |")
+        md.append("|---" * (1 + 2 * len(results["budgets"])) + "|")
+        for pol in results["policies"]:
+            cells = [f"{res['ppl'][f'{pol}@{b}']:.3f}" if f"{pol}@{b}" in res["ppl"] else "-" for b in results["budgets"]]
+            cells += [f"{sum(res['needle'][f'{pol}@{b}'])}/{len(res['needle'][f'{pol}@{b}'])}"
+                      if f"{pol}@{b}" in res["needle"] else "-" for b in results["budgets"]]
+            md.append(f"| {pol} | " + " | ".join(cells) + " |")
+        md.append("")
+    text = "\n".join(md) + "\n"
+    write_results(args.name, results, text)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = list(results["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        res = results["models"][name]
+        for pol in results["policies"]:
+            xs = [b for b in results["budgets"] if f"{pol}@{b}" in res["ppl"]]
+            ax.plot(xs, [res["ppl"][f"{pol}@{b}"] for b in xs], marker="o", label=pol)
+        ax.axhline(res["ceiling"], color="k", ls="--", label="ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("KV budget (tokens)")
+        ax.set_ylabel("streaming perplexity")
+        ax.set_title(f"{name}, {results['tokens']} tokens")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, args.name + ".png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
