@@ -20,6 +20,13 @@ import numpy as np
 U64 = np.uint64
 
 
+GRID = 4096   # steps per octave / per unit: keys that differ by rounding only tie (runtime/policies/base.py)
+
+
+def log_grid(x: np.ndarray) -> np.ndarray:
+    return np.floor(GRID * np.log2(x + 1e-30) + 0.5)
+
+
 def lowest_keys(key: np.ndarray, seq: np.ndarray, sinks: int, recent: int, n_drop: int) -> np.ndarray:
     """Indices of the n_drop lowest keys among unprotected entries of an ordered head (ties: lower seq)."""
     n = key.shape[0]
@@ -65,7 +72,7 @@ class RefH2O(RefPolicy):
         return {"acc": np.zeros((n_kv, 0))}
 
     def key(self, lc, il, h, q, seq_new):
-        return lc.state["acc"][h]
+        return log_grid(lc.state["acc"][h])
 
     def observe(self, lc, il, weights):
         lc.state["acc"] = lc.state["acc"] + self.group_sum(weights)
@@ -78,7 +85,7 @@ class RefTOVA(RefPolicy):
         return {"last": np.zeros((n_kv, 0))}
 
     def key(self, lc, il, h, q, seq_new):
-        return lc.state["last"][h]
+        return log_grid(lc.state["last"][h])
 
     def observe(self, lc, il, weights):
         mean = weights.astype(np.float64).sum(axis=0) / self.spec.n_head
@@ -158,7 +165,7 @@ class RefSnapKV(RefPolicy):
     def key(self, lc, il, h, q, seq_new):
         raw = lc.state["win"][h].astype(np.float64).sum(axis=1)
         half, n = self.kv.pool // 2, raw.shape[0]
-        return np.array([raw[max(0, i - half):min(n, i + half + 1)].max() for i in range(n)])
+        return log_grid(np.array([raw[max(0, i - half):min(n, i + half + 1)].max() for i in range(n)]))
 
     def observe(self, lc, il, weights):
         col = int(lc.seq[0, -1]) % self.kv.window         # the query is the newest token
@@ -190,7 +197,7 @@ class RefRKV(RefSnapKV):
         n = k.shape[0]
         red = (cos.sum(axis=1) - np.diag(cos)) / max(n - 1, 1)
         lam = self.kv.rkv_lambda
-        return lam * imp - (1 - lam) * red
+        return np.floor((lam * imp - (1 - lam) * red) * GRID + 0.5)
 
 
 REF_POLICIES = {"full": RefPolicy, "streaming": RefPolicy, "h2o": RefH2O, "tova": RefTOVA,

@@ -11,6 +11,12 @@ slot is refilled. The engine calls, per layer and token:
 
 fill_keys writes store.key[h, :count[h]]: the lowest keys among unprotected slots are evicted,
 ties going to the older token (store kernel choose_victims).
+
+Keys computed from attention are compared on a grid (KEY_GRID steps per octave for non-negative
+masses, 2^-KEY_GRID absolute for signed scores): values that differ only by float rounding (two
+implementations, or a chunked vs a one-token pass, summing in different orders) tie, and the tie
+goes to the older token everywhere alike, instead of to whichever rounding came out larger. The
+grid (1/4096 of an octave, 0.017%) is far below any difference a policy means to act on.
 """
 from __future__ import annotations
 
@@ -40,6 +46,25 @@ class Policy:
 
     def observe(self, store, il: int, mass: np.ndarray, seq: int) -> None:
         pass
+
+
+KEY_GRID = 4096
+
+
+@njit(cache=True, nogil=True)
+def grid_log_keys(key, count_l):
+    """key[h, j] (>= 0) -> round(KEY_GRID * log2(key)): a relative grid for masses."""
+    for h in range(count_l.shape[0]):
+        for j in range(count_l[h]):
+            key[h, j] = np.floor(KEY_GRID * np.log2(key[h, j] + 1e-30) + 0.5)
+
+
+@njit(cache=True, nogil=True)
+def grid_abs_keys(key, count_l):
+    """key[h, j] -> round(key * 2^12) for signed O(1) scores."""
+    for h in range(count_l.shape[0]):
+        for j in range(count_l[h]):
+            key[h, j] = np.floor(key[h, j] * KEY_GRID + 0.5)
 
 
 @njit(cache=True, nogil=True)

@@ -9,7 +9,7 @@ split between heavy hitters and the recent window.
 """
 from __future__ import annotations
 
-from ringllm.runtime.policies.base import Policy, accumulate_mass, copy_keys
+from ringllm.runtime.policies.base import Policy, grid_log_keys, accumulate_mass, copy_keys
 
 
 class H2O(Policy):
@@ -18,6 +18,7 @@ class H2O(Policy):
 
     def fill_keys(self, store, il, q, seq):
         copy_keys(store.key, store.score[il], store.count[il], 1.0)
+        grid_log_keys(store.key, store.count[il])
 
     def observe(self, store, il, mass, seq):
         accumulate_mass(store.score[il], mass, store.count[il])

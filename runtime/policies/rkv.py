@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.policies.base import Policy
+from ringllm.runtime.policies.base import Policy, grid_abs_keys
 from ringllm.runtime.policies.snapkv import _record
 
 
@@ -62,6 +62,7 @@ class RKV(Policy):
 
     def fill_keys(self, store, il, q, seq):
         _rkv_keys(store.key, store.k[il], store.hist[il], store.count[il], self.kv.rkv_lambda, self.s)
+        grid_abs_keys(store.key, store.count[il])
 
     def observe(self, store, il, mass, seq):
         _record(store.hist[il], mass, store.count[il], seq % self.kv.window)

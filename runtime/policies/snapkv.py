@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.policies.base import Policy
+from ringllm.runtime.policies.base import Policy, grid_log_keys
 
 
 @njit(cache=True, nogil=True)
@@ -64,6 +64,7 @@ class SnapKV(Policy):
         if self.by_rank.shape[0] < store.key.shape[1]:
             self.by_rank = np.zeros(store.key.shape[1], np.float64)
         _pooled_keys(store.key, store.hist[il], store.rank[il], store.count[il], self.kv.pool, self.by_rank)
+        grid_log_keys(store.key, store.count[il])
 
     def observe(self, store, il, mass, seq):
         _record(store.hist[il], mass, store.count[il], seq % self.kv.window)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from ringllm.runtime.policies.base import Policy, copy_keys
+from ringllm.runtime.policies.base import Policy, grid_log_keys, copy_keys
 
 
 @njit(cache=True, nogil=True)
@@ -32,6 +32,7 @@ class TOVA(Policy):
 
     def fill_keys(self, store, il, q, seq):
         copy_keys(store.key, store.score[il], store.count[il], 1.0)
+        grid_log_keys(store.key, store.count[il])
 
     def observe(self, store, il, mass, seq):
         _latest_mean(store.score[il], mass, store.count[il], self.spec.n_head)
