@@ -328,6 +328,8 @@ class KVStore:
         self.score = [np.zeros((nkv, p), np.float64) for p in phys]
         self.aux = [np.zeros((nkv, p), np.int64) for p in phys]
         self.hist = [np.zeros((nkv, p, hw), np.float32) for p in phys]
+        # per-layer policy state that is not per slot (GVote's recent queries), shape from the policy
+        self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
         self.key = np.zeros((nkv, max(phys)), np.float64)      # victim keys, filled by the policy
         self.victims = np.zeros(max(phys) + 1, np.int64)
         self.needs_mass = self.policy_impl.needs_mass
@@ -364,10 +366,15 @@ class KVStore:
             return
         n_drop = self.drops(il)
         if n_drop > 0:
-            self.policy_impl.fill_keys(self, il, q, seq)
+            wanted = self.policy_impl.fill_keys(self, il, q, seq)
+            if wanted is not None:            # adaptive budgets (gvote) may drop more than the capacity asks
+                n_drop = max(n_drop, int(wanted))
         kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.score[il],
                         self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new, seq, self.key,
                         n_drop, self.layer_sinks[il], self.recent, self.reindexed, self.victims)
+
+    def stats_policy(self) -> dict:
+        return self.policy_impl.stats()
 
     def query_position(self, il: int, seq: int) -> int:
         """Logical position of the newest token (just written) in layer il (per-head counts are equal
@@ -383,6 +390,7 @@ class KVStore:
                 "evicted_total": int(sum(int(e.sum()) for e in self.evicted)), "policy": self.policy,
                 "sinks": self.sinks, "recent": self.recent, "positions": self.positions, "update": self.update,
                 "tokens_seen": self.n_seen, "layer_capacity": list(self.layer_capacity),
+                **self.policy_impl.stats(),
                 "bytes": int(sum(a.nbytes for a in self.k + self.v + self.seq + self.rank + self.score + self.aux
                                  + self.hist) + (0 if self.reindexed else sum(a.nbytes for a in self.pos)))}
 
@@ -392,7 +400,7 @@ class KVStore:
 
     @property
     def array_fields(self) -> tuple[str, ...]:
-        base = ("k", "v", "seq", "rank", "count", "evicted", "score", "aux", "hist")
+        base = ("k", "v", "seq", "rank", "count", "evicted", "score", "aux", "hist", "extra")
         return base + (() if self.reindexed else ("pos",)) + (("rk",) if self.rk is not None else ())
 
     def state(self) -> dict:

@@ -80,6 +80,7 @@ class ReferenceCache:
         self.spec, self.kv, self.policy, self.positions = spec, kv, kv.policy, kv.positions
         self.impl = REF_POLICIES[kv.policy](kv, spec)
         self.n_seen = 0
+        self.query_history: list[dict[int, np.ndarray]] = [{} for _ in range(spec.n_layer)]   # seq -> q (n_head, hd)
         hd, nkv = spec.head_dim, spec.n_head_kv
         budgets = (self.impl.budgets(kv.capacity, spec.n_layer) if hasattr(self.impl, "budgets")
                    else [kv.capacity or 0] * spec.n_layer)
@@ -112,6 +113,9 @@ class ReferenceCache:
         q (n_head, head_dim) its query before RoPE (policies that choose by the query)."""
         lc = self.layers[il]
         n_drop = self.n_drop(il)
+        if n_drop > 0 and lc.policy and getattr(self.impl, "adaptive", False):
+            wanted, _ = self.impl.start(self, il, q, seq)
+            n_drop = max(n_drop, wanted)
         if n_drop > 0:
             if lc.policy:
                 drop = [self.impl.victims(lc, il, h, n_drop, q, seq, lc.sinks, lc.recent) for h in range(lc.seq.shape[0])]
@@ -130,6 +134,9 @@ class ReferenceCache:
                     for name, a in lc.state.items()}
         if lc.policy:
             self.impl.after_insert(lc, il, k)
+        if q is not None and lc.policy:
+            self.query_history[il][seq] = q.copy()
+            self.query_history[il].pop(seq - self.kv.window, None)
 
     def observe(self, il: int, weights: np.ndarray) -> None:
         """weights (n_head, L): this step's attention rows, in the order of the held tokens."""

@@ -200,9 +200,73 @@ class RefRKV(RefSnapKV):
         return np.floor((lam * imp - (1 - lam) * red) * GRID + 0.5)
 
 
+def gaussian_draws(seed: int, il: int, hq: int, seq_new: int, S: int, hd: int) -> np.ndarray:
+    """(S, hd) standard normals, Box-Muller over splitmix64 (the definition in runtime/policies/gvote.py)."""
+    base = _splitmix64(_splitmix64(_splitmix64(np.array([seed], U64)) ^ U64(il * 4096 + hq)) ^ U64(seq_new))
+    s_idx, d_idx = np.meshgrid(np.arange(S), np.arange(0, hd, 2), indexing="ij")
+    a = _splitmix64(base ^ (s_idx * 65536 + d_idx).astype(U64))
+    b = _splitmix64(a)
+    u1 = ((a >> U64(11)).astype(np.float64) + 1.0) / 2.0 ** 53
+    u2 = (b >> U64(11)).astype(np.float64) / 2.0 ** 53
+    r = np.sqrt(-2.0 * np.log(u1))
+    out = np.empty((S, hd))
+    out[:, 0::2] = r * np.cos(2 * np.pi * u2)
+    out[:, 1::2] = (r * np.sin(2 * np.pi * u2))[:, : hd // 2]
+    return out
+
+
+class RefGVote(RefPolicy):
+    """Adaptive budget from the current query's top-p nucleus; synthetic Gaussian queries vote."""
+
+    adaptive = True
+
+    def new_state(self, n_kv):
+        return {}
+
+    def start(self, cache, il, q, seq_new):
+        """Votes (L,) and the budget for the layer's next insertion (all kv heads decide together)."""
+        from ringllm.runtime.reference import rope
+        spec, kv, lc = self.spec, self.kv, cache.layers[il]
+        n = lc.seq.shape[1]
+        p_now = n if cache.positions == "reindexed" else seq_new
+        pos = np.stack([cache.key_positions(il, h)[:n] if cache.positions == "original" else np.arange(n)
+                        for h in range(lc.seq.shape[0])])
+        keys = rope(lc.k, pos, spec.rotary_dim, spec.rope_base[il], spec.rope_scale[il]).astype(np.float64)
+        hist = cache.query_history[il]
+        rows = np.array([hist[t] for t in range(max(0, seq_new - kv.window), seq_new)])   # (r, n_head, hd)
+        votes, budget = np.zeros(n), 0
+
+        def nucleus(qv, h):
+            logits = keys[h] @ qv * spec.attn_scale
+            w = np.exp(logits - logits.max())
+            w /= w.sum()
+            order = np.argsort(-w, kind="stable")
+            size = int(np.searchsorted(np.cumsum(w[order]), kv.gvote_p) + 1)
+            return order[:min(size, n)]
+
+        for hq in range(spec.n_head):
+            h = hq // self.group
+            qn = rope(q[hq][None].astype(np.float32), np.array([p_now]), spec.rotary_dim, spec.rope_base[il],
+                      spec.rope_scale[il])[0]
+            budget = max(budget, len(nucleus(qn.astype(np.float64), h)))
+            if len(rows) == 0:
+                continue
+            mu, sd = rows[:, hq].astype(np.float64).mean(axis=0), rows[:, hq].astype(np.float64).std(axis=0)
+            synth = (mu + sd * gaussian_draws(kv.seed, il, hq, seq_new, kv.gvote_samples, spec.head_dim)).astype(np.float32)
+            synth = rope(synth, np.full(len(synth), p_now + kv.window // 2), spec.rotary_dim, spec.rope_base[il],
+                         spec.rope_scale[il])
+            for qs in synth:
+                votes[nucleus(qs.astype(np.float64), h)] += 1
+        self.votes = votes
+        return max(0, n - max(budget, lc.sinks + lc.recent)), budget
+
+    def key(self, lc, il, h, q, seq_new):
+        return self.votes
+
+
 REF_POLICIES = {"full": RefPolicy, "streaming": RefPolicy, "h2o": RefH2O, "tova": RefTOVA,
                 "scissorhands": RefScissorhands, "knorm": RefKNorm, "lsh": RefLSH, "random": RefRandom,
-                "snapkv": RefSnapKV, "pyramidkv": RefPyramidKV, "rkv": RefRKV}
+                "snapkv": RefSnapKV, "pyramidkv": RefPyramidKV, "rkv": RefRKV, "gvote": RefGVote}
 
 
 def staged_keep(length: int, capacity: int, lazy: int, slack: int, max_drop: int) -> int:

@@ -16,7 +16,7 @@ from ringllm.runtime.reference import ReferenceEngine
 
 from test_engine import TOL, greedy
 
-POLICIES = ["streaming", "h2o", "tova", "scissorhands", "knorm", "lsh", "random", "snapkv", "pyramidkv", "rkv"]
+POLICIES = ["streaming", "h2o", "tova", "scissorhands", "knorm", "lsh", "random", "snapkv", "pyramidkv", "rkv", "gvote"]
 
 
 def run_policy_pair(loaded, prompt, n_gen, kv: KVConfig, n_batch=16, forced=None):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.policies.base import Policy
+from ringllm.runtime.policies.gvote import GVote
 from ringllm.runtime.policies.h2o import H2O
 from ringllm.runtime.policies.knorm import KNorm
 from ringllm.runtime.policies.lsh import LSH
@@ -14,7 +15,7 @@ from ringllm.runtime.policies.streaming import Full, Streaming
 from ringllm.runtime.policies.tova import TOVA
 
 REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Streaming, H2O, TOVA, Scissorhands, KNorm, LSH,
-                                                                 Random, SnapKV, PyramidKV, RKV)}
+                                                                 Random, SnapKV, PyramidKV, RKV, GVote)}
 
 
 def make_policy(kv, spec) -> Policy:

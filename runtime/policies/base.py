@@ -38,7 +38,17 @@ class Policy:
         """Tokens kept per layer after pruning (PyramidKV overrides)."""
         return [capacity] * n_layer
 
-    def fill_keys(self, store, il: int, q, seq: int) -> None:
+    def extra_shape(self) -> tuple:
+        """Shape of the store's per-layer `extra` array (state that is not per slot)."""
+        return (0,)
+
+    def stats(self) -> dict:
+        """Policy figures for KVStore.stats() (e.g. the budgets GVote chose)."""
+        return {}
+
+    def fill_keys(self, store, il: int, q, seq: int):
+        """Fill store.key for the held slots of layer il; may return a number of tokens to drop larger
+        than the capacity asks for (adaptive budgets), else None."""
         seq_keys(store.key, store.seq[il], store.count[il])
 
     def on_insert(self, store, il: int, k_pre: np.ndarray, q_pre: np.ndarray) -> None:
