@@ -161,6 +161,35 @@ def test_rkv_redundant_unimportant_key_goes():
     assert _evicted_by_next_write(st2) == [1]              # equal importance: the oldest of the redundant ones
 
 
+def test_gvote_budget_from_nucleus_and_votes_from_history():
+    spec = _spec()
+    st = KVStore(spec, KVConfig(capacity=6, policy="gvote", sinks=0, recent=0, window=4, gvote_p=0.9,
+                                gvote_samples=4))
+    keys = np.eye(HD, dtype=np.float32)[[0, 1, 2, 3, 0, 1]]              # token 3 alone points along e3
+    q_hist = np.zeros((spec.n_head, HD), np.float32)
+    q_hist[:, 3] = 40.0                                                   # every past query looked at e3
+    for t in range(6):
+        k = keys[t][None]
+        st.write(0, k, k, t, q_hist)
+        st.policy_impl.on_insert(st, 0, k, q_hist)
+        st.n_seen += 1
+    q_now = np.zeros((spec.n_head, HD), np.float32)
+    q_now[:, 2] = 40.0                                                    # the current query: token 2 only
+    assert _evicted_by_next_write(st, q_now) == [0, 1, 2, 4, 5]          # budget 1: the voted token 3 stays
+    assert sorted(st.seq[0][0, : st.count[0][0]].tolist()) == [3, 6]
+    assert st.stats()["gvote_budget_last"] == [1]
+
+
+def test_gaussian_draws_are_standard_normal_and_shared():
+    from ringllm.runtime.policies.gvote import gaussian_draws
+    from ringllm.runtime.reference_policies import gaussian_draws as ref_draws
+
+    z = np.zeros((4000, 64))
+    gaussian_draws(z, 3, 1, 2, 77)
+    assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01
+    np.testing.assert_allclose(z[:8], ref_draws(3, 1, 2, 77, 8, 64), rtol=1e-12)
+
+
 def test_pyramidkv_budgets_fall_with_depth_and_average_capacity():
     st = KVStore(_spec(n_layer=5), KVConfig(capacity=100, policy="pyramidkv", sinks=4, window=8, pyramid_beta=4))
     assert st.layer_capacity == [175, 138, 100, 62, 25]
