@@ -93,7 +93,9 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
 
     out (n_head, hd) f32: result.         q (n_head, hd) f32: queries before RoPE.
     k_l, v_l (n_kv, cap, hd) f32; pos_l (n_kv, cap) i64; count_l (n_kv,) i64: the layer's store.
-    q_pos: the query's logical position.  cos, sin (n_pos, rotary_dim/2) f32: RopeTable.
+    q_pos (n_kv,) i64: the query's logical position per kv head (heads may hold different numbers
+        of tokens under per-head budgets, and in reindexed mode the query sits at count - 1).
+    cos, sin (n_pos, rotary_dim/2) f32: RopeTable.
     scale: score multiplier (1/sqrt(hd) or the model's).
     scratch: scores (n_head, cap) f32, krot (hd,) f32, qrot (n_head, hd) f32.
     mass (n_kv, cap) f32: per-slot attention mass summed over the group's query heads, written
@@ -102,13 +104,13 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
     n_head, hd = q.shape
     n_kv = k_l.shape[0]
     group = n_head // n_kv
-    for hq in range(n_head):
-        _rotate_into(qrot[hq], q[hq], q_pos, cos, sin, rotary_dim)
-        for d in range(hd):
-            qrot[hq, d] *= scale
     for h in range(n_kv):
         n = count_l[h]
         h0 = h * group
+        for g in range(group):
+            _rotate_into(qrot[h0 + g], q[h0 + g], q_pos[h], cos, sin, rotary_dim)
+            for d in range(hd):
+                qrot[h0 + g, d] *= scale
         for j in range(n):
             _rotate_into(krot, k_l[h, j], pos_l[h, j], cos, sin, rotary_dim)
             for g in range(group):

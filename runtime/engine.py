@@ -106,6 +106,7 @@ class CPUEngine:
         self.krot = np.zeros(hd, np.float32)
         self.qrot = np.zeros((nh, hd), np.float32)
         self.no_mass = np.zeros((0, 0), np.float32)
+        self.qpos = np.zeros(spec.n_head_kv, np.int64)
         self.ropes: dict[tuple[float, float], RopeTable] = {}
         self.layer_rope = []
         for il in range(spec.n_layer):
@@ -308,12 +309,13 @@ class CPUEngine:
                     rk_write(store.rk[il], store.k[il], store.seq[il], store.count[il], seq, s.rotary_dim)
             qp = store.query_position(il, seq)
             if mode == "fused" or mode == "rk":
+                qp = int(store.count[il].max()) - 1 if store.reindexed else seq
                 if qp >= table.cos.shape[0]:
                     table.ensure(qp + 1)
                     self.layer_full_rope[il].ensure(qp + 1)
             if mode == "fused":
-                attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il], qp,
-                       table.cos, table.sin, s.rotary_dim, scale, self.scores, self.krot, self.qrot, mass)
+                attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il],
+                       store.query_positions(il, seq, self.qpos), table.cos, table.sin, s.rotary_dim, scale, self.scores, self.krot, self.qrot, mass)
             elif mode == "rk":
                 ft = self.layer_full_rope[il]
                 attend_rk(self.out3, q_t, store.k[il], store.rk[il], store.v[il], store.pos[il], store.count[il], qp,

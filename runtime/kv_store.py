@@ -377,9 +377,17 @@ class KVStore:
         return self.policy_impl.stats()
 
     def query_position(self, il: int, seq: int) -> int:
-        """Logical position of the newest token (just written) in layer il (per-head counts are equal
-        for every policy here)."""
+        """Logical position of the newest token (just written) in layer il, kv head 0 (every head when
+        the heads hold equally many tokens: all policies but adakv)."""
         return int(self.count[il][0]) - 1 if self.reindexed else seq
+
+    def query_positions(self, il: int, seq: int, out: np.ndarray) -> np.ndarray:
+        """out (n_kv,) i64 = the newest token's logical position per kv head of layer il."""
+        if self.reindexed:
+            np.subtract(self.count[il], 1, out=out)
+        else:
+            out[:] = seq
+        return out
 
     def uses_policy(self, il: int) -> bool:
         """Whether layer il runs the policy (False: the plain ring of streaming/full or a sliding window)."""
