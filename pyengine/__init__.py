@@ -2,5 +2,26 @@
 from ringllm.runtime.errors import ConfigError, ModelFileError, RingLLMError, UnsupportedModelError
 from ringllm.runtime.kv_config import KVConfig
 
-__all__ = ["RingLLMError", "ModelFileError", "UnsupportedModelError", "ConfigError", "KVConfig"]
+__all__ = ["RingLLMError", "ModelFileError", "UnsupportedModelError", "ConfigError", "KVConfig",
+           "LLM", "Chunk", "Completion", "Generation", "Timings", "SamplingParams", "Sampler", "ChatSession",
+           "SessionFileError"]
 __version__ = "0.1.0"
+
+_LAZY = {"LLM": "ringllm.llm", "Chunk": "ringllm.llm", "Completion": "ringllm.llm", "Generation": "ringllm.llm",
+         "Timings": "ringllm.llm", "SamplingParams": "ringllm.sampling", "Sampler": "ringllm.sampling",
+         "ChatSession": "ringllm.session", "SessionFileError": "ringllm.session"}
+
+
+def __getattr__(name: str):
+    """The API classes import numpy and the engine on first use, so `import ringllm` stays light."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ringllm' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

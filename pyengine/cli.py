@@ -1,38 +1,72 @@
-"""The `ringllm` command line.
+"""The `ringllm` command line (`python -m ringllm` is the same).
 
-    ringllm generate   [-m MODEL] -p PROMPT [-n N] [--chat] [KV options] [--engine cpu|reference] [-t T] [--json]
+    ringllm generate   [-m MODEL] -p PROMPT [-n N] [--chat] [sampling] [KV options] [--engine E] [-t T] [--json]
+    ringllm chat       [-m MODEL] [--system TEXT] [-n N] [--load FILE] [sampling] [KV options] [-t T]
     ringllm perplexity [-m MODEL] -f FILE [--protocol chunked|streaming] [--ctx N] [--chunks K] [--tokens N]
                        [KV options] [-t T] [--json]
+    ringllm bench      [-m MODEL] [--tg 128] [--pp 512] [--repeats 3] [KV options] [-t T] [--json]
+    ringllm serve      [-m MODEL] [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--max-tokens-cap N]
+                       [--max-body-bytes B] [--queue-size Q] [KV options] [-t T]
 
-KV options: --kv-policy full|streaming, --kv-capacity C, --kv-sinks S, --positions reindexed|original.
-`--engine reference` runs the NumPy reference engine (the oracle; slow) instead of the Numba engine.
+KV options: --kv-policy (any of KVConfig's policies), --kv-capacity C, --kv-sinks S,
+--positions reindexed|original, and the policy knobs --kv-recent, --kv-lazy, --kv-slack,
+--kv-max-drop, --kv-window, --kv-pool, --kv-lsh-bits, --kv-history, --kv-pyramid-beta,
+--kv-ada-floor, --kv-gvote-p, --kv-gvote-samples, --kv-rkv-lambda, --kv-seed, --kv-update.
+Sampling: --temp (0 = greedy, the default), --top-k, --top-p, --min-p, --repeat-penalty,
+--frequency-penalty, --presence-penalty, --seed, --stop (repeatable), --ignore-eos.
+`--engine reference` runs the NumPy reference engine (the oracle; slow); `--engine cuda` the GPU backend.
+
+chat reads lines from stdin; commands: /reset, /save FILE, /load FILE, /stats, /help, /quit.
+Ctrl-C stops the current answer (not the program); Ctrl-D (end of input) or /quit ends it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 import time
+from dataclasses import fields
 
 from ringllm.runtime.errors import RingLLMError
+from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, UPDATE_MODES, KVConfig
+
+# KVConfig knobs exposed as --kv-<name> (capacity, policy, sinks and positions have their own options)
+_KV_KNOBS = [f for f in fields(KVConfig) if f.name not in ("capacity", "policy", "sinks", "positions")]
+
+
+def _kv_config(args) -> KVConfig:
+    knobs = {f.name: getattr(args, "kv_" + f.name) for f in _KV_KNOBS if getattr(args, "kv_" + f.name) is not None}
+    return KVConfig(capacity=args.kv_capacity, policy=args.kv_policy, sinks=args.kv_sinks, positions=args.positions,
+                    **knobs)
+
+
+def _kv_summary(args) -> dict:
+    return dict(capacity=args.kv_capacity, policy=args.kv_policy, sinks=args.kv_sinks, positions=args.positions)
 
 
 class _Runner:
-    """One engine + store behind the three verbs the commands need: feed, step, logits."""
+    """One engine + store behind the verbs perplexity needs: feed, new store."""
 
     def __init__(self, model, args):
         self.model = model
-        kv = dict(capacity=args.kv_capacity, policy=args.kv_policy, sinks=args.kv_sinks, positions=args.positions)
-        self.kv = kv
+        self.kv = _kv_summary(args)
+        kv = _kv_config(args)
         if args.engine == "reference":
             from ringllm.runtime.reference import ReferenceEngine
             self.eng = ReferenceEngine(model.spec, model.tensors)
-            self.new = lambda: self.eng.new_cache(**kv)
+            self.new = lambda: self.eng.new_cache(kv)
             self.feed = lambda ids, st: self.eng.forward(ids, st)
         else:
-            from ringllm.runtime.engine import CPUEngine
-            self.eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads)
-            self.new = lambda: self.eng.new_store(**kv)
+            if args.engine == "cuda":
+                from ringllm.llm import LLM
+                self.eng = LLM._make_engine(_Shim(model), "cuda", args.threads, 64)
+            else:
+                from ringllm.runtime.engine import CPUEngine
+                self.eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads)
+            self.new = lambda: self.eng.new_store(kv)
             self.feed = lambda ids, st: self.eng.logits(ids, st)
         self.store = self.new()
 
@@ -40,60 +74,201 @@ class _Runner:
         return self.feed(ids, self.store)[-1]
 
 
-def _load(args):
-    from ringllm.models.loader import load_model
-    return load_model(args.model)
+class _Shim:
+    """What LLM._make_engine reads (spec, model.tensors), for commands that load a model themselves."""
 
+    def __init__(self, model):
+        self.model, self.spec = model, model.spec
+
+
+def _load(args, tokenizer: bool = True):
+    from tqdm import tqdm
+
+    from ringllm.models.loader import load_model
+    with tqdm(total=1, desc="loading model", file=sys.stderr, disable=args.no_progress, leave=False) as bar:
+        model = load_model(args.model, tokenizer=tokenizer)
+        bar.update(1)
+    return model
+
+
+def _llm(args):
+    from ringllm.llm import LLM
+    return LLM(args.model, kv=_kv_config(args), backend=args.engine, n_threads=args.threads,
+               seed=args.seed if args.seed is not None else 0, progress=not args.no_progress)
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty, stop=args.stop or None, ignore_eos=args.ignore_eos)
+
+
+# ------------------------------------------------------------------------------------------------
+# generate
+# ------------------------------------------------------------------------------------------------
 
 def _generate(args: argparse.Namespace) -> int:
-    import numpy as np
-
     t0 = time.perf_counter()
-    model = _load(args)
-    tok = model.tokenizer
-    text = args.prompt
+    llm = _llm(args)
+    tok = llm.tokenizer
     if args.chat:
-        from ringllm.chat_template import render_chat
-        text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                           bos_token=tok.bos_token or "", eos_token=tok.eos_token or "", tokenizer=tok)
-    # a rendered template that already starts with BOS must not get a second one
-    add_bos = False if args.chat and tok.bos_token and text.startswith(tok.bos_token) else None
-    ids = tok.encode(text, add_bos=add_bos, parse_special=args.chat)
-    run = _Runner(model, args)
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        ids = llm.chat_ids(llm.render_chat(messages, add_generation_prompt=True))
+    else:
+        # a plain prompt is text: control-token strings in it are not parsed as tokens
+        ids = tok.encode(args.prompt, parse_special=False) or llm._prompt_ids("")
     t_load = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    logits = run.last(ids)
-    t_prompt = time.perf_counter() - t1
-    out: list[int] = []
-    stream = tok.stream_decoder()
-    finish = "length"
-    t2 = time.perf_counter()
-    for _ in range(args.n_predict):
-        nxt = int(np.argmax(logits))
-        if nxt in tok.eos_ids and not args.ignore_eos:
-            finish = "stop"
-            break
-        out.append(nxt)
-        if not args.json:
-            sys.stdout.write(stream.push(nxt))   # holds back partial UTF-8 characters
-            sys.stdout.flush()
-        logits = run.last([nxt])
-    t_gen = time.perf_counter() - t2
-    stats = run.store.stats() if hasattr(run.store, "stats") else {"length": run.store.length}
-    result = {"model": model.path, "engine": args.engine, "prompt_tokens": len(ids), "tokens": out,
-              "text": tok.decode(out), "finish_reason": finish, "load_s": round(t_load, 3),
-              "prompt_tok_s": round(len(ids) / t_prompt, 2) if t_prompt else None,
-              "gen_tok_s": round(len(out) / t_gen, 2) if t_gen and out else None,
-              "kv": {**run.kv, **stats}}
+    gen = llm.generate(ids, max_tokens=args.n_predict, seed=args.seed, **_sampling(args))
+    stop = _Interrupt()
+    with stop:
+        for chunk in gen:
+            if not args.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            if stop.requested:
+                gen.close()
+                break
+    tm = gen.timings
+    result = {"model": llm.model_path, "engine": args.engine, "prompt_tokens": len(ids), "tokens": gen.tokens,
+              "text": gen.text, "finish_reason": gen.finish_reason or ("interrupted" if stop.requested else None),
+              "load_s": round(t_load, 3),
+              "prompt_tok_s": None if tm.prompt_tok_s is None else round(tm.prompt_tok_s, 2),
+              "gen_tok_s": None if tm.gen_tok_s is None else round(tm.gen_tok_s, 2),
+              "kv": {**_kv_summary(args), **llm.kv_stats()}, "timings": tm.to_dict()}
     if args.json:
         print(json.dumps(result))
     else:
-        sys.stdout.write(stream.flush() + "\n")
-        print(f"[{len(ids)} prompt tokens at {result['prompt_tok_s']} tok/s, {len(out)} generated at "
-              f"{result['gen_tok_s']} tok/s, {args.engine} engine]", file=sys.stderr)
+        sys.stdout.write("\n")
+        print(f"[{len(ids)} prompt tokens at {result['prompt_tok_s']} tok/s, {len(gen.tokens)} generated at "
+              f"{result['gen_tok_s']} tok/s, {args.engine} engine, finish: {result['finish_reason']}]",
+              file=sys.stderr)
+    return 130 if stop.requested else 0
+
+
+class _Interrupt:
+    """While active, Ctrl-C (SIGINT) sets .requested instead of raising KeyboardInterrupt, so a
+    generation is stopped between two tokens (never inside an engine step)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def _handler(self, signum, frame):
+        self.requested = True
+
+    def __enter__(self):
+        self.requested = False
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+
+# ------------------------------------------------------------------------------------------------
+# chat
+# ------------------------------------------------------------------------------------------------
+
+_CHAT_HELP = ("commands: /reset (forget the conversation), /save FILE, /load FILE, /stats (KV store), /help, "
+              "/quit; Ctrl-C stops an answer, Ctrl-D ends")
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from ringllm.session import ChatSession
+
+    llm = _llm(args)
+    defaults = {k: v for k, v in _sampling(args).items() if v is not None}
+    session = llm.chat_session(system=args.system, seed=args.seed, max_tokens=args.n_predict, **defaults)
+    if args.load:
+        session.restore(args.load)
+        print(f"[loaded {args.load}: {session.turns} turns]", file=sys.stderr)
+    interactive = sys.stdin.isatty()
+    err = sys.stderr
+    print(f"ringllm chat with {llm.model_name} (KV: {session.kv.policy}, capacity {session.kv.capacity or llm.n_ctx}). "
+          + _CHAT_HELP, file=err)
+    while True:
+        try:
+            if interactive:
+                line = input("> ")
+            else:
+                line = sys.stdin.readline()
+                if line == "":
+                    break
+                line = line.rstrip("\n")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print("\n[Ctrl-D or /quit to exit]", file=err)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            arg = arg.strip()
+            try:
+                if cmd in ("/quit", "/exit"):
+                    break
+                elif cmd == "/reset":
+                    session.reset()
+                    print("[conversation reset]", file=err)
+                elif cmd == "/save":
+                    if not arg:
+                        print("[usage: /save FILE]", file=err)
+                        continue
+                    session.save(arg)
+                    print(f"[saved {session.turns} turns to {arg}]", file=err)
+                elif cmd == "/load":
+                    if not arg:
+                        print("[usage: /load FILE]", file=err)
+                        continue
+                    session.restore(arg)
+                    print(f"[loaded {arg}: {session.turns} turns]", file=err)
+                elif cmd == "/stats":
+                    print(json.dumps({k: v for k, v in session.kv_stats().items() if k != "layer_capacity"}), file=err)
+                elif cmd == "/help":
+                    print(_CHAT_HELP, file=err)
+                else:
+                    print(f"[unknown command {cmd}; {_CHAT_HELP}]", file=err)
+            except RingLLMError as exc:
+                print(f"[error: {exc}]", file=err)
+            continue
+        try:
+            gen = session.send(text)
+        except RingLLMError as exc:
+            print(f"[error: {exc}]", file=err)
+            continue
+        stop = _Interrupt()
+        try:
+            with stop:
+                for chunk in gen:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    if stop.requested:
+                        gen.close()
+                        break
+        except RingLLMError as exc:
+            print(f"\n[error: {exc}]", file=err)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if stop.requested:
+            print("[answer stopped]", file=err)
+        elif args.verbose:
+            tm = gen.timings
+            print(f"[{tm.prompt_tokens} new prompt tokens, {tm.gen_tokens} generated at "
+                  f"{tm.gen_tok_s and round(tm.gen_tok_s, 1)} tok/s; KV length {session.kv_stats()['length']}]",
+                  file=err)
     return 0
 
+
+# ------------------------------------------------------------------------------------------------
+# perplexity
+# ------------------------------------------------------------------------------------------------
 
 def _perplexity(args: argparse.Namespace) -> int:
     from tqdm import tqdm
@@ -112,6 +287,9 @@ def _perplexity(args: argparse.Namespace) -> int:
     bar = (lambda it: it) if args.no_progress else (lambda it: tqdm(it, file=sys.stderr, mininterval=1.0))
     if args.protocol == "chunked":
         args.kv_policy, args.kv_capacity = "full", args.ctx
+        for f in _KV_KNOBS:
+            if f.name in ("lazy", "slack", "max_drop"):
+                setattr(args, "kv_" + f.name, None)
         run = _Runner(model, args)
         res = ppl.chunked(lambda chunk: run.feed(chunk, run.new()), ids, args.ctx,
                           tok.bos_id if tok.add_bos else None, args.chunks, bar)
@@ -126,47 +304,189 @@ def _perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_kv_options(p: argparse.ArgumentParser) -> None:
+# ------------------------------------------------------------------------------------------------
+# bench
+# ------------------------------------------------------------------------------------------------
+
+def _bench(args: argparse.Namespace) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    if args.engine == "reference":
+        from ringllm.runtime.errors import ConfigError
+        raise ConfigError("bench measures the cpu or cuda engine, not the reference engine")
+    model = _load(args, tokenizer=False)
+    if args.engine == "cuda":
+        from ringllm.llm import LLM
+        eng = LLM._make_engine(_Shim(model), "cuda", args.threads, min(512, args.pp))
+    else:
+        from ringllm.runtime.engine import CPUEngine
+        eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads, n_batch=min(512, args.pp))
+    if args.kv_policy == "full":
+        cap = args.kv_capacity or min(model.spec.n_ctx, args.pp + args.tg + 8)
+        kv = KVConfig(capacity=cap, policy="full", positions=args.positions)
+    else:
+        kv = _kv_config(args)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(min(100, model.spec.n_vocab - 1), min(5000, model.spec.n_vocab), args.pp).tolist()
+    eng.prefill(prompt[:16], eng.new_store(kv))   # warm-up: JIT from cache, page in the weights
+    tg, pp = [], []
+    for _ in tqdm(range(args.repeats), desc="bench", file=sys.stderr, disable=args.no_progress, leave=False):
+        st = eng.new_store(kv)
+        t0 = time.perf_counter()
+        logits = eng.prefill(prompt, st)
+        pp.append(args.pp / (time.perf_counter() - t0))
+        st = eng.new_store(kv)
+        logits = eng.prefill(prompt[:8], st)
+        t0 = time.perf_counter()
+        for _ in range(args.tg):
+            logits = eng.step(int(np.argmax(logits)), st)
+        tg.append(args.tg / (time.perf_counter() - t0))
+    decode_bytes = sum(t.nbytes for n, t in model.tensors.items() if n != "token_embd.weight")
+    if model.spec.tied_output:
+        decode_bytes += model.tensors["token_embd.weight"].nbytes
+    tg_med, pp_med = float(np.median(tg)), float(np.median(pp))
+    result = {"model": model.path, "engine": args.engine, "threads": args.threads or os.cpu_count(),
+              "tg_tokens": args.tg, "pp_tokens": args.pp, "repeats": args.repeats,
+              "tg_tok_s": round(tg_med, 2), "pp_tok_s": round(pp_med, 2),
+              "tg_runs": [round(x, 2) for x in tg], "pp_runs": [round(x, 2) for x in pp],
+              "weight_bytes": int(sum(t.nbytes for t in model.tensors.values())),
+              "decode_gb_s": round(decode_bytes * tg_med / 1e9, 2), "kv": kv.to_dict()}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{os.path.basename(model.path)} ({args.engine}, {result['threads']} threads): "
+              f"tg{args.tg} {result['tg_tok_s']} tok/s ({result['decode_gb_s']} GB/s of weights), "
+              f"pp{args.pp} {result['pp_tok_s']} tok/s; medians of {args.repeats}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# serve
+# ------------------------------------------------------------------------------------------------
+
+def _serve(args: argparse.Namespace) -> int:
+    from ringllm.server import ServerSettings, serve
+
+    llm = _llm(args)
+    key = args.api_key if args.api_key is not None else os.environ.get("RINGLLM_API_KEY") or None
+    settings = ServerSettings(api_key=key, max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
+                              queue_size=args.queue_size, model_name=args.model_name,
+                              default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap))
+    name = args.model_name or llm.model_name
+    print(f"ringllm serve: model {name!r} on http://{args.host}:{args.port}/v1 "
+          f"({'API key required' if key else 'no API key'}; docs at /docs)", file=sys.stderr, flush=True)
+    serve(llm, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Parser
+# ------------------------------------------------------------------------------------------------
+
+def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
-    p.add_argument("--engine", choices=("cpu", "reference"), default="cpu")
+    p.add_argument("--engine", "--backend", dest="engine", choices=("cpu", "cuda", "reference"), default="cpu",
+                   help="cpu (Numba), cuda (GPU backend), reference (NumPy oracle, slow)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--kv-policy", choices=("full", "streaming"), default="full")
+    p.add_argument("--kv-policy", choices=POLICIES, default="full")
     p.add_argument("--kv-capacity", type=int, default=None, help="KV slots per layer (full: the context size)")
     p.add_argument("--kv-sinks", type=int, default=4)
-    p.add_argument("--positions", choices=("reindexed", "original"), default="reindexed")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--positions", choices=POSITION_MODES, default="reindexed")
+    g = p.add_argument_group("KV policy knobs (see KVConfig; default: the policy's own)")
+    for f in _KV_KNOBS:
+        opt = "--kv-" + f.name.replace("_", "-")
+        if f.name == "update":
+            g.add_argument(opt, dest="kv_update", choices=UPDATE_MODES, default=None)
+        else:
+            typ = float if "float" in str(f.type) else int
+            g.add_argument(opt, dest="kv_" + f.name, type=typ, default=None, metavar=typ.__name__.upper())
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringllm", description="Embeddable LLM runtime with an in-place KV store.")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from a prompt (greedy)")
-    _add_kv_options(g)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_common(g)
+    _add_sampling(g)
     g.add_argument("-p", "--prompt", required=True)
     g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
     g.set_defaults(func=_generate)
+
+    c = sub.add_parser("chat", help="interactive chat (reads stdin; /reset /save /load /quit)")
+    _add_common(c, json_flag=False)
+    _add_sampling(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("-n", "--n-predict", type=int, default=512, help="tokens per answer at most")
+    c.add_argument("--load", default=None, help="start from a saved session file")
+    c.add_argument("-v", "--verbose", action="store_true", help="speed and KV length after each answer")
+    c.set_defaults(func=_chat)
+
     q = sub.add_parser("perplexity", help="perplexity of a text file")
-    _add_kv_options(q)
+    _add_common(q)
     q.add_argument("-f", "--file", required=True)
     q.add_argument("--protocol", choices=("chunked", "streaming"), default="chunked",
                    help="chunked: llama-perplexity's; streaming: token by token through the KV store")
     q.add_argument("--ctx", type=int, default=512, help="chunk size of the chunked protocol")
     q.add_argument("--chunks", type=int, default=None, help="score only the first K chunks")
     q.add_argument("--tokens", type=int, default=None, help="streaming: score the first N tokens")
-    q.add_argument("--no-progress", action="store_true")
     q.set_defaults(func=_perplexity)
+
+    b = sub.add_parser("bench", help="decode (tg) and prefill (pp) tokens/s of the engine")
+    _add_common(b)
+    b.add_argument("--tg", type=int, default=128, help="tokens decoded per run")
+    b.add_argument("--pp", type=int, default=512, help="prompt tokens prefilled per run")
+    b.add_argument("--repeats", type=int, default=3)
+    b.set_defaults(func=_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_common(s, json_flag=False)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env RINGLLM_API_KEY)")
+    s.add_argument("--model-name", default=None, help="model id to serve under (default: the file name)")
+    s.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
+    s.add_argument("--default-max-tokens", type=int, default=512, help="chat answers without max_tokens")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--queue-size", type=int, default=64, help="waiting requests before 503")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--seed", type=int, default=None, help="seed of requests that give none")
+    s.set_defaults(func=_serve)
     return p
+
+
+_POSITIVE = ("threads", "kv_capacity", "chunks", "tokens", "tg", "pp", "repeats", "max_tokens_cap", "max_body_bytes",
+             "queue_size", "default_max_tokens")
+_NON_NEGATIVE = ("n_predict", "seed", "port")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("n_predict", "threads", "kv_capacity", "chunks", "tokens"):
+    for name in _POSITIVE + _NON_NEGATIVE:
         val = getattr(args, name, None)
-        if val is not None and val < (0 if name == "n_predict" else 1):
-            print(f"ringllm: error: --{name.replace('_', '-')} must be {'>= 0' if name == 'n_predict' else '>= 1'}, "
-                  f"got {val}", file=sys.stderr)
+        low = 1 if name in _POSITIVE else 0
+        if val is not None and val < low:
+            print(f"ringllm: error: --{name.replace('_', '-')} must be >= {low}, got {val}", file=sys.stderr)
             return 2
     try:
         return args.func(args)

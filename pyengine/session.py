@@ -1,0 +1,348 @@
+"""Multi-turn chat that keeps its KV store between turns, and session files.
+
+    session = llm.chat_session(system="You are terse.")
+    for chunk in session.send("Hi!"):           # streams, like LLM.generate
+        print(chunk.text, end="")
+    session.send("And then?", stream=False).text
+    session.save("chat.session"); session = ChatSession.load(llm, "chat.session")
+
+A turn prefills only what is new: the end of the previous answer as the chat template closes it
+(e.g. "<|im_end|>\\n"), the new user message, and the generation prompt. That text is the
+difference between two renderings of the template (the last exchange with and without the new
+message), so any template works; the whole history is never prefilled again. With an eviction
+policy (KVConfig(policy="streaming", capacity=256)) the store stays the same size however long the
+conversation runs.
+
+Session file: a NumPy .npz archive (never pickle; loaded with allow_pickle=False) holding the KV
+store's arrays and one JSON header: format name and version, the model's identity, the KV config,
+the messages, the token history, tokens sampled but not yet fed, the sampler's generator state and
+defaults, and a SHA-256 over header and arrays. A file is written to a temporary name and renamed,
+so a crash never leaves half a file; a damaged, truncated or foreign file raises SessionFileError
+(a ConfigError) naming the problem, and nothing is changed until everything has been checked.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from ringllm.chat_template import validate_messages
+from ringllm.llm import Completion, Generation, check_room, store_stats
+from ringllm.runtime.errors import ConfigError, RingLLMError
+from ringllm.runtime.kv_config import KVConfig
+from ringllm.sampling import Sampler, SamplingParams, StopMatcher
+
+__all__ = ["ChatSession", "SessionFileError", "SESSION_FORMAT", "SESSION_VERSION"]
+
+SESSION_FORMAT = "ringllm-session"
+SESSION_VERSION = 1
+_SENTINEL = "\x00ringllm-answer\x00"
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
+                  "presence_penalty", "penalty_last_n", "logit_bias")
+_OTHER_KEYS = ("max_tokens", "stop", "ignore_eos")
+
+
+class SessionFileError(ConfigError):
+    """A session file that cannot be loaded: missing, truncated, corrupt, or made for another model."""
+
+    def __init__(self, path: str | os.PathLike, problem: str):
+        self.path, self.problem = os.fspath(path), problem
+        super().__init__(f"session file {self.path}: {problem}")
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def model_identity(llm) -> dict:
+    """What a session file must match: the architecture's sizes, the model's name, and a hash of
+    its final norm weights (tells finetunes of one architecture apart)."""
+    s = llm.spec
+    t = llm.model.tensors.get("output_norm.weight")
+    digest = hashlib.sha256(np.ascontiguousarray(t.data).tobytes()).hexdigest()[:16] if t is not None else ""
+    return {"arch": s.arch, "n_vocab": s.n_vocab, "n_layer": s.n_layer, "n_embd": s.n_embd, "n_head": s.n_head,
+            "n_head_kv": s.n_head_kv, "head_dim": s.head_dim, "name": llm.model_name, "weights": digest}
+
+
+def _checksum(header: dict, arrays: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256(json.dumps(header, sort_keys=True).encode("utf-8"))
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+class ChatSession:
+    """A conversation with one LLM that keeps its KV store between turns.
+
+    Args:
+        llm: the LLM.
+        system: an optional system message.
+        kv: the KV config of this conversation (default: the LLM's).
+        seed: the sampler's seed (None: drawn from the LLM's generator).
+        defaults: default keywords of send() (max_tokens, temperature, top_p, stop, ...).
+    """
+
+    def __init__(self, llm, system: str | None = None, kv: KVConfig | None = None, seed: int | None = None,
+                 **defaults: Any):
+        if kv is not None and not isinstance(kv, KVConfig):
+            raise ConfigError(f"kv must be a KVConfig, got {type(kv).__name__}")
+        if system is not None and not isinstance(system, str):
+            raise ConfigError(f"system must be a string, got {type(system).__name__}")
+        unknown = sorted(set(defaults) - set(_SAMPLING_KEYS) - set(_OTHER_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown session defaults {unknown}; valid: {sorted(_SAMPLING_KEYS + _OTHER_KEYS)}")
+        self.llm = llm
+        self.kv = kv or llm.kv
+        self.system = system
+        self.defaults = dict(defaults)
+        self._split(dict(defaults))          # validate now
+        if seed is None:
+            with llm._seed_lock:
+                seed = int(llm._seeds.integers(0, 2 ** 63 - 1))
+        self.seed = seed
+        self.reset()
+
+    # ------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays); the next turn starts a fresh store."""
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.store = None
+        self.tokens: list[int] = []        # every token fed into the store, in order
+        self.pending: list[int] = []       # answer tokens sampled but not yet fed (fed first next turn)
+        self.sampler_state = Sampler(SamplingParams(), self.seed).state()
+        self.turns = 0
+        self._damaged: str | None = None
+
+    def kv_stats(self) -> dict:
+        if self.store is None:
+            return store_stats(self.llm.engine.new_store(self.kv), self.kv)
+        return store_stats(self.store, self.kv)
+
+    def _split(self, kw: dict) -> tuple[SamplingParams, dict]:
+        unknown = sorted(set(kw) - set(_SAMPLING_KEYS) - set(_OTHER_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown send() arguments {unknown}; valid: {sorted(_SAMPLING_KEYS + _OTHER_KEYS)}")
+        params = SamplingParams(**{k: kw[k] for k in _SAMPLING_KEYS if k in kw})
+        params.validate(self.llm.n_vocab)
+        other = {"max_tokens": kw.get("max_tokens", 256), "stop": kw.get("stop"),
+                 "ignore_eos": bool(kw.get("ignore_eos", False))}
+        self.llm._check_max_tokens(other["max_tokens"])
+        return params, other
+
+    def _turn_delta(self, user: dict) -> str:
+        """Text that takes the store from the end of the last answer to the new generation prompt."""
+        llm, prev = self.llm, self.messages
+        head = prev[:1] if prev and prev[0]["role"] == "system" else []
+        body = prev[len(head):]
+        # the last exchange (user, assistant) is enough context for the template to close it
+        ctx = head + body[-2:-1]
+        answer = body[-1]
+        a = llm.render_chat(ctx + [answer], add_generation_prompt=False)
+        b = llm.render_chat(ctx + [answer, user], add_generation_prompt=True)
+        s = llm.render_chat(ctx + [{"role": "assistant", "content": _SENTINEL}], add_generation_prompt=False)
+        close = s[s.index(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in s else ""
+        new = b[len(a):] if b.startswith(a) else b[_common_prefix(a, b):]
+        return close + new
+
+    def send(self, text: str, stream: bool = True, **kwargs: Any) -> "Generation | Completion":
+        """Add a user message and answer it. Keywords as LLM.generate (max_tokens, temperature, ...,
+        stop, ignore_eos); the session's defaults fill the rest. Returns a Generation (stream) or a
+        Completion. Only new tokens are prefilled. A ConfigError (e.g. the context of policy full is
+        exhausted) is raised before anything changes."""
+        if self._damaged:
+            raise RingLLMError(self._damaged)
+        if not isinstance(text, str):
+            raise ConfigError(f"the message must be a string, got {type(text).__name__}")
+        params, other = self._split({**self.defaults, **kwargs})
+        llm = self.llm
+        user = {"role": "user", "content": text}
+        if self.store is None:
+            ids = llm.chat_ids(llm.render_chat(self.messages + [user], add_generation_prompt=True))
+            store = llm.engine.new_store(self.kv)
+        else:
+            delta = self._turn_delta(user)
+            ids = list(self.pending) + llm.tokenizer.encode(delta, add_bos=False, parse_special=True)
+            store = self.store
+        check_room(store, llm.spec, len(ids))
+        stopper = StopMatcher(other["stop"])
+        sampler = Sampler(params, 0)
+        sampler.set_state(self.sampler_state)
+        handle = Generation()
+        gen = handle.record
+
+        def body():
+            llm._acquire()
+            try:
+                history = self.tokens + ids
+                try:
+                    yield from llm._decode(gen, store, ids, history, sampler, other["max_tokens"], stopper,
+                                           other["ignore_eos"])
+                except GeneratorExit:
+                    raise
+                except BaseException as exc:
+                    if gen.in_engine and not isinstance(exc, ConfigError):
+                        self._damaged = ("the session's KV store was interrupted inside an engine step; "
+                                         "reset() it or load a saved session")
+                    raise
+                finally:
+                    if gen.fed and not self._damaged:
+                        n_prompt = len(ids)
+                        self.store = store
+                        self.tokens.extend(gen.fed)
+                        unfed = gen.tokens[len(gen.fed) - n_prompt:]
+                        self.pending = [] if gen.finish_reason == "stop" else list(unfed)
+                        self.messages = self.messages + [user, {"role": "assistant", "content": gen.text}]
+                        self.sampler_state = sampler.state()
+                        self.turns += 1
+            finally:
+                llm._release()
+
+        handle._it = body()
+        return handle if stream else handle.result()
+
+    # ------------------------------------------------------------------------------------------
+    # Files
+    # ------------------------------------------------------------------------------------------
+
+    def _defaults_json(self) -> dict:
+        d = dict(self.defaults)
+        if d.get("logit_bias"):
+            d["logit_bias"] = {str(k): float(v) for k, v in d["logit_bias"].items()}
+        return d
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the session (store, metadata, history, sampler state) to `path`; returns the path."""
+        path = os.fspath(path)
+        llm = self.llm
+        if self._damaged:
+            raise RingLLMError(self._damaged)
+        llm._acquire()          # never save in the middle of a turn of another thread
+        try:
+            arrays: dict[str, np.ndarray] = {}
+            kv_state = None
+            if self.store is not None:
+                state_fn = getattr(self.store, "state", None)
+                if state_fn is None:
+                    raise ConfigError(f"the {llm.backend} backend's KV store cannot be saved")
+                st = state_fn()
+                kv_state = {"kv": st["kv"], "n_seen": int(st["n_seen"])}
+                arrays = {f"kv/{name}": np.asarray(a) for name, a in st["arrays"].items()}
+            header = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "model": model_identity(llm),
+                      "session_kv": self.kv.to_dict(), "system": self.system, "seed": int(self.seed),
+                      "defaults": self._defaults_json(), "messages": self.messages, "tokens": list(self.tokens),
+                      "pending": list(self.pending), "turns": self.turns, "sampler": self.sampler_state,
+                      "store": kv_state}
+            header["checksum"] = _checksum(header, arrays)
+            blob = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
+            folder = os.path.dirname(os.path.abspath(path))
+            fd, tmp = tempfile.mkstemp(prefix=".session-", suffix=".tmp", dir=folder)
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    np.savez_compressed(fh, __header__=blob, **arrays)
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+        finally:
+            llm._release()
+        return path
+
+    @classmethod
+    def load(cls, llm, path: str | os.PathLike) -> "ChatSession":
+        """A session saved by save(), bound to `llm` (which must be the same model). Everything is
+        checked (format, version, model, checksum, every array's shape and dtype) before the session
+        exists; errors are SessionFileError."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise SessionFileError(path, "no such file")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                names = list(z.files)
+                if "__header__" not in names:
+                    raise SessionFileError(path, "not a ringllm session file (no header)")
+                raw = z["__header__"]
+                arrays = {n: z[n] for n in names if n != "__header__"}
+        except SessionFileError:
+            raise
+        except Exception as exc:        # zip/npy/zlib errors of a truncated or corrupt file
+            raise SessionFileError(path, f"cannot be read ({type(exc).__name__}: {exc}); the file is truncated "
+                                   "or corrupt") from None
+        try:
+            header = json.loads(raw.tobytes().decode("utf-8"))
+            if not isinstance(header, dict):
+                raise ValueError("header is not an object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SessionFileError(path, f"header is not valid JSON ({exc})") from None
+        if header.get("format") != SESSION_FORMAT:
+            raise SessionFileError(path, f"not a ringllm session file (format {header.get('format')!r})")
+        if header.get("version") != SESSION_VERSION:
+            raise SessionFileError(path, f"session format version {header.get('version')!r}; this ringllm reads "
+                                   f"version {SESSION_VERSION}")
+        expected = header.pop("checksum", None)
+        if expected != _checksum(header, arrays):
+            raise SessionFileError(path, "checksum mismatch: the file was modified or damaged")
+        want, have = header.get("model"), model_identity(llm)
+        if want != have:
+            diff = sorted(k for k in set(have) | set(want or {}) if (want or {}).get(k) != have.get(k))
+            raise SessionFileError(path, f"saved with another model ({', '.join(f'{k}: {(want or {}).get(k)!r}' for k in diff)}); "
+                                   f"this LLM is {have['name']!r}")
+        try:
+            session_kv = KVConfig.from_dict(header["session_kv"])
+            messages = validate_messages(header["messages"])
+            tokens = [int(t) for t in header["tokens"]]
+            pending = [int(t) for t in header["pending"]]
+            for t in tokens + pending:
+                if not 0 <= t < llm.n_vocab:
+                    raise ValueError(f"token id {t} outside the vocabulary")
+            sampler = Sampler(SamplingParams(), 0)
+            sampler.set_state(header["sampler"])
+            seed, turns, system = int(header["seed"]), int(header["turns"]), header["system"]
+            defaults = dict(header["defaults"])
+            store = None
+            if header["store"] is not None:
+                from ringllm.runtime.kv_store import KVStore
+                st = header["store"]
+                state = {"kv": st["kv"], "n_seen": int(st["n_seen"]),
+                         "arrays": {n[3:]: a for n, a in arrays.items() if n.startswith("kv/")}}
+                if len(state["arrays"]) != len(arrays):
+                    raise ValueError("unexpected arrays in the file")
+                restore = getattr(llm.engine, "restore_store", None)
+                if restore is not None:
+                    store = restore(state)
+                else:
+                    store = llm.engine.adopt_store(KVStore.restore(llm.spec, state))
+                if int(store.n_seen) != len(tokens):
+                    raise ValueError(f"the store has seen {store.n_seen} tokens, the history has {len(tokens)}")
+            elif arrays or tokens:
+                raise ValueError("a history without a store")
+        except SessionFileError:
+            raise
+        except (RingLLMError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SessionFileError(path, f"inconsistent content: {exc}") from None
+        obj = cls.__new__(cls)
+        obj.llm, obj.kv, obj.system, obj.seed = llm, session_kv, system, seed
+        obj.defaults = defaults
+        try:
+            obj._split(dict(defaults))
+        except ConfigError as exc:
+            raise SessionFileError(path, f"invalid defaults: {exc}") from None
+        obj.messages, obj.store, obj.tokens, obj.pending = messages, store, tokens, pending
+        obj.sampler_state, obj.turns, obj._damaged = sampler.state(), turns, None
+        return obj
+
+    def restore(self, path: str | os.PathLike) -> None:
+        """Replace this session's state with a saved one (all or nothing)."""
+        loaded = ChatSession.load(self.llm, path)
+        self.__dict__.update(loaded.__dict__)
