@@ -78,6 +78,16 @@ def grid_abs_keys(key, count_l):
 
 
 @njit(cache=True, nogil=True)
+def popcount(x):
+    """Set bits of an int64 (Kernighan)."""
+    c = 0
+    while x:
+        x &= x - 1
+        c += 1
+    return c
+
+
+@njit(cache=True, nogil=True)
 def seq_keys(key, seq_l, count_l):
     """key[h, j] = sequence index: the oldest unprotected token goes first."""
     for h in range(seq_l.shape[0]):

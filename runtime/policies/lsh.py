@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.policies.base import Policy
+from ringllm.runtime.policies.base import Policy, popcount
 
 
 @njit(cache=True, nogil=True)
@@ -33,21 +33,12 @@ def simhash_rows(out, x, proj):
 
 
 @njit(cache=True, nogil=True)
-def _popcount(x):
-    c = 0
-    while x:
-        x &= x - 1
-        c += 1
-    return c
-
-
-@njit(cache=True, nogil=True)
 def _hamming_keys(key, aux_l, count_l, q_codes, group):
     for h in range(aux_l.shape[0]):
         for j in range(count_l[h]):
             dist = 0
             for g in range(group):
-                dist += _popcount(q_codes[h * group + g] ^ aux_l[h, j])
+                dist += popcount(q_codes[h * group + g] ^ aux_l[h, j])
             key[h, j] = -dist
 
 

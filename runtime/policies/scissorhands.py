@@ -12,16 +12,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from ringllm.runtime.policies.base import Policy
-
-
-@njit(cache=True, nogil=True)
-def _popcount(x):
-    c = 0
-    while x:
-        x &= x - 1
-        c += 1
-    return c
+from ringllm.runtime.policies.base import Policy, popcount
 
 
 @njit(cache=True, nogil=True)
@@ -39,7 +30,7 @@ def _update_history(aux_l, mass, count_l, group, history):
 def _unimportant_keys(key, aux_l, count_l):
     for h in range(aux_l.shape[0]):
         for j in range(count_l[h]):
-            key[h, j] = -_popcount(aux_l[h, j])
+            key[h, j] = -popcount(aux_l[h, j])
 
 
 class Scissorhands(Policy):
