@@ -53,6 +53,22 @@ def _rotate_into(dst, src, p, cos, sin, rotary_dim):
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def softmax_inplace(sc, n):
+    """sc[:n] (f32) -> its softmax, in place (max-subtracted, float32)."""
+    m = sc[0]
+    for j in range(1, n):
+        m = max(m, sc[j])
+    total = np.float32(0.0)
+    for j in range(n):
+        e = np.exp(sc[j] - m)
+        sc[j] = e
+        total += e
+    inv = np.float32(1.0) / total
+    for j in range(n):
+        sc[j] *= inv
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _softmax_weighted_v(out, scores, v_l, mass, h, n, group):
     """For the query heads of kv head h: softmax over scores[hq, :n] (in place, becoming the weights),
     out[hq] = weights @ v_l[h, :n]; mass[h, :n] = weights summed over the group when mass is wanted."""
@@ -61,21 +77,12 @@ def _softmax_weighted_v(out, scores, v_l, mass, h, n, group):
     for g in range(group):
         hq = h0 + g
         sc = scores[hq]
-        m = sc[0]
-        for j in range(1, n):
-            m = max(m, sc[j])
-        total = np.float32(0.0)
-        for j in range(n):
-            e = np.exp(sc[j] - m)
-            sc[j] = e
-            total += e
-        inv = np.float32(1.0) / total
+        softmax_inplace(sc, n)
         o = out[hq]
         for d in range(hd):
             o[d] = 0.0
         for j in range(n):
-            w = sc[j] * inv
-            sc[j] = w
+            w = sc[j]
             vj = v_l[h, j]
             for d in range(hd):
                 o[d] += w * vj[d]

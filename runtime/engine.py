@@ -288,10 +288,13 @@ class CPUEngine:
         scale = np.float32(s.attn_scale)
         kk = b.k.reshape(T, nkv, hd)
         inv_freq, inv_scale = self.layer_inv_freq[il], 1.0 / s.rope_scale[il]
+        paged = getattr(store, "paged", False)   # paged KV pool (runtime/paged_store.py): writes and attends itself
+        if paged:
+            store.forward_layer(il, b.q, kk, v3, seq0, b.att, table, scale)
         mode = store.layer_rope_mode[il]
         policy = store.policy_impl if store.uses_policy(il) else None
         mass = store.mass if policy is not None and policy.needs_mass else self.no_mass
-        for t in range(T):
+        for t in range(0 if paged else T):
             seq = seq0 + t
             q_t = b.q[t].reshape(nh, hd)
             if policy is not None:
