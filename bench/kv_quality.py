@@ -8,6 +8,8 @@ store (engine.logits: chunked projections, attention token by token), NLL of eac
 Ceiling: the streaming policy at the model's whole context (8192 for SmolLM2, far above the budgets).
 Needle: a passphrase sentence planted 10-60% into ~1,300 tokens of the novel, then a completion-style
 question at the end, 12 greedy tokens; a hit when the passphrase comes back. --needles positions.
+Attention loss (LSH-E): the share of full attention that falls on evicted tokens, over the first
+--loss-tokens tokens (a full store runs beside the policy's and reports its per-token mass).
 Writes bench/results/<name>.{json,md} and <name>.png (perplexity against budget per policy).
 """
 from __future__ import annotations
@@ -46,6 +48,42 @@ def streaming_ppl(eng, kv, ids: np.ndarray, chunk: int = 512) -> float:
     return float(math.exp(np.concatenate(nll).mean()))
 
 
+def attention_loss(eng, kv, ids: np.ndarray) -> float:
+    """LSH-E's attention loss: the share of full attention that falls on tokens the policy evicted.
+
+    The ids are fed one at a time through two stores of one engine: the policy's and a full one
+    whose attention emits per-token mass (engine mass hook). At every step, layer and kv head, the
+    full attention mass of the tokens missing from the policy's store is summed (over the GQA
+    group, / group: a share in [0, 1]); the mean over steps, layers and heads is returned.
+    """
+    from ringllm.runtime.kv_config import KVConfig
+
+    spec = eng.spec
+    group = spec.n_head // spec.n_head_kv
+    full = eng.new_store(KVConfig(capacity=len(ids) + 1, policy="full"))
+    pol = eng.new_store(kv)
+    held = [None] * spec.n_layer
+    acc = {"loss": 0.0, "n": 0}
+
+    def on_mass(il, mass, store):
+        if held[il] is None:
+            return
+        for h in range(spec.n_head_kv):
+            n = int(store.count[il][h])
+            keep = np.zeros(n, bool)
+            keep[held[il][h][held[il][h] < n]] = True        # full store: slot j holds token j
+            acc["loss"] += float(mass[h, :n][~keep].sum()) / group
+            acc["n"] += 1
+
+    full.mass_hook = on_mass
+    for t in ids:
+        eng.step(int(t), pol)
+        for il in range(spec.n_layer):
+            held[il] = [pol.seq[il][h, :int(pol.count[il][h])].copy() for h in range(spec.n_head_kv)]
+        eng.step(int(t), full)
+    return acc["loss"] / max(acc["n"], 1)
+
+
 def needle_hits(eng, model, kv, text: str, n_needles: int, filler_words: int = 1000) -> list[bool]:
     """Completion-style needle probes (a 135M model answers these, not chat questions): the passphrase
     sentence planted 10%..60% into ~1,300 tokens of the novel, then "Answer: the secret passphrase ...
@@ -80,6 +118,7 @@ def main():
     ap.add_argument("--needles", type=int, default=4)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("--name", default="kv_quality")
+    ap.add_argument("--loss-tokens", type=int, default=2000, help="tokens for the attention-loss measure (0: skip)")
     args = ap.parse_args()
     from ringllm.models.bundled import default_model_path, gemma3_model_path
     from ringllm.models.loader import load_model
@@ -96,7 +135,7 @@ def main():
         model = load_model(paths[name]())
         eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads)
         ids = np.asarray(model.tokenizer.encode(text), np.int64)[:args.tokens + 1]
-        res = {"ceiling": None, "ppl": {}, "needle": {}, "seconds": {}}
+        res = {"ceiling": None, "ppl": {}, "needle": {}, "attention_loss": {}, "seconds": {}}
         t0 = time.time()
         ceiling_kv = KVConfig(capacity=model.spec.n_ctx, policy="streaming", sinks=4)
         res["ceiling"] = streaming_ppl(eng, ceiling_kv, ids)
@@ -109,8 +148,11 @@ def main():
                 key = f"{pol}@{b}"
                 res["ppl"][key] = streaming_ppl(eng, kv, ids)
                 res["needle"][key] = needle_hits(eng, model, kv, text, args.needles)
+                if args.loss_tokens:
+                    res["attention_loss"][key] = attention_loss(eng, kv, ids[:args.loss_tokens])
                 res["seconds"][key] = time.time() - t0
                 print(name, key, f"ppl {res['ppl'][key]:.3f}", "needle", sum(res["needle"][key]), "/", args.needles,
+                      "loss", res["attention_loss"].get(key),
                       f"{res['seconds'][key]:.0f}s", flush=True)
         results["models"][name] = res
         write(results, args)
@@ -130,12 +172,15 @@ def write(results: dict, args) -> None:
         md.append(f"Ceiling (streaming at the model's whole context): perplexity {res['ceiling']:.3f}, needle "
                   f"{sum(res['needle_ceiling'])}/{len(res['needle_ceiling'])}\n")
         md.append("| policy | " + " | ".join(f"ppl @{b}" for b in results["budgets"]) + " | "
-                  + " | ".join(f"needle @{b}" for b in results["budgets"]) + " |")
-        md.append("|---" * (1 + 2 * len(results["budgets"])) + "|")
+                  + " | ".join(f"needle @{b}" for b in results["budgets"]) + " | "
+                  + " | ".join(f"attn loss @{b}" for b in results["budgets"]) + " |")
+        md.append("|---" * (1 + 3 * len(results["budgets"])) + "|")
         for pol in results["policies"]:
             cells = [f"{res['ppl'][f'{pol}@{b}']:.3f}" if f"{pol}@{b}" in res["ppl"] else "-" for b in results["budgets"]]
             cells += [f"{sum(res['needle'][f'{pol}@{b}'])}/{len(res['needle'][f'{pol}@{b}'])}"
                       if f"{pol}@{b}" in res["needle"] else "-" for b in results["budgets"]]
+            cells += [f"{res['attention_loss'][f'{pol}@{b}']:.4f}" if f"{pol}@{b}" in res.get("attention_loss", {})
+                      else "-" for b in results["budgets"]]
             md.append(f"| {pol} | " + " | ".join(cells) + " |")
         md.append("")
     text = "\n".join(md) + "\n"

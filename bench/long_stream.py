@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--capacity", type=int, default=512)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--name", default="long_stream", help="results file stem under bench/results")
     args = ap.parse_args()
     from ringllm.models.bundled import default_model_path
     from ringllm.models.loader import load_model
@@ -98,14 +99,17 @@ def main():
         runs["llama.cpp context shift"] = {"latency": summary(lat), "rss_mb": rss, "stats": stats, "_lat": lat}
         print("llama.cpp", runs["llama.cpp context shift"]["latency"], flush=True)
 
-    plot(runs, args, os.path.join(RESULTS, "long_stream.png"))
+    plot(runs, args, os.path.join(RESULTS, args.name + ".png"))
     inplace, shift = runs["ringllm in-place"]["latency"], runs["ringllm shift-and-append"]["latency"]
     payload = {"model": os.path.basename(path), "tokens": args.n, "capacity": args.capacity, "sinks": args.sinks,
                "threads": args.threads, "machine": machine(),
+               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
                "inplace_speedup_over_shift": shift["mean_ms"] / inplace["mean_ms"],
                "runs": {k: {kk: vv for kk, vv in v.items() if kk != "_lat"} for k, v in runs.items()}}
     md = [f"# Long stream: {args.n} generated tokens, capacity {args.capacity}, sinks {args.sinks}\n",
-          f"Model {payload['model']}, {args.threads} threads, {payload['machine']['cpu']}.\n",
+          f"Model {payload['model']}, {args.threads} threads, {payload['machine']['cpu']}, OMP_WAIT_POLICY="
+          f"{payload['omp_wait_policy']}. Command: `python bench/long_stream.py -n {args.n} --capacity {args.capacity} "
+          f"-t {args.threads} --name {args.name}`.\n",
           "| run | tok/s | p50 ms | p99 ms | p99/p50 | first 1k mean ms | last 1k mean ms | RSS first->last MB |",
           "|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
@@ -116,7 +120,7 @@ def main():
     md.append(f"\nIn-place over shift-and-append (same engine, same kernels): {payload['inplace_speedup_over_shift']:.3f}x\n")
     text = "\n".join(md) + "\n"
     print(text)
-    write_results("long_stream", payload, text)
+    write_results(args.name, payload, text)
 
 
 def plot(runs, args, out):

@@ -293,7 +293,10 @@ class CPUEngine:
             store.forward_layer(il, b.q, kk, v3, seq0, b.att, table, scale)
         mode = store.layer_rope_mode[il]
         policy = store.policy_impl if store.uses_policy(il) else None
-        mass = store.mass if policy is not None and policy.needs_mass else self.no_mass
+        hook = store.mass_hook
+        if hook is not None and store.mass is None:
+            store.mass = np.zeros((nkv, max(store.layer_physical)), np.float32)
+        mass = store.mass if (policy is not None and policy.needs_mass) or hook is not None else self.no_mass
         for t in range(0 if paged else T):
             seq = seq0 + t
             q_t = b.q[t].reshape(nh, hd)
@@ -318,19 +321,22 @@ class CPUEngine:
                     self.layer_full_rope[il].ensure(qp + 1)
             if mode == "fused":
                 attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il],
-                       store.query_positions(il, seq, self.qpos), table.cos, table.sin, s.rotary_dim, scale, self.scores, self.krot, self.qrot, mass)
+                       store.query_positions(il, seq, self.qpos), table.cos, table.sin, s.rotary_dim, scale,
+                       self.scores, self.krot, self.qrot, mass)
             elif mode == "rk":
                 ft = self.layer_full_rope[il]
                 attend_rk(self.out3, q_t, store.k[il], store.rk[il], store.v[il], store.pos[il], store.count[il], qp,
                           ft.cos, ft.sin, table.cos, table.sin, s.rotary_dim, scale, self.scores, self.qrot,
-                          self.no_mass)
+                          mass)
             else:   # stored (offsets seq - pos) or kshift (keys at their own position: offsets pos - pos = 0)
                 ref = store.seq[il] if mode == "stored" else store.pos[il]
                 attend_stored(self.out3, q_t, store.k[il], store.v[il], store.pos[il], ref, store.count[il],
                               qp, inv_freq, inv_scale, s.rotary_dim, scale, self.scores, self.qrot, self.angles,
-                              self.no_mass)
+                              mass)
             if policy is not None:
                 policy.observe(store, il, mass, seq)
+            if hook is not None:
+                hook(il, mass, store)
             b.att[t] = self.out3.reshape(-1)
         self._linear(b.a, p + "attn_output", b.att)
         if s.sandwich_norm:

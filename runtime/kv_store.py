@@ -336,6 +336,9 @@ class KVStore:
         self.mass = None                  # (n_kv, P) float32 attention mass scratch, set by the engine
         self.layer_rope_mode = None       # per layer "stored" | "fused" | "rk" | "kshift", fixed by the first engine
         self.rk = None                    # RK cache, per layer (n_kv, P, rotary_dim) f32, rope "rk" only
+        # optional callable(il, mass (n_kv, P) f32, store) run after each attention step with the per-slot
+        # attention mass (group-summed); for measurements such as the attention loss of eviction
+        self.mass_hook = None
 
     # -----------------------------------------------------------------------------------------
     # Writes

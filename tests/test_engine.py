@@ -116,3 +116,17 @@ def test_gemma3_engine_matches_reference(gemma3_path):
     prompt = loaded.tokenizer.encode(novel_text()[50000:52000])[:48]
     for rope in CPUEngine.ROPE_MODES:
         run_pair(loaded, prompt, 12, capacity=24, policy="streaming", positions="reindexed", rope=rope)
+
+
+@pytest.mark.parametrize("rope", CPUEngine.ROPE_MODES)
+def test_mass_hook_sees_each_attention_step(tiny, rope):
+    """The measurement hook gets every layer's per-slot mass: group-summed softmax weights (sum = group)."""
+    eng = CPUEngine(tiny.spec, tiny.tensors, rope=rope)
+    st = eng.new_store(capacity=10, policy="streaming", sinks=2)
+    seen = []
+    st.mass_hook = lambda il, mass, store: seen.append((il, mass[:, :int(store.count[il][0])].sum(axis=1).copy()))
+    eng.logits(list(range(3, 17)), st)
+    group = tiny.spec.n_head // tiny.spec.n_head_kv
+    assert len(seen) == 14 * tiny.spec.n_layer
+    for _, sums in seen:
+        np.testing.assert_allclose(sums, group, rtol=1e-5)
