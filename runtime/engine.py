@@ -287,17 +287,40 @@ class CPUEngine:
         table = self.layer_rope[il]
         scale = np.float32(s.attn_scale)
         kk = b.k.reshape(T, nkv, hd)
-        inv_freq, inv_scale = self.layer_inv_freq[il], 1.0 / s.rope_scale[il]
-        paged = getattr(store, "paged", False)   # paged KV pool (runtime/paged_store.py): writes and attends itself
-        if paged:
+        if getattr(store, "paged", False):   # paged KV pool (runtime/paged_store.py): writes and attends itself
             store.forward_layer(il, b.q, kk, v3, seq0, b.att, table, scale)
+        else:
+            self._attend_dense(il, b, store, seq0, kk, v3, table, scale)
+        self._linear(b.a, p + "attn_output", b.att)
+        if s.sandwich_norm:
+            rms_norm_rows(b.a, b.a, self.vecs[p + "post_attention_norm.weight"], s.norm_eps)
+        if s.parallel_residual:
+            self._norm(b.h, b.x, p + "ffn_norm")
+            self._ffn(il, b)
+            b.x += b.a
+            b.x += b.h2
+            return
+        b.x += b.a
+        self._norm(b.h, b.x, p + "ffn_norm")
+        self._ffn(il, b)
+        if s.sandwich_norm:
+            rms_norm_rows(b.h2, b.h2, self.vecs[p + "post_ffw_norm.weight"], s.norm_eps)
+        b.x += b.h2
+
+    def _attend_dense(self, il: int, b: _Buffers, store: KVStore, seq0: int, kk: np.ndarray, v3: np.ndarray,
+                      table, scale: np.float32) -> None:
+        """Write the chunk's keys/values (kk, v3: (T, n_kv, hd)) into the fixed store token by token and attend
+        each query b.q[t] (n_head * hd) over the store; outputs land in b.att[t]."""
+        s = self.spec
+        T, nh, nkv, hd = b.x.shape[0], s.n_head, s.n_head_kv, s.head_dim
+        inv_freq, inv_scale = self.layer_inv_freq[il], 1.0 / s.rope_scale[il]
         mode = store.layer_rope_mode[il]
         policy = store.policy_impl if store.uses_policy(il) else None
         hook = store.mass_hook
         if hook is not None and store.mass is None:
             store.mass = np.zeros((nkv, max(store.layer_physical)), np.float32)
         mass = store.mass if (policy is not None and policy.needs_mass) or hook is not None else self.no_mass
-        for t in range(0 if paged else T):
+        for t in range(T):
             seq = seq0 + t
             q_t = b.q[t].reshape(nh, hd)
             if policy is not None:
@@ -338,21 +361,6 @@ class CPUEngine:
             if hook is not None:
                 hook(il, mass, store)
             b.att[t] = self.out3.reshape(-1)
-        self._linear(b.a, p + "attn_output", b.att)
-        if s.sandwich_norm:
-            rms_norm_rows(b.a, b.a, self.vecs[p + "post_attention_norm.weight"], s.norm_eps)
-        if s.parallel_residual:
-            self._norm(b.h, b.x, p + "ffn_norm")
-            self._ffn(il, b)
-            b.x += b.a
-            b.x += b.h2
-            return
-        b.x += b.a
-        self._norm(b.h, b.x, p + "ffn_norm")
-        self._ffn(il, b)
-        if s.sandwich_norm:
-            rms_norm_rows(b.h2, b.h2, self.vecs[p + "post_ffw_norm.weight"], s.norm_eps)
-        b.x += b.h2
 
     def _ffn(self, il: int, b: _Buffers) -> None:
         """b.h2 = ffn(b.h)."""
