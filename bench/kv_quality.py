@@ -15,6 +15,7 @@ Writes bench/results/<name>.{json,md} and <name>.png (perplexity against budget 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -38,14 +39,15 @@ def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - logits[np.arange(len(targets)), targets]
 
 
-def streaming_ppl(eng, kv, ids: np.ndarray, chunk: int = 512) -> float:
+def streaming_ppl(eng, kv, ids: np.ndarray, chunk: int = 512) -> tuple[float, dict]:
+    """(perplexity, store stats at the end) of ids fed through one bounded store."""
     st = eng.new_store(kv)
     nll = []
     for start in range(0, len(ids) - 1, chunk):
         part = ids[start:start + chunk + 1]
         logits = eng.logits(part[:-1], st)
         nll.append(log_softmax_nll(logits, part[1:]))
-    return float(math.exp(np.concatenate(nll).mean()))
+    return float(math.exp(np.concatenate(nll).mean())), st.stats()
 
 
 def attention_loss(eng, kv, ids: np.ndarray) -> float:
@@ -119,7 +121,11 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("--name", default="kv_quality")
     ap.add_argument("--loss-tokens", type=int, default=2000, help="tokens for the attention-loss measure (0: skip)")
+    ap.add_argument("--resume", action="store_true", help="keep the entries of bench/results/<name>.json, run the rest")
+    ap.add_argument("--merge", default="", help="comma list of result names whose models are merged into <name>")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args)
     from ringllm.models.bundled import default_model_path, gemma3_model_path
     from ringllm.models.loader import load_model
     from ringllm.runtime.engine import CPUEngine
@@ -131,22 +137,37 @@ def main():
     text = open(DATA, encoding="utf-8").read()
     paths = {"smollm2": default_model_path, "gemma3": gemma3_model_path}
     results = {"machine": machine(), "tokens": args.tokens, "budgets": budgets, "policies": policies, "models": {}}
+    old = {}
+    path = os.path.join(RESULTS, args.name + ".json")
+    if args.resume and os.path.exists(path):
+        with open(path) as fh:
+            old = json.load(fh)["models"]
     for name in args.models.split(","):
         model = load_model(paths[name]())
         eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads)
         ids = np.asarray(model.tokenizer.encode(text), np.int64)[:args.tokens + 1]
-        res = {"ceiling": None, "ppl": {}, "needle": {}, "attention_loss": {}, "seconds": {}}
+        res = old.get(name) or {"ceiling": None, "ppl": {}, "needle": {}, "attention_loss": {}, "seconds": {},
+                                "stats": {}}
+        if res.get("tokens", args.tokens) != args.tokens:
+            raise SystemExit(f"--resume: {name} was measured over {res['tokens']} tokens, not {args.tokens}")
+        res["tokens"] = args.tokens
+        results["models"][name] = res
         t0 = time.time()
-        ceiling_kv = KVConfig(capacity=model.spec.n_ctx, policy="streaming", sinks=4)
-        res["ceiling"] = streaming_ppl(eng, ceiling_kv, ids)
-        res["needle_ceiling"] = needle_hits(eng, model, ceiling_kv, text, args.needles)
-        print(name, "ceiling", res["ceiling"], res["needle_ceiling"], f"{time.time() - t0:.0f}s", flush=True)
+        if res["ceiling"] is None:
+            ceiling_kv = KVConfig(capacity=model.spec.n_ctx, policy="streaming", sinks=4)
+            res["ceiling"] = streaming_ppl(eng, ceiling_kv, ids)[0]
+            res["needle_ceiling"] = needle_hits(eng, model, ceiling_kv, text, args.needles)
+            print(name, "ceiling", res["ceiling"], res["needle_ceiling"], f"{time.time() - t0:.0f}s", flush=True)
         for pol in policies:
             for b in budgets:
                 kv = KVConfig(capacity=b, policy=pol, sinks=4)
                 t0 = time.time()
                 key = f"{pol}@{b}"
-                res["ppl"][key] = streaming_ppl(eng, kv, ids)
+                if key in res["ppl"]:
+                    continue
+                res["ppl"][key], stats = streaming_ppl(eng, kv, ids)
+                res["stats"][key] = {k: v for k, v in stats.items() if k.startswith("gvote_budget_mean")
+                                     or k in ("length", "evicted_total")}
                 res["needle"][key] = needle_hits(eng, model, kv, text, args.needles)
                 if args.loss_tokens:
                     res["attention_loss"][key] = attention_loss(eng, kv, ids[:args.loss_tokens])
@@ -154,21 +175,35 @@ def main():
                 print(name, key, f"ppl {res['ppl'][key]:.3f}", "needle", sum(res["needle"][key]), "/", args.needles,
                       "loss", res["attention_loss"].get(key),
                       f"{res['seconds'][key]:.0f}s", flush=True)
-        results["models"][name] = res
-        write(results, args)
+                write(results, args)
     write(results, args)
 
 
+def merge(args) -> None:
+    """Combine the models of several result files (runs made in parallel, one model each) into <name>."""
+    out = None
+    for part in args.merge.split(","):
+        with open(os.path.join(RESULTS, part + ".json")) as fh:
+            res = json.load(fh)
+        if out is None:
+            out = res
+        else:
+            out["models"].update(res["models"])
+            out["policies"] += [p for p in res["policies"] if p not in out["policies"]]
+    args.models = ",".join(out["models"])
+    write(out, args)
+
+
 def write(results: dict, args) -> None:
-    md = [f"# KV eviction quality: streaming perplexity over {results['tokens']} tokens of Pride and Prejudice, "
-          "and needle retrieval\n",
-          f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores. Command: "
-          f"`python bench/kv_quality.py --models {args.models} --tokens {args.tokens} --budgets {args.budgets} "
-          f"--needles {args.needles}`.\n",
+    md = ["# KV eviction quality: streaming perplexity over a novel (Pride and Prejudice), needle retrieval, "
+          "attention loss\n",
+          f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores. Command per model: "
+          "`python bench/kv_quality.py --models M --tokens N --budgets 128,256,512 --needles K --loss-tokens L "
+          "--name kv_quality_M`, then `--merge` of the parts.\n",
           "Perplexity: lower is better; the ceiling is the streaming policy at the model's whole context. "
           "Needle: hits / probes (passphrase planted 10-60% into a ~1,300-token prompt, asked at the end).\n"]
     for name, res in results["models"].items():
-        md.append(f"## {name}\n")
+        md.append(f"## {name}: {res.get('tokens', results['tokens'])} tokens\n")
         md.append(f"Ceiling (streaming at the model's whole context): perplexity {res['ceiling']:.3f}, needle "
                   f"{sum(res['needle_ceiling'])}/{len(res['needle_ceiling'])}\n")
         md.append("| policy | " + " | ".join(f"ppl @{b}" for b in results["budgets"]) + " | "
@@ -182,6 +217,10 @@ def write(results: dict, args) -> None:
             cells += [f"{res['attention_loss'][f'{pol}@{b}']:.4f}" if f"{pol}@{b}" in res.get("attention_loss", {})
                       else "-" for b in results["budgets"]]
             md.append(f"| {pol} | " + " | ".join(cells) + " |")
+        chosen = {k: v["gvote_budget_mean"] for k, v in res.get("stats", {}).items() if v.get("gvote_budget_mean")}
+        if chosen:
+            md.append("\nGVote's chosen budgets (mean over steps and layers of the nucleus size it kept, the "
+                      "capacity being the ceiling): " + ", ".join(f"{k}: {v:.1f}" for k, v in sorted(chosen.items())))
         md.append("")
     text = "\n".join(md) + "\n"
     write_results(args.name, results, text)
@@ -203,7 +242,7 @@ def write(results: dict, args) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("KV budget (tokens)")
         ax.set_ylabel("streaming perplexity")
-        ax.set_title(f"{name}, {results['tokens']} tokens")
+        ax.set_title(f"{name}, {res.get('tokens', results['tokens'])} tokens")
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, args.name + ".png"), dpi=110)

@@ -193,18 +193,19 @@ def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l,
 
 @njit(cache=True, nogil=True)
 def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
-                    seq_new, key_l, n_drop, sinks, recent, reindexed, victims):
-    """Evict n_drop tokens per head (lowest key_l among unprotected slots) and write the new token.
+                    seq_new, key_l, drop_h, sinks, recent, reindexed, victims):
+    """Evict drop_h[h] tokens of each head h (lowest key_l among unprotected slots) and write the new token.
 
-    key_l (n_kv, P) f64 filled by the policy for occupied slots when n_drop > 0; victims (>= n_drop,)
-    i64 scratch. The new token goes to slot count with rank count, zero score/aux/hist (the policy
+    drop_h (n_kv,) i64: equal for every head but under adakv; key_l (n_kv, P) f64 filled by the
+    policy for occupied slots when any drop_h > 0; victims (>= max drop_h,) i64 scratch. The new
+    token goes to slot count with rank count, zero score/aux/hist (the policy
     initialises them afterwards). Returns None.
     """
     n_kv = seq_l.shape[0]
     w = hist_l.shape[2]
     for h in range(n_kv):
-        if n_drop > 0:
-            got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], n_drop, sinks, recent, victims)
+        if drop_h[h] > 0:
+            got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], drop_h[h], sinks, recent, victims)
             evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, victims,
                         got, reindexed)
         slot = count_l[h]
@@ -314,8 +315,11 @@ class KVStore:
             self.layer_capacity.append(cap)
             self.layer_sinks.append(s)
             self.layer_ring.append(ring)
-            phys.append(cap if ring else KVConfig(capacity=cap, policy="streaming", sinks=0, lazy=kv.lazy,
-                                                  slack=kv.slack, max_drop=kv.max_drop).physical_capacity)
+            p = cap if ring else KVConfig(capacity=cap, policy="streaming", sinks=0, lazy=kv.lazy, slack=kv.slack,
+                                          max_drop=kv.max_drop).physical_capacity
+            if not ring and self.policy_impl.ragged:   # adakv: one head may hold more
+                p = self.policy_impl.head_slots(cap, p)
+            phys.append(p)
         self.layer_physical = phys
         hw = self.policy_impl.history_width
         self.k = [np.zeros((nkv, p, hd), np.float32) for p in phys]
@@ -332,6 +336,7 @@ class KVStore:
         self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
         self.key = np.zeros((nkv, max(phys)), np.float64)      # victim keys, filled by the policy
         self.victims = np.zeros(max(phys) + 1, np.int64)
+        self.drop_h = np.zeros(nkv, np.int64)                   # victims per head of the next policy write
         self.needs_mass = self.policy_impl.needs_mass
         self.mass = None                  # (n_kv, P) float32 attention mass scratch, set by the engine
         self.layer_rope_mode = None       # per layer "stored" | "fused" | "rk" | "kshift", fixed by the first engine
@@ -354,6 +359,8 @@ class KVStore:
         """Tokens the next write into layer il evicts per head (staged eviction, Algorithm 1)."""
         if self.layer_ring[il]:
             return int(self.count[il][0] >= self.layer_capacity[il])
+        if self.policy_impl.ragged:
+            return self.policy_impl.layer_drops(self, il)     # over all heads together (adakv)
         held = int(self.count[il][0]) + 1
         kv = self.kv
         return held - keep_after(held, self.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop)
@@ -368,13 +375,19 @@ class KVStore:
                   k_new, v_new, seq, self.layer_sinks[il], self.reindexed)
             return
         n_drop = self.drops(il)
+        self.drop_h[:] = 0
         if n_drop > 0:
-            wanted = self.policy_impl.fill_keys(self, il, q, seq)
+            policy = self.policy_impl
+            wanted = policy.fill_keys(self, il, q, seq)
             if wanted is not None:            # adaptive budgets (gvote) may drop more than the capacity asks
                 n_drop = max(n_drop, int(wanted))
+            if policy.ragged:
+                policy.split(self, il, n_drop, self.drop_h)     # adakv: one selection over all heads
+            else:
+                self.drop_h[:] = n_drop
         kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.score[il],
                         self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new, seq, self.key,
-                        n_drop, self.layer_sinks[il], self.recent, self.reindexed, self.victims)
+                        self.drop_h, self.layer_sinks[il], self.recent, self.reindexed, self.victims)
 
     def stats_policy(self) -> dict:
         return self.policy_impl.stats()

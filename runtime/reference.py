@@ -62,6 +62,13 @@ class LayerCache:
     recent: int
     policy: bool         # False: plain streaming order (sliding-window layers, full)
     state: dict
+    ragged: bool = False  # adakv: k, v, seq and every state entry are lists of per-head arrays
+
+
+def _ragged(nkv: int, hd: int, state: dict) -> tuple[list, list, list, dict]:
+    """Empty per-head lists (k, v, seq, state) of a layer whose heads hold different numbers of tokens."""
+    return ([np.zeros((0, hd), np.float32) for _ in range(nkv)], [np.zeros((0, hd), np.float32) for _ in range(nkv)],
+            [np.zeros(0, np.int64) for _ in range(nkv)], {name: list(a) for name, a in state.items()})
 
 
 class ReferenceCache:
@@ -93,13 +100,19 @@ class ReferenceCache:
             w = spec.window[il]
             if w and (cap == 0 or w <= cap):
                 cap, s, recent, uses_policy = w, 0, 0, False   # the model's own sliding window
+            state = self.impl.new_state(nkv) if uses_policy else {}
+            if uses_policy and getattr(self.impl, "ragged", False):
+                k, v, seq, state = _ragged(nkv, hd, state)
+                self.layers.append(LayerCache(k, v, seq, cap, s, recent, True, state, ragged=True))
+                continue
             self.layers.append(LayerCache(np.zeros((nkv, 0, hd), np.float32), np.zeros((nkv, 0, hd), np.float32),
-                                          np.zeros((nkv, 0), np.int64), cap, s, recent, uses_policy,
-                                          self.impl.new_state(nkv) if uses_policy else {}))
+                                          np.zeros((nkv, 0), np.int64), cap, s, recent, uses_policy, state))
 
     def n_drop(self, il: int) -> int:
         """Tokens to evict before token number L = held + 1 enters layer il."""
         lc = self.layers[il]
+        if lc.ragged:
+            return self.impl.layer_drops(lc, self.kv)
         held = lc.seq.shape[1] + 1
         if not lc.capacity:
             return 0
@@ -113,6 +126,18 @@ class ReferenceCache:
         q (n_head, head_dim) its query before RoPE (policies that choose by the query)."""
         lc = self.layers[il]
         n_drop = self.n_drop(il)
+        if lc.ragged:
+            drop = self.impl.layer_victims(lc, il, n_drop) if n_drop > 0 else [np.zeros(0, np.int64)] * len(lc.seq)
+            for h, d in enumerate(drop):       # per head: shift the victims out, append the new token
+                lc.k[h] = np.concatenate([np.delete(lc.k[h], d, axis=0), k[h][None]])
+                lc.v[h] = np.concatenate([np.delete(lc.v[h], d, axis=0), v[h][None]])
+                lc.seq[h] = np.append(np.delete(lc.seq[h], d), seq)
+                for a in lc.state.values():
+                    a[h] = np.concatenate([np.delete(a[h], d, axis=0), np.zeros((1,) + a[h].shape[1:], a[h].dtype)])
+            if q is not None:
+                self.query_history[il][seq] = q.copy()
+                self.query_history[il].pop(seq - self.kv.window, None)
+            return
         if n_drop > 0 and lc.policy and getattr(self.impl, "adaptive", False):
             wanted, _ = self.impl.start(self, il, q, seq)
             n_drop = max(n_drop, wanted)
@@ -151,7 +176,7 @@ class ReferenceCache:
 
     @property
     def length(self) -> int:
-        return max(int(lc.seq.shape[1]) for lc in self.layers)
+        return max(max(s.size for s in lc.seq) if lc.ragged else int(lc.seq.shape[1]) for lc in self.layers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +323,16 @@ class ReferenceEngine:
         for t in range(T):
             cache.insert(il, k[t], v[t], int(seqs[t]), q[t])
             lc = cache.layers[il]
+            if lc.ragged:     # heads hold different numbers of tokens: one head at a time
+                rows = []
+                for hk in range(nkv):
+                    pos = cache.key_positions(il, hk)
+                    keys = rope(lc.k[hk], pos, s.rotary_dim, base, scale)                   # (L_h, hd)
+                    qt = rope(q[t].reshape(nkv, group, hd)[hk], pos[-1:], s.rotary_dim, base, scale)
+                    rows.append(softmax(qt @ keys.T * np.float32(s.attn_scale)))           # (group, L_h)
+                    out[t].reshape(nkv, group, hd)[hk] = rows[-1] @ lc.v[hk]
+                cache.observe(il, rows)
+                continue
             pos = np.stack([cache.key_positions(il, hk) for hk in range(nkv)])             # (nkv, L)
             keys = rope(lc.k, pos, s.rotary_dim, base, scale)                            # (nkv, L, hd)
             qt = rope(q[t].reshape(nkv, group, hd), pos[:, -1:], s.rotary_dim, base, scale)  # (nkv, group, hd)

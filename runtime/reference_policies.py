@@ -185,6 +185,40 @@ class RefPyramidKV(RefSnapKV):
         return [max(floor, int(round(bottom - (bottom - top) * il / (n_layer - 1)))) for il in range(n_layer)]
 
 
+class RefAdaKV(RefSnapKV):
+    """SnapKV's keys, one budget of capacity x n_kv for the layer's heads together (Ada-KV): the
+    lowest keys over all heads go (ties: older token, then lower head), each head keeping at least
+    max(ceil(ada_floor x capacity), sinks + recent + 1). Heads are lists of different lengths
+    (LayerCache.ragged); weights arrive per head, (group, L_h)."""
+
+    ragged = True
+
+    def layer_drops(self, lc, kv) -> int:
+        n = len(lc.seq)
+        held = sum(s.size for s in lc.seq) + n
+        return held - staged_keep(held, lc.capacity * n, kv.lazy * n, kv.slack * n, kv.max_drop * n)
+
+    def layer_victims(self, lc, il, n_total) -> list[np.ndarray]:
+        floor = max(int(np.ceil(self.kv.ada_floor * lc.capacity)), lc.sinks + lc.recent + 1)
+        cands = []
+        for h, seq in enumerate(lc.seq):
+            key = self.key(lc, il, h, None, None)
+            cands += [(key[i], int(seq[i]), h, i) for i in range(lc.sinks, seq.size - lc.recent)]
+        cands.sort()
+        drop = [[] for _ in lc.seq]
+        for _, _, h, i in cands:
+            if sum(map(len, drop)) == n_total:
+                break
+            if lc.seq[h].size + 1 - len(drop[h]) > floor:
+                drop[h].append(i)
+        return [np.array(d, np.int64) for d in drop]
+
+    def observe(self, lc, il, weights):
+        col = int(lc.seq[0][-1]) % self.kv.window
+        for h, w in enumerate(weights):
+            lc.state["win"][h][:, col] = w.astype(np.float64).sum(axis=0).astype(np.float32)
+
+
 class RefRKV(RefSnapKV):
     """Importance (window mass / max) and redundancy (mean pairwise cosine of the pre-RoPE keys)."""
 
@@ -266,7 +300,7 @@ class RefGVote(RefPolicy):
 
 REF_POLICIES = {"full": RefPolicy, "streaming": RefPolicy, "h2o": RefH2O, "tova": RefTOVA,
                 "scissorhands": RefScissorhands, "knorm": RefKNorm, "lsh": RefLSH, "random": RefRandom,
-                "snapkv": RefSnapKV, "pyramidkv": RefPyramidKV, "rkv": RefRKV, "gvote": RefGVote}
+                "snapkv": RefSnapKV, "pyramidkv": RefPyramidKV, "adakv": RefAdaKV, "rkv": RefRKV, "gvote": RefGVote}
 
 
 def staged_keep(length: int, capacity: int, lazy: int, slack: int, max_drop: int) -> int:

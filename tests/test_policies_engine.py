@@ -16,15 +16,16 @@ from ringllm.runtime.reference import ReferenceEngine
 
 from test_engine import TOL, greedy
 
-POLICIES = ["streaming", "h2o", "tova", "scissorhands", "knorm", "lsh", "random", "snapkv", "pyramidkv", "rkv", "gvote"]
+POLICIES = ["streaming", "h2o", "tova", "scissorhands", "knorm", "lsh", "random", "snapkv", "pyramidkv", "adakv", "rkv",
+            "gvote"]
 
 
 def same_survivors(st, rc) -> bool:
     """Whether the engine's store and the reference cache hold the same tokens in every (layer, head)."""
     for il, lc in enumerate(rc.layers):
-        for h in range(lc.seq.shape[0]):
+        for h in range(len(lc.seq)):                     # heads may differ in length (adakv)
             n = int(st.count[il][h])
-            if n != lc.seq.shape[1] or not np.array_equal(np.sort(st.seq[il][h, :n]), lc.seq[h]):
+            if n != lc.seq[h].size or not np.array_equal(np.sort(st.seq[il][h, :n]), lc.seq[h]):
                 return False
     return True
 
@@ -74,8 +75,9 @@ def run_policy_pair(loaded, prompt, n_gen, kv: KVConfig, n_batch=16, forced=None
         np.testing.assert_allclose(logits_e, logits_r, rtol=0, atol=TOL)
     # the same survivors per (layer, head), with the same positions
     for il, lc in enumerate(rc.layers):
-        for h in range(lc.seq.shape[0]):
+        for h in range(len(lc.seq)):
             n = int(st.count[il][h])
+            assert n == lc.seq[h].size, f"layer {il} head {h}: {n} held, reference {lc.seq[h].size}"
             order = np.argsort(st.seq[il][h, :n])
             np.testing.assert_array_equal(st.seq[il][h, :n][order], lc.seq[h], err_msg=f"layer {il} head {h}")
             np.testing.assert_array_equal(st.pos[il][h, :n][order], rc.key_positions(il, h))
@@ -105,7 +107,7 @@ def test_tiny_models_every_policy(tiny, policy, positions):
     assert st.stats()["evicted_total"] > 0
 
 
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "knorm", "snapkv"])
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "knorm", "snapkv", "adakv"])
 def test_tiny_staged_eviction(tiny, policy):
     ids = np.random.default_rng(2).permutation(256)[:70].tolist()
     kv = KVConfig(capacity=16, policy=policy, sinks=2, recent=3, window=4, lazy=4, slack=2, max_drop=3)

@@ -146,6 +146,39 @@ def test_snapkv_pooled_window_scores():
     assert sums[4] == pytest.approx(0.1) and sum(sums.values()) == pytest.approx(0.1)
 
 
+def _adakv_evicts(masses, ada_floor=0.0):
+    """Ada-KV on a hand-built layer of len(masses) kv heads, 6 tokens each, capacity 6 per head
+    (sinks 1, recent 1, window 1, pool 1: a slot's key is the mass it got): the sequence indices
+    each head loses when the next token enters, and the heads' counts after."""
+    n_kv = len(masses)
+    st = KVStore(_spec(n_head=n_kv, n_kv=n_kv), KVConfig(capacity=6, policy="adakv", sinks=1, recent=1, window=1,
+                                                         pool=1, ada_floor=ada_floor))
+    _fill(st, 6)
+    st.policy_impl.observe(st, 0, np.array(masses, np.float32), 5)
+    before = [set(st.seq[0][h, :6].tolist()) for h in range(n_kv)]
+    k = np.zeros((n_kv, HD), np.float32)
+    st.write(0, k, k, 6, np.zeros((n_kv, HD), np.float32))
+    after = [set(st.seq[0][h, : st.count[0][h]].tolist()) for h in range(n_kv)]
+    return [sorted(b - a) for b, a in zip(before, after)], st.count[0].tolist()
+
+
+def test_adakv_one_selection_over_all_heads():
+    # unprotected ranks 1..4; the two lowest masses of the layer are both in head 1: it gives two, head 0 none
+    gone, counts = _adakv_evicts([[.9, .8, .7, .6, .5, .4], [.9, .1, .2, .3, .05, .4]])
+    assert gone == [[], [1, 4]] and counts == [7, 5]
+    # ada_floor 1.0: every head keeps >= 6 (its even share), so head 1 gives one and head 0 its lowest
+    gone, counts = _adakv_evicts([[.9, .8, .7, .6, .5, .4], [.9, .1, .2, .3, .05, .4]], ada_floor=1.0)
+    assert gone == [[4], [4]] and counts == [6, 6]
+
+
+def test_adakv_ties_go_to_the_older_token_then_the_lower_head():
+    # three heads, three victims: .1 (head 0, token 3) first; then four .3s: token 1 before token 2,
+    # and among the token-1s head 0 before head 1 before head 2 -> head 2 keeps its token 1
+    m = [[.9, .3, .3, .1, .8, .9], [.9, .3, .3, .8, .8, .9], [.9, .3, .3, .8, .8, .9]]
+    gone, counts = _adakv_evicts(m)
+    assert gone == [[1, 3], [1], []] and counts == [5, 6, 7]
+
+
 def test_rkv_redundant_unimportant_key_goes():
     keys = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 1, 0.01, 0], [0, 0, 0, 1]]
     st = KVStore(_spec(), KVConfig(capacity=6, policy="rkv", sinks=1, recent=1, window=2, rkv_lambda=0.5))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.policies.adakv import AdaKV
 from ringllm.runtime.policies.base import Policy
 from ringllm.runtime.policies.gvote import GVote
 from ringllm.runtime.policies.h2o import H2O
@@ -15,7 +16,7 @@ from ringllm.runtime.policies.streaming import Full, Streaming
 from ringllm.runtime.policies.tova import TOVA
 
 REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Streaming, H2O, TOVA, Scissorhands, KNorm, LSH,
-                                                                 Random, SnapKV, PyramidKV, RKV, GVote)}
+                                                                 Random, SnapKV, PyramidKV, AdaKV, RKV, GVote)}
 
 
 def make_policy(kv, spec) -> Policy:

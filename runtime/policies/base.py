@@ -30,6 +30,7 @@ class Policy:
     name = "base"
     needs_mass = False        # the attention kernel must emit per-slot mass for observe()
     history_width = 0         # columns of the store's hist array
+    ragged = False            # heads may hold different numbers of tokens (adakv: layer_drops, split, head_slots)
 
     def __init__(self, kv, spec):
         self.kv, self.spec = kv, spec
