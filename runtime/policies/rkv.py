@@ -4,7 +4,8 @@ Importance I_j: the attention mass token j received from the last w queries (sum
 group; the store's hist ring, as for SnapKV), divided by the largest I in the head (so I in [0, 1]).
 Redundancy R_j: the mean cosine similarity of key j (before RoPE) with the other keys the head
 holds, in [-1, 1], computed as (k_j/|k_j|) . S - 1 over n - 1 with S the sum of the normalised held
-keys (O(n d) per decision, not O(n^2 d)). Score Z_j = lambda I_j - (1 - lambda) R_j (lambda =
+keys (O(n d) per decision, not O(n^2 d); 1/|k_j| is computed once, at insertion, and kept in the
+slot's score). Score Z_j = lambda I_j - (1 - lambda) R_j (lambda =
 rkv_lambda, default 0.1 as in the paper): the victim has the lowest Z, i.e. it is unimportant and
 repeats what other keys already say. Ties -> the older token. Default recent = w.
 """
@@ -18,8 +19,21 @@ from ringllm.runtime.policies.snapkv import _record
 
 
 @njit(cache=True, nogil=True)
-def _rkv_keys(key, k_l, hist_l, count_l, lam, s):
-    """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); s (hd,) f64 scratch."""
+def _inverse_norms(inv_l, k_l, count_l):
+    """inv_l[h, n-1] = 1 / |k| of the newest key of every head (float64), kept with the slot."""
+    hd = k_l.shape[2]
+    for h in range(k_l.shape[0]):
+        j = count_l[h] - 1
+        nrm = 0.0
+        for d in range(hd):
+            nrm += np.float64(k_l[h, j, d]) * k_l[h, j, d]
+        inv_l[h, j] = 1.0 / max(np.sqrt(nrm), 1e-30)
+
+
+@njit(cache=True, nogil=True)
+def _rkv_keys(key, k_l, inv_l, hist_l, count_l, lam, s):
+    """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); inv_l (n_kv, P) f64 the keys'
+    inverse norms (_inverse_norms at insertion); s (hd,) f64 scratch."""
     hd = k_l.shape[2]
     w = hist_l.shape[2]
     for h in range(k_l.shape[0]):
@@ -28,10 +42,7 @@ def _rkv_keys(key, k_l, hist_l, count_l, lam, s):
             s[d] = 0.0
         top = 0.0
         for j in range(n):
-            nrm = 0.0
-            for d in range(hd):
-                nrm += np.float64(k_l[h, j, d]) * k_l[h, j, d]
-            inv = 1.0 / max(np.sqrt(nrm), 1e-30)
+            inv = inv_l[h, j]
             for d in range(hd):
                 s[d] += k_l[h, j, d] * inv
             imp = 0.0
@@ -41,13 +52,10 @@ def _rkv_keys(key, k_l, hist_l, count_l, lam, s):
             top = max(top, imp)
         top = 1.0 / top if top > 0 else 0.0
         for j in range(n):
-            nrm = 0.0
             dot = 0.0
             for d in range(hd):
-                x = np.float64(k_l[h, j, d])
-                nrm += x * x
-                dot += x * s[d]
-            red = (dot / max(np.sqrt(nrm), 1e-30) - 1.0) / max(n - 1, 1)
+                dot += k_l[h, j, d] * s[d]
+            red = (dot * inv_l[h, j] - 1.0) / max(n - 1, 1)
             key[h, j] = lam * key[h, j] * top - (1.0 - lam) * red
 
 
@@ -61,8 +69,11 @@ class RKV(Policy):
         self.s = np.zeros(spec.head_dim, np.float64)
 
     def fill_keys(self, store, il, q, seq):
-        _rkv_keys(store.key, store.k[il], store.hist[il], store.count[il], self.kv.rkv_lambda, self.s)
+        _rkv_keys(store.key, store.k[il], store.score[il], store.hist[il], store.count[il], self.kv.rkv_lambda, self.s)
         grid_abs_keys(store.key, store.count[il])
+
+    def on_insert(self, store, il, k_pre, q_pre):
+        _inverse_norms(store.score[il], store.k[il], store.count[il])   # score: 1/|k|, moves with the slot
 
     def observe(self, store, il, mass, seq):
         _record(store.hist[il], mass, store.count[il], seq % self.kv.window)
