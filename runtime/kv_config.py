@@ -57,7 +57,7 @@ class KVConfig:
     gvote_p: `gvote` nucleus mass p, in (0, 1]; gvote_samples: synthetic queries S, >= 1.
     rkv_lambda: `rkv` weight of importance against redundancy, in [0, 1].
     seed: seed of `random`, `lsh` projections and `gvote` sampling.
-    update: "inplace" (EQUIP) | "shift" (shift-and-append baseline for benchmarks; streaming only).
+    update: "inplace" (EQUIP) | "shift" (shift-and-append baseline for benchmarks: survivors copied down).
     """
 
     capacity: int | None = None
@@ -114,6 +114,8 @@ class KVConfig:
             need(self.capacity is None or self.capacity >= 1, f"capacity must be >= 1, got {self.capacity}")
             need(not (self.lazy or self.slack or self.max_drop),
                  "staged eviction (lazy/slack/max_drop) needs an eviction policy, not 'full'")
+            need(self.update == "inplace", "update 'shift' (the shift-and-append benchmark baseline) needs an "
+                 "eviction policy, not 'full'")
             return
         need(self.capacity is not None, f"policy {self.policy!r} needs a capacity (tokens kept)")
         need(self.capacity >= self.sinks + 1, f"capacity must be at least sinks + 1 = {self.sinks + 1} "
@@ -121,8 +123,6 @@ class KVConfig:
         recent = self.resolved_recent
         need(self.sinks + recent < self.capacity, f"sinks + recent = {self.sinks} + {recent} must be below the capacity "
              f"{self.capacity}: at least one slot must be evictable")
-        need(self.update == "inplace" or (self.policy == "streaming" and not self.staged),
-             "update 'shift' (the shift-and-append benchmark baseline) exists for plain streaming only")
 
     # -----------------------------------------------------------------------------------------
 

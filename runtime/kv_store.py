@@ -192,12 +192,50 @@ def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l,
 
 
 @njit(cache=True, nogil=True)
+def evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, slots, n_slots,
+                      reindexed):
+    """evict_slots for the shift-and-append baseline (update "shift"): head h's slots stay in sequence
+    order (slot = rank); the victims are removed by copying every later survivor down over them
+    (k, v, seq, pos, score, aux, hist), as an ordered cache does. Benchmarks only."""
+    n = count_l[h]
+    hd = k_l.shape[2]
+    w = hist_l.shape[2]
+    out = 0
+    for j in range(n):
+        gone = False
+        for m in range(n_slots):
+            if slots[m] == j:
+                gone = True
+                break
+        if gone:
+            continue
+        if out != j:
+            seq_l[h, out] = seq_l[h, j]
+            if not reindexed:
+                pos_l[h, out] = pos_l[h, j]
+            score_l[h, out] = score_l[h, j]
+            aux_l[h, out] = aux_l[h, j]
+            for d in range(hd):
+                k_l[h, out, d] = k_l[h, j, d]
+                v_l[h, out, d] = v_l[h, j, d]
+            for i in range(w):
+                hist_l[h, out, i] = hist_l[h, j, i]
+        rank_l[h, out] = out
+        out += 1
+    for j in range(out, n):
+        seq_l[h, j] = -1
+    count_l[h] = out
+    evicted_l[h] += n_slots
+
+
+@njit(cache=True, nogil=True)
 def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
-                    seq_new, key_l, drop_h, sinks, recent, reindexed, victims):
+                    seq_new, key_l, drop_h, sinks, recent, reindexed, victims, shift):
     """Evict drop_h[h] tokens of each head h (lowest key_l among unprotected slots) and write the new token.
 
     drop_h (n_kv,) i64: equal for every head but under adakv; key_l (n_kv, P) f64 filled by the
-    policy for occupied slots when any drop_h > 0; victims (>= max drop_h,) i64 scratch. The new
+    policy for occupied slots when any drop_h > 0; victims (>= max drop_h,) i64 scratch; shift: the
+    shift-and-append baseline removes victims by copying survivors down (evict_slots_shift). The new
     token goes to slot count with rank count, zero score/aux/hist (the policy
     initialises them afterwards). Returns None.
     """
@@ -206,8 +244,9 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, coun
     for h in range(n_kv):
         if drop_h[h] > 0:
             got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], drop_h[h], sinks, recent, victims)
-            evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, victims,
-                        got, reindexed)
+            evict = evict_slots_shift if shift else evict_slots
+            evict(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, victims, got,
+                  reindexed)
         slot = count_l[h]
         rank_l[h, slot] = slot
         _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
@@ -387,7 +426,8 @@ class KVStore:
                 self.drop_h[:] = n_drop
         kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.score[il],
                         self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new, seq, self.key,
-                        self.drop_h, self.layer_sinks[il], self.recent, self.reindexed, self.victims)
+                        self.drop_h, self.layer_sinks[il], self.recent, self.reindexed, self.victims,
+                        self.update == "shift")
 
     def stats_policy(self) -> dict:
         return self.policy_impl.stats()

@@ -145,3 +145,21 @@ def test_smollm2_500_greedy_tokens_at_budget_64(smollm2, policy):
     st, _, split = run_policy_pair(smollm2, prompt, 500, kv, n_batch=64, tracked=True)
     print(f"{policy}: survivors first differ at step {split}")
     assert st.stats()["evicted_total"] >= 570 * smollm2.spec.n_layer * smollm2.spec.n_head_kv
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "adakv"])
+def test_shift_baseline_equals_inplace(tiny, policy):
+    """update="shift" (the benchmark baseline: survivors copied down, slots kept in sequence order)
+    holds the same tokens and gives the same logits as the in-place store, step by step."""
+    ids = np.random.default_rng(3).permutation(256)[:60].tolist()
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=16)
+    kv = dict(capacity=16, policy=policy, sinks=2, window=4, pool=3)
+    a, b = eng.new_store(KVConfig(**kv)), eng.new_store(KVConfig(**kv, update="shift"))
+    np.testing.assert_allclose(eng.logits(ids[:30], a), eng.logits(ids[:30], b), rtol=0, atol=1e-5)
+    for t in ids[30:]:
+        np.testing.assert_allclose(eng.step(t, a), eng.step(t, b), rtol=0, atol=1e-5)
+    for il in range(tiny.spec.n_layer):
+        for h in range(tiny.spec.n_head_kv):
+            n = int(b.count[il][h])
+            assert n == int(a.count[il][h])
+            assert b.seq[il][h, :n].tolist() == sorted(a.seq[il][h, :n].tolist())   # shift: ordered slots

@@ -295,7 +295,7 @@ def test_staged_held_length_bound():
     (dict(capacity=64, policy="streaming", positions="absolute"), "valid: reindexed, original"),
     (dict(policy="streaming"), "needs a capacity"),
     (dict(capacity=64, policy="full", lazy=8), "needs an eviction policy"),
-    (dict(capacity=64, policy="h2o", update="shift"), "streaming only"),
+    (dict(capacity=64, policy="full", update="shift"), "needs an eviction policy"),
     (dict(capacity=64, policy="snapkv", pool=4), "odd"),
     (dict(capacity=64.5, policy="streaming"), "integer"),
 ])
