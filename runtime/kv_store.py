@@ -120,6 +120,19 @@ def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
     slots in the order chosen (lowest key first). Returns how many were chosen (fewer than n_drop
     only when too few slots are unprotected).
     """
+    if n_drop > 8:           # many at once (staged eviction): sort the candidates, O(n log n)
+        cand = np.empty(n, np.int64)
+        m = 0
+        for j in range(n):
+            if rank_h[j] >= sinks and rank_h[j] < n - recent:
+                cand[m] = j
+                m += 1
+        cand = cand[:m]
+        cand = cand[np.argsort(seq_h[cand], kind="mergesort")]          # ties of key -> older first
+        cand = cand[np.argsort(key_h[cand], kind="mergesort")]
+        got = min(n_drop, m)
+        out[:got] = cand[:got]
+        return got
     got = 0
     for i in range(n_drop):
         best = -1
@@ -127,13 +140,10 @@ def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
             r = rank_h[j]
             if r < sinks or r >= n - recent:
                 continue
-            taken = False
-            for m in range(got):
-                if out[m] == j:
-                    taken = True
-                    break
-            if taken:
-                continue
+            if got > 0:       # picks come in (key, seq) order: only slots strictly after the last one qualify
+                p = out[got - 1]
+                if key_h[j] < key_h[p] or (key_h[j] == key_h[p] and seq_h[j] <= seq_h[p]):
+                    continue
             if best < 0 or key_h[j] < key_h[best] or (key_h[j] == key_h[best] and seq_h[j] < seq_h[best]):
                 best = j
         if best < 0:
@@ -153,14 +163,22 @@ def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l,
     score, aux, hist move together): one slot copy per victim, no shifting.
     """
     n = count_l[h]
-    # rank update first, while the victims are still in place
+    # rank update first, while the victims are still in place: a survivor drops by the number of
+    # victims older than it (binary search over the victims' sorted sequence indices)
+    vseq = np.empty(n_slots, np.int64)
+    for m in range(n_slots):
+        vseq[m] = seq_l[h, slots[m]]
+    vseq.sort()
     for j in range(n):
         s = seq_l[h, j]
-        older = 0
-        for m in range(n_slots):
-            if seq_l[h, slots[m]] < s:
-                older += 1
-        rank_l[h, j] -= older
+        lo, hi = 0, n_slots
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if vseq[mid] < s:
+                lo = mid + 1
+            else:
+                hi = mid
+        rank_l[h, j] -= lo
     # holes, highest slot first: the last occupied slot is then never a pending victim
     for a in range(n_slots):          # selection sort of the victims' slots, descending
         best = a
