@@ -57,6 +57,21 @@ def _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new):
         v_l[h, slot, d] = v_new[h, d]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new):
+    """The ring's next slot of head h: (slot, logical position of the new token, sequence index of
+    the victim or -1). A free slot while the head is not full, else the oldest non-sink token's
+    slot (sinks + evicted mod (cap - sinks)); count/evicted are advanced."""
+    cap = seq_l.shape[1]
+    n = count_l[h]
+    if n < cap:
+        count_l[h] = n + 1
+        return n, (n if reindexed else seq_new), np.int64(-1)
+    slot = sinks + evicted_l[h] % (cap - sinks)
+    evicted_l[h] += 1
+    return slot, (cap - 1 if reindexed else seq_new), seq_l[h, slot]
+
+
 @njit(cache=True, nogil=True)
 def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed):
     """Write one token into layer storage, evicting the oldest non-sink token when full.
@@ -67,22 +82,11 @@ def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new,
     """
     n_kv, cap = seq_l.shape
     for h in range(n_kv):
-        n = count_l[h]
-        if n < cap:
-            slot = n
-            count_l[h] = n + 1
-            pos_new = n if reindexed else seq_new
-        else:
-            slot = sinks + evicted_l[h] % (cap - sinks)
-            evicted_l[h] += 1
-            if reindexed:
-                victim_seq = seq_l[h, slot]
-                for j in range(cap):
-                    if seq_l[h, j] > victim_seq:
-                        pos_l[h, j] -= 1
-                pos_new = cap - 1
-            else:
-                pos_new = seq_new
+        slot, pos_new, victim_seq = _ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new)
+        if reindexed and victim_seq >= 0:       # every newer token moves down one position
+            for j in range(cap):
+                if seq_l[h, j] > victim_seq:
+                    pos_l[h, j] -= 1
         _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new)
 
 
@@ -287,25 +291,14 @@ def kv_write_kshift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, se
     hd = k_l.shape[2]
     have = np.int64(-1)
     for h in range(n_kv):
-        n = count_l[h]
-        if n < cap:
-            slot = n
-            count_l[h] = n + 1
-            pos_new = n if reindexed else seq_new
-        else:
-            slot = sinks + evicted_l[h] % (cap - sinks)
-            evicted_l[h] += 1
-            if reindexed:
-                victim_seq = seq_l[h, slot]
-                for j in range(cap):
-                    if seq_l[h, j] > victim_seq:
-                        pos_l[h, j] -= 1
-                        _rotate_with(tmp, k_l[h, j], back[0], back[1], rotary_dim)
-                        for d in range(hd):
-                            k_l[h, j, d] = tmp[d]
-                pos_new = cap - 1
-            else:
-                pos_new = seq_new
+        slot, pos_new, victim_seq = _ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new)
+        if reindexed and victim_seq >= 0:       # newer tokens move down one position: re-rotate by -1
+            for j in range(cap):
+                if seq_l[h, j] > victim_seq:
+                    pos_l[h, j] -= 1
+                    _rotate_with(tmp, k_l[h, j], back[0], back[1], rotary_dim)
+                    for d in range(hd):
+                        k_l[h, j, d] = tmp[d]
         if pos_new != have:
             _angles_at(angles[0], angles[1], pos_new, inv_freq, inv_scale)
             have = pos_new
