@@ -187,9 +187,13 @@ def merge(args) -> None:
             res = json.load(fh)
         if out is None:
             out = res
-        else:
-            out["models"].update(res["models"])
-            out["policies"] += [p for p in res["policies"] if p not in out["policies"]]
+            continue
+        for name, model in res["models"].items():      # the same model from several shards: union of entries
+            have = out["models"].setdefault(name, model)
+            if have is not model:
+                for field in ("ppl", "needle", "attention_loss", "seconds", "stats"):
+                    have.setdefault(field, {}).update(model.get(field, {}))
+        out["policies"] += [p for p in res["policies"] if p not in out["policies"]]
     args.models = ",".join(out["models"])
     write(out, args)
 

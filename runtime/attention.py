@@ -69,6 +69,25 @@ def softmax_inplace(sc, n):
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _scale_group(qrot, h0, group, scale):
+    """qrot[h0:h0+group] *= scale (the group's rotated queries take the score multiplier once)."""
+    for g in range(group):
+        for d in range(qrot.shape[1]):
+            qrot[h0 + g, d] *= scale
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def group_scores(scores, qrot, key, h0, group, j):
+    """scores[h0 + g, j] = qrot[h0 + g] . key (hd,) for the group's query heads."""
+    for g in range(group):
+        qg = qrot[h0 + g]
+        acc = np.float32(0.0)
+        for d in range(key.shape[0]):
+            acc += qg[d] * key[d]
+        scores[h0 + g, j] = acc
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _softmax_weighted_v(out, scores, v_l, mass, h, n, group):
     """For the query heads of kv head h: softmax over scores[hq, :n] (in place, becoming the weights),
     out[hq] = weights @ v_l[h, :n]; mass[h, :n] = weights summed over the group when mass is wanted."""
@@ -116,16 +135,10 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
         h0 = h * group
         for g in range(group):
             _rotate_into(qrot[h0 + g], q[h0 + g], q_pos[h], cos, sin, rotary_dim)
-            for d in range(hd):
-                qrot[h0 + g, d] *= scale
+        _scale_group(qrot, h0, group, scale)
         for j in range(n):
             _rotate_into(krot, k_l[h, j], pos_l[h, j], cos, sin, rotary_dim)
-            for g in range(group):
-                qg = qrot[h0 + g]
-                acc = np.float32(0.0)
-                for d in range(hd):
-                    acc += qg[d] * krot[d]
-                scores[h0 + g, j] = acc
+            group_scores(scores, qrot, krot, h0, group, j)
         _softmax_weighted_v(out, scores, v_l, mass, h, n, group)
 
 
@@ -209,15 +222,8 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
                     _angles_at(angles[0], angles[1], q_pos + off, inv_freq, inv_scale)
                 for g in range(group):
                     _rotate_with(qrot[h0 + g], q[h0 + g], angles[0], angles[1], rotary_dim)
-                    for d in range(hd):
-                        qrot[h0 + g, d] *= scale
-            kj = k_l[h, j]
-            for g in range(group):
-                qg = qrot[h0 + g]
-                acc = np.float32(0.0)
-                for d in range(hd):
-                    acc += qg[d] * kj[d]
-                scores[h0 + g, j] = acc
+                _scale_group(qrot, h0, group, scale)
+            group_scores(scores, qrot, k_l[h, j], h0, group, j)
         _softmax_weighted_v(out, scores, v_l, mass, h, n, group)
 
 

@@ -266,9 +266,12 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, coun
     for h in range(n_kv):
         if drop_h[h] > 0:
             got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], drop_h[h], sinks, recent, victims)
-            evict = evict_slots_shift if shift else evict_slots
-            evict(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, victims, got,
-                  reindexed)
+            if shift:
+                evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h,
+                                  victims, got, reindexed)
+            else:
+                evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, victims,
+                            got, reindexed)
         slot = count_l[h]
         rank_l[h, slot] = slot
         _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)

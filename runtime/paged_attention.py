@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.attention import FASTMATH, _rotate_into, softmax_inplace
+from ringllm.runtime.attention import FASTMATH, _rotate_into, _scale_group, group_scores, softmax_inplace
 
 
 @njit(cache=True, nogil=True)
@@ -66,18 +66,12 @@ def paged_attend(out, q, k_l, v_l, slots, spos, n, q_pos, cos, sin, rotary_dim, 
         h0 = h * group
         for g in range(group):
             _rotate_into(qrot[h0 + g], q[h0 + g], q_pos, cos, sin, rotary_dim)
-            for d in range(hd):
-                qrot[h0 + g, d] *= scale
+        _scale_group(qrot, h0, group, scale)
         for j in range(n):
             blk = slots[j] // B
             o = slots[j] - blk * B
             _rotate_into(krot, k_l[blk, h, o], spos[j], cos, sin, rotary_dim)
-            for g in range(group):
-                qg = qrot[h0 + g]
-                acc = np.float32(0.0)
-                for d in range(hd):
-                    acc += qg[d] * krot[d]
-                scores[h0 + g, j] = acc
+            group_scores(scores, qrot, krot, h0, group, j)
         for g in range(group):
             hq = h0 + g
             sc = scores[hq]
