@@ -157,6 +157,22 @@ def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
     return got
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _move_slot(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, h, dst, src, reindexed):
+    """Slot dst of head h takes everything slot src holds (k, v, seq, rank, pos, score, aux, hist)."""
+    seq_l[h, dst] = seq_l[h, src]
+    rank_l[h, dst] = rank_l[h, src]
+    if not reindexed:
+        pos_l[h, dst] = pos_l[h, src]
+    score_l[h, dst] = score_l[h, src]
+    aux_l[h, dst] = aux_l[h, src]
+    for d in range(k_l.shape[2]):
+        k_l[h, dst, d] = k_l[h, src, d]
+        v_l[h, dst, d] = v_l[h, src, d]
+    for i in range(hist_l.shape[2]):
+        hist_l[h, dst, i] = hist_l[h, src, i]
+
+
 @njit(cache=True, nogil=True)
 def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, slots, n_slots,
                 reindexed):
@@ -190,23 +206,11 @@ def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l,
             if slots[b] > slots[best]:
                 best = b
         slots[a], slots[best] = slots[best], slots[a]
-    hd = k_l.shape[2]
-    w = hist_l.shape[2]
     for m in range(n_slots):
         j = slots[m]
         last = n - 1
         if j != last:
-            seq_l[h, j] = seq_l[h, last]
-            rank_l[h, j] = rank_l[h, last]
-            if not reindexed:
-                pos_l[h, j] = pos_l[h, last]
-            score_l[h, j] = score_l[h, last]
-            aux_l[h, j] = aux_l[h, last]
-            for d in range(hd):
-                k_l[h, j, d] = k_l[h, last, d]
-                v_l[h, j, d] = v_l[h, last, d]
-            for i in range(w):
-                hist_l[h, j, i] = hist_l[h, last, i]
+            _move_slot(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, h, j, last, reindexed)
         seq_l[h, last] = -1
         n -= 1
     count_l[h] = n
@@ -220,28 +224,15 @@ def evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, co
     order (slot = rank); the victims are removed by copying every later survivor down over them
     (k, v, seq, pos, score, aux, hist), as an ordered cache does. Benchmarks only."""
     n = count_l[h]
-    hd = k_l.shape[2]
-    w = hist_l.shape[2]
+    slots[:n_slots].sort()
     out = 0
+    m = 0
     for j in range(n):
-        gone = False
-        for m in range(n_slots):
-            if slots[m] == j:
-                gone = True
-                break
-        if gone:
+        if m < n_slots and slots[m] == j:
+            m += 1
             continue
         if out != j:
-            seq_l[h, out] = seq_l[h, j]
-            if not reindexed:
-                pos_l[h, out] = pos_l[h, j]
-            score_l[h, out] = score_l[h, j]
-            aux_l[h, out] = aux_l[h, j]
-            for d in range(hd):
-                k_l[h, out, d] = k_l[h, j, d]
-                v_l[h, out, d] = v_l[h, j, d]
-            for i in range(w):
-                hist_l[h, out, i] = hist_l[h, j, i]
+            _move_slot(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, h, out, j, reindexed)
         rank_l[h, out] = out
         out += 1
     for j in range(out, n):

@@ -104,6 +104,12 @@ def copy_keys(key, score_l, count_l, sign):
             key[h, j] = sign * score_l[h, j]
 
 
+def log_score_keys(store, il: int) -> None:
+    """store.key <- the slots' scores on the log grid (h2o's accumulated mass, tova's latest weight)."""
+    copy_keys(store.key, store.score[il], store.count[il], 1.0)
+    grid_log_keys(store.key, store.count[il])
+
+
 @njit(cache=True, nogil=True)
 def accumulate_mass(score_l, mass, count_l):
     """score[h, j] += mass[h, j] (float64 accumulation) for occupied slots."""

@@ -9,7 +9,7 @@ split between heavy hitters and the recent window.
 """
 from __future__ import annotations
 
-from ringllm.runtime.policies.base import Policy, grid_log_keys, accumulate_mass, copy_keys
+from ringllm.runtime.policies.base import Policy, accumulate_mass, log_score_keys
 
 
 class H2O(Policy):
@@ -17,8 +17,7 @@ class H2O(Policy):
     needs_mass = True
 
     def fill_keys(self, store, il, q, seq):
-        copy_keys(store.key, store.score[il], store.count[il], 1.0)
-        grid_log_keys(store.key, store.count[il])
+        log_score_keys(store, il)
 
     def observe(self, store, il, mass, seq):
         accumulate_mass(store.score[il], mass, store.count[il])

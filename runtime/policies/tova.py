@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from ringllm.runtime.policies.base import Policy, grid_log_keys, copy_keys
+from ringllm.runtime.policies.base import Policy, log_score_keys
 
 
 @njit(cache=True, nogil=True)
@@ -31,8 +31,7 @@ class TOVA(Policy):
     needs_mass = True
 
     def fill_keys(self, store, il, q, seq):
-        copy_keys(store.key, store.score[il], store.count[il], 1.0)
-        grid_log_keys(store.key, store.count[il])
+        log_score_keys(store, il)
 
     def observe(self, store, il, mass, seq):
         _latest_mean(store.score[il], mass, store.count[il], self.spec.n_head)
