@@ -187,6 +187,42 @@ class CPUEngine:
         """Logits (len(ids), n_vocab) of every token fed through the store (decode semantics)."""
         return self.forward(ids, store, all_logits=True)
 
+    def step_batch(self, tokens, stores) -> np.ndarray:
+        """Decode one token for each of B sequences at once: tokens (B,) ints, stores (B,) distinct
+        KVStores (each with its own capacity, policy and position). The projections, FFN and head run
+        over the B rows as matrix-matrix products; each row writes and attends its own store. Returns
+        logits (B, n_vocab) float32, a new array. Equal to B calls of step() up to the rounding of the
+        matrix-matrix kernels (the same ones chunked prefill uses)."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        stores = list(stores)
+        if ids.size == 0 or ids.size != len(stores):
+            raise ConfigError(f"step_batch needs one token per store; got {ids.size} tokens for {len(stores)} stores")
+        if len({id(st) for st in stores}) != len(stores):
+            raise ConfigError("step_batch: a store appears twice; each sequence needs its own store")
+        if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
+            raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
+        for st in stores:
+            if getattr(st, "paged", False):
+                raise ConfigError("step_batch works on dense KVStores; paged stores decode one at a time (step)")
+            st.check_room(1)
+            if st.layer_rope_mode is None or (st.needs_mass and st.mass is None):
+                self.adopt_store(st)
+        if self.n_threads is not None:
+            numba.set_num_threads(self.n_threads)
+        out = np.empty((ids.size, self.spec.n_vocab), np.float32)
+        for start in range(0, ids.size, self.n_batch):
+            part, group = ids[start:start + self.n_batch], stores[start:start + self.n_batch]
+            B = part.size
+            b = self.buf1 if B == 1 else self.buf.view(B)
+            self._embed(b, part)
+            segments = [(st, st.n_seen, r, 1) for r, st in enumerate(group)]
+            for il in range(self.spec.n_layer):
+                self._layer(il, b, segments)
+            for st in group:
+                st.n_seen += 1
+            out[start:start + B] = self._head(b, B)
+        return out
+
     def forward(self, ids, store: KVStore, all_logits: bool = True) -> np.ndarray:
         """Feed ids through the store. all_logits: a new (len(ids), n_vocab) array; else the last
         token's logits (1, n_vocab) as a view of the run buffer, valid until the next call."""
@@ -259,15 +295,24 @@ class CPUEngine:
         s = self.spec
         T = ids.size
         b = self.buf1 if T == 1 else self.buf.view(T)
-        b.x[:] = dequantize_rows(self.embd.data, self.embd.qtype, s.n_embd, ids)
-        if s.embed_scale != 1.0:
-            b.x *= np.float32(s.embed_scale)
-        seq0 = store.n_seen
+        self._embed(b, ids)
+        segments = [(store, store.n_seen, 0, T)]
         for il in range(s.n_layer):
-            self._layer(il, b, store, seq0)
+            self._layer(il, b, segments)
         store.n_seen += T
         if not want_logits:
             return self.logits_buf[:0]
+        return self._head(b, T)
+
+    def _embed(self, b: _Buffers, ids: np.ndarray) -> None:
+        """b.x (T, n_embd) = the token embeddings of ids (T,) (times the model's embedding scale)."""
+        b.x[:] = dequantize_rows(self.embd.data, self.embd.qtype, self.spec.n_embd, ids)
+        if self.spec.embed_scale != 1.0:
+            b.x *= np.float32(self.spec.embed_scale)
+
+    def _head(self, b: _Buffers, T: int) -> np.ndarray:
+        """Logits (T, n_vocab) of the run's rows (a view of the run buffer)."""
+        s = self.spec
         self._norm(b.h, b.x, "output_norm")
         logits = self.logits_buf[:T]
         self._matmul(logits, self.out_w, b.h)
@@ -275,7 +320,9 @@ class CPUEngine:
             softcap(logits, np.float32(s.final_logit_softcap))
         return logits
 
-    def _layer(self, il: int, b: _Buffers, store: KVStore, seq0: int) -> None:
+    def _layer(self, il: int, b: _Buffers, segments: list[tuple[KVStore, int, int, int]]) -> None:
+        """One transformer layer over the run's rows; segments [(store, seq0, t0, T)]: rows t0..t0+T-1 are
+        tokens seq0.. of that store (one segment for a prompt chunk, one per sequence in a batch)."""
         s, p = self.spec, f"blk.{il}."
         self._norm(b.h, b.x, p + "attn_norm")
         self._qkv(b, p)
@@ -287,10 +334,11 @@ class CPUEngine:
         table = self.layer_rope[il]
         scale = np.float32(s.attn_scale)
         kk = b.k.reshape(T, nkv, hd)
-        if getattr(store, "paged", False):   # paged KV pool (runtime/paged_store.py): writes and attends itself
-            store.forward_layer(il, b.q, kk, v3, seq0, b.att, table, scale)
-        else:
-            self._attend_dense(il, b, store, seq0, kk, v3, table, scale)
+        for store, seq0, t0, n in segments:
+            if getattr(store, "paged", False):   # paged KV pool (runtime/paged_store.py): writes and attends itself
+                store.forward_layer(il, b.q, kk, v3, seq0, b.att, table, scale)
+            else:
+                self._attend_dense(il, b, store, seq0, t0, n, kk, v3, table, scale)
         self._linear(b.a, p + "attn_output", b.att)
         if s.sandwich_norm:
             rms_norm_rows(b.a, b.a, self.vecs[p + "post_attention_norm.weight"], s.norm_eps)
@@ -307,12 +355,13 @@ class CPUEngine:
             rms_norm_rows(b.h2, b.h2, self.vecs[p + "post_ffw_norm.weight"], s.norm_eps)
         b.x += b.h2
 
-    def _attend_dense(self, il: int, b: _Buffers, store: KVStore, seq0: int, kk: np.ndarray, v3: np.ndarray,
-                      table, scale: np.float32) -> None:
-        """Write the chunk's keys/values (kk, v3: (T, n_kv, hd)) into the fixed store token by token and attend
-        each query b.q[t] (n_head * hd) over the store; outputs land in b.att[t]."""
+    def _attend_dense(self, il: int, b: _Buffers, store: KVStore, seq0: int, t0: int, T: int, kk: np.ndarray,
+                      v3: np.ndarray, table, scale: np.float32) -> None:
+        """Write rows t0..t0+T-1 of the run's keys/values (kk, v3: (rows, n_kv, hd)), tokens seq0.., into
+        the fixed store token by token and attend each query b.q[t] (n_head * hd) over the store; the
+        outputs land in b.att[t]."""
         s = self.spec
-        T, nh, nkv, hd = b.x.shape[0], s.n_head, s.n_head_kv, s.head_dim
+        nh, nkv, hd = s.n_head, s.n_head_kv, s.head_dim
         inv_freq, inv_scale = self.layer_inv_freq[il], 1.0 / s.rope_scale[il]
         mode = store.layer_rope_mode[il]
         policy = store.policy_impl if store.uses_policy(il) else None
@@ -320,8 +369,8 @@ class CPUEngine:
         if hook is not None and store.mass is None:
             store.mass = np.zeros((nkv, max(store.layer_physical)), np.float32)
         mass = store.mass if (policy is not None and policy.needs_mass) or hook is not None else self.no_mass
-        for t in range(T):
-            seq = seq0 + t
+        for t in range(t0, t0 + T):
+            seq = seq0 + t - t0
             q_t = b.q[t].reshape(nh, hd)
             if policy is not None:
                 store.write(il, kk[t], v3[t], seq, q_t)
