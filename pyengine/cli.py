@@ -6,7 +6,7 @@
                        [KV options] [-t T] [--json]
     ringllm bench      [-m MODEL] [--tg 128] [--pp 512] [--repeats 3] [KV options] [-t T] [--json]
     ringllm serve      [-m MODEL] [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--max-tokens-cap N]
-                       [--max-body-bytes B] [--queue-size Q] [KV options] [-t T]
+                       [--max-body-bytes B] [--queue-size Q] [--max-batch N] [KV options] [-t T]
 
 KV options: --kv-policy (any of KVConfig's policies), --kv-capacity C, --kv-sinks S,
 --positions reindexed|original, and the policy knobs --kv-recent, --kv-lazy, --kv-slack,
@@ -371,7 +371,7 @@ def _serve(args: argparse.Namespace) -> int:
     llm = _llm(args)
     key = args.api_key if args.api_key is not None else os.environ.get("RINGLLM_API_KEY") or None
     settings = ServerSettings(api_key=key, max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
-                              queue_size=args.queue_size, model_name=args.model_name,
+                              queue_size=args.queue_size, max_batch=args.max_batch, model_name=args.model_name,
                               default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap))
     name = args.model_name or llm.model_name
     print(f"ringllm serve: model {name!r} on http://{args.host}:{args.port}/v1 "
@@ -469,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--default-max-tokens", type=int, default=512, help="chat answers without max_tokens")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     s.add_argument("--queue-size", type=int, default=64, help="waiting requests before 503")
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batched steps)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--seed", type=int, default=None, help="seed of requests that give none")
     s.set_defaults(func=_serve)
@@ -476,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _POSITIVE = ("threads", "kv_capacity", "chunks", "tokens", "tg", "pp", "repeats", "max_tokens_cap", "max_body_bytes",
-             "queue_size", "default_max_tokens")
+             "queue_size", "max_batch", "default_max_tokens")
 _NON_NEGATIVE = ("n_predict", "seed", "port")
 
 

@@ -34,7 +34,7 @@ from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.sampling import Sampler, SamplingParams, StopMatcher
 
-__all__ = ["LLM", "Chunk", "Completion", "Generation", "Timings", "BACKENDS"]
+__all__ = ["LLM", "Chunk", "Completion", "Decoder", "Generation", "Timings", "BACKENDS"]
 
 BACKENDS = ("cpu", "cuda", "reference")
 DEFAULT_MAX_TOKENS = 256
@@ -152,6 +152,116 @@ class Generation:
             pass
         r = self.record
         return Completion(r.text, list(r.tokens), r.finish_reason, r.prompt_tokens, r.timings)
+
+
+class Decoder:
+    """One generation advanced a token at a time by a caller that runs the engine itself: alone
+    (LLM.generate), or beside other sequences through CPUEngine.step_batch (ringllm.batch).
+
+        dec = llm.decoder(prompt, max_tokens=32)      # a fresh store; nothing computed yet
+        dec.prefill()                                 # engine prefill + first sample (may finish: EOS, max_tokens 0)
+        while not dec.done:
+            token = dec.feed()                        # the token the engine must run next, or None (it ends here)
+            logits = None if token is None else engine.step(token, dec.store)     # (n_vocab,)
+            chunk = dec.advance(logits)               # the Chunk of that token (finish_reason on the last)
+
+    feed() and advance() alternate strictly. The decoder never takes the LLM's lock: whoever calls
+    the engine (and prefill()) serializes engine use. .record holds tokens, text, timings, as a
+    Generation's."""
+
+    def __init__(self, llm: "LLM", record: _Record, store, prefill_ids: list[int], history: list[int],
+                 sampler: Sampler, max_tokens: int | None, stopper: StopMatcher, ignore_eos: bool):
+        self.llm, self.record, self.store = llm, record, store
+        self.prefill_ids, self.history, self.sampler = prefill_ids, history, sampler
+        self.max_tokens, self.stopper = max_tokens, stopper
+        self.eos = frozenset() if ignore_eos else llm.tokenizer.eos_ids
+        self._next: int | None = None           # the sampled token whose chunk comes next
+        self._fed: int | None = None            # the token feed() handed out, awaiting its logits
+        self._pending: tuple[str, bool, str | None] | None = None     # (text, stop hit, finish) of feed()
+        self._index = 0
+        self._t1: float | None = None
+        self._text_dec = None
+
+    @property
+    def done(self) -> bool:
+        return self.record.done
+
+    def prefill(self) -> None:
+        """Prefill the prompt into the store and sample the first token (one engine call)."""
+        rec, tm, llm = self.record, self.record.timings, self.llm
+        ids = self.prefill_ids
+        rec.prompt_tokens = len(ids)
+        t0 = time.perf_counter()
+        rec.in_engine = True
+        logits = llm._engine.prefill(ids, self.store)
+        rec.in_engine = False
+        rec.fed.extend(ids)
+        tm.prompt_tokens, tm.prompt_s = len(ids), time.perf_counter() - t0
+        tm.peak_memory_bytes = llm._peak_memory()
+        if self.max_tokens == 0:
+            rec.finish_reason, rec.done = "length", True
+            return
+        self._text_dec = llm.tokenizer.stream_decoder()
+        self._t1 = time.perf_counter()
+        self._next = self.sampler.sample(logits, self.history)
+        if self._next in self.eos:
+            rec.finish_reason, rec.done = "stop", True
+            tm.gen_s = time.perf_counter() - self._t1
+
+    def feed(self) -> int | None:
+        """Take the sampled token into the output; returns it when the engine must run it (its
+        logits give the next token), None when the generation ends with it (stop string,
+        max_tokens, or a policy-full store that has no room)."""
+        if self.record.done or self._pending is not None or self._text_dec is None:
+            raise RingLLMError("Decoder.feed() out of turn: call prefill() first, then feed() and advance() "
+                               "alternately until done")
+        if self._t1 is None:
+            self._t1 = time.perf_counter()
+        rec, token = self.record, self._next
+        self.history.append(token)
+        rec.tokens.append(token)
+        text, hit = self.stopper.push(self._text_dec.push(token))
+        finish = None
+        if hit:
+            finish = "stop"
+        elif self.max_tokens is not None and len(rec.tokens) >= self.max_tokens:
+            finish = "length"
+        else:
+            try:
+                check_room(self.store, self.llm.spec, 1)
+            except ConfigError:
+                finish = "length"        # policy full and the context is full
+        self._pending = (text, hit, finish)
+        self._fed = token if finish is None else None
+        return self._fed
+
+    def advance(self, logits: np.ndarray | None) -> Chunk:
+        """The Chunk of the token feed() returned. logits (n_vocab,): the engine's output for that
+        token (required when feed() returned a token, None when it returned None)."""
+        if self._pending is None or (logits is None) != (self._fed is None):
+            raise RingLLMError("Decoder.advance() needs the logits of the token feed() returned (None when "
+                               "feed() returned None)")
+        rec, tm = self.record, self.record.timings
+        text, hit, finish = self._pending
+        token = self.history[-1]
+        if logits is not None:
+            rec.fed.append(token)
+            self._next = self.sampler.sample(logits, self.history)
+            if self._next in self.eos:
+                finish = "stop"
+        if finish is not None and not hit:
+            tail, hit2 = self.stopper.push(self._text_dec.flush())
+            text += tail if hit2 else tail + self.stopper.flush()
+        rec.text += text
+        tm.gen_tokens = len(rec.tokens)
+        tm.gen_s += time.perf_counter() - self._t1
+        tm.peak_memory_bytes = self.llm._peak_memory()
+        if finish is not None:
+            rec.finish_reason, rec.done = finish, True
+        chunk = Chunk(text, token, finish, tm, self._index)
+        self._index += 1
+        self._pending, self._fed, self._t1 = None, None, None
+        return chunk
 
 
 class _ReferenceBackend:
@@ -407,6 +517,37 @@ class LLM:
                                 repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                                 presence_penalty=presence_penalty, logit_bias=dict(logit_bias or {}),
                                 penalty_last_n=penalty_last_n)
+        dec = self._new_decoder(prompt, params, max_tokens, stop, ignore_eos, seed)
+        gen = Generation(dec.record)
+
+        def body():
+            self._acquire()
+            try:
+                self._store = dec.store
+                yield from self._run(dec)
+            finally:
+                self._release()
+
+        gen._it = body()
+        return gen if stream else gen.result()
+
+    def decoder(self, prompt: str | Sequence[int], max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                stop: str | Sequence[str] | None = None, ignore_eos: bool = False, seed: int | None = None,
+                **sampling: Any) -> Decoder:
+        """A Decoder of `prompt` from a fresh KV store, for a caller that drives the engine itself
+        (e.g. several sequences batched by ringllm.batch.BatchDecoder). Keywords as generate();
+        sampling: the SamplingParams fields (temperature, top_k, top_p, min_p, repeat_penalty,
+        frequency_penalty, presence_penalty, logit_bias, penalty_last_n). Nothing is computed yet."""
+        unknown = set(sampling) - set(SamplingParams.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown sampling option(s) {sorted(unknown)}; valid: "
+                              f"{sorted(SamplingParams.__dataclass_fields__)}")
+        sampling["logit_bias"] = dict(sampling.get("logit_bias") or {})
+        return self._new_decoder(prompt, SamplingParams(**sampling), max_tokens, stop, ignore_eos, seed)
+
+    def _new_decoder(self, prompt, params: SamplingParams, max_tokens, stop, ignore_eos: bool,
+                     seed: int | None) -> Decoder:
+        """Checks every argument (ConfigError before anything runs) and builds the Decoder."""
         params.validate(self.n_vocab)
         self._check_max_tokens(max_tokens)
         ids = self._prompt_ids(prompt)
@@ -414,19 +555,7 @@ class LLM:
         sampler = self._sampler(params, seed)
         store = self._engine.new_store(self.kv)
         check_room(store, self.spec, len(ids))      # the clear error, before a generator exists
-        gen = Generation()
-        rec = gen.record
-
-        def body():
-            self._acquire()
-            try:
-                self._store = store
-                yield from self._decode(rec, store, ids, list(ids), sampler, max_tokens, stopper, ignore_eos)
-            finally:
-                self._release()
-
-        gen._it = body()
-        return gen if stream else gen.result()
+        return Decoder(self, _Record(), store, ids, list(ids), sampler, max_tokens, stopper, ignore_eos)
 
     def complete(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         """generate(..., stream=False)."""
@@ -449,64 +578,21 @@ class LLM:
                 max_tokens: int | None, stopper: StopMatcher, ignore_eos: bool) -> Iterator[Chunk]:
         """Prefill `prefill_ids` into `store`, then sample, step and stream. Runs under the lock.
         history: the token history the penalties see (extended with every sampled token)."""
-        eng, tok, tm = self._engine, self.tokenizer, gen.timings
-        eos = frozenset() if ignore_eos else tok.eos_ids
-        gen.prompt_tokens = len(prefill_ids)
-        t0 = time.perf_counter()
-        gen.in_engine = True
-        logits = eng.prefill(prefill_ids, store)
-        gen.in_engine = False
-        gen.fed.extend(prefill_ids)
-        tm.prompt_tokens, tm.prompt_s = len(prefill_ids), time.perf_counter() - t0
-        tm.peak_memory_bytes = self._peak_memory()
-        if max_tokens == 0:
-            gen.finish_reason, gen.done = "length", True
-            return
-        dec = tok.stream_decoder()
-        t1 = time.perf_counter()
-        nxt = sampler.sample(logits, history)
-        if nxt in eos:
-            gen.finish_reason, gen.done = "stop", True
-            tm.gen_s = time.perf_counter() - t1
-            return
-        index = 0
-        while True:
-            token = nxt
-            history.append(token)
-            gen.tokens.append(token)
-            text, hit = stopper.push(dec.push(token))
-            finish = None
-            if hit:
-                finish = "stop"
-            elif max_tokens is not None and len(gen.tokens) >= max_tokens:
-                finish = "length"
-            else:
-                try:
-                    check_room(store, self.spec, 1)
-                except ConfigError:
-                    finish = "length"        # policy full and the context is full
-                else:
-                    gen.in_engine = True
-                    logits = eng.step(token, store)
-                    gen.in_engine = False
-                    gen.fed.append(token)
-                    nxt = sampler.sample(logits, history)
-                    if nxt in eos:
-                        finish = "stop"
-            if finish is not None and not hit:
-                tail, hit2 = stopper.push(dec.flush())
-                text += tail if hit2 else tail + stopper.flush()
-            gen.text += text
-            tm.gen_tokens = len(gen.tokens)
-            tm.gen_s += time.perf_counter() - t1
-            tm.peak_memory_bytes = self._peak_memory()
-            if finish is not None:
-                gen.finish_reason, gen.done = finish, True
-            yield Chunk(text, token, finish, tm, index)
-            if finish is not None:
-                return
-            index += 1
-            t1 = time.perf_counter()
+        yield from self._run(Decoder(self, gen, store, prefill_ids, history, sampler, max_tokens, stopper,
+                                     ignore_eos))
+
+    def _run(self, dec: Decoder) -> Iterator[Chunk]:
+        """Drive one Decoder alone (engine.step per token). Runs under the lock."""
+        rec = dec.record
+        dec.prefill()
+        while not dec.done:
+            token = dec.feed()
+            logits = None
+            if token is not None:
+                rec.in_engine = True
+                logits = self._engine.step(token, dec.store)
+                rec.in_engine = False
+            yield dec.advance(logits)
 
     def _peak_memory(self) -> int:
         gpu = getattr(self._engine, "peak_memory_bytes", None)

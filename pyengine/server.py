@@ -6,10 +6,11 @@
     GET  /health                liveness, queue length, counters
     GET  /openapi.json, /docs   the schema
 
-One worker thread owns the LLM; requests wait in a bounded FIFO queue (503 when it is full) and
-are answered one at a time, each from a fresh KV store, so concurrent clients get exactly what
-they would get alone. A client that disconnects (mid-stream, or while queued) has its request
-cancelled between two tokens, and the worker moves on.
+One worker thread owns the LLM. Up to `max_batch` requests are decoded together, one batched
+engine step (CPUEngine.step_batch) per token for all of them, each from its own fresh KV store
+with its own sampling settings, so concurrent clients get what they would get alone; requests
+beyond that wait in a bounded FIFO queue (503 when it is full). A client that disconnects
+(mid-stream, or while queued) has its request cancelled between two tokens; the others go on.
 
 Requests are checked before they are queued: strict JSON types, ranges, a max_tokens cap, a body
 size cap (413), the model name (404), the API key when one is set (401). Errors use OpenAI's shape,
@@ -18,6 +19,7 @@ size cap (413), the model name (404), the API key when one is set (401). Errors 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import queue
 import secrets
@@ -43,6 +45,7 @@ class ServerSettings:
     """api_key: required bearer token (None: open). max_tokens_cap: largest max_tokens accepted.
     default_max_tokens: chat answers without max_tokens (completions default to 16, as OpenAI's).
     max_body_bytes: request bodies above get 413. queue_size: waiting requests before 503.
+    max_batch: requests decoded together (one engine call per token for all); more wait in the queue.
     model_name: the id /v1/models lists; aliases: other names accepted in "model"."""
 
     api_key: str | None = None
@@ -50,6 +53,7 @@ class ServerSettings:
     default_max_tokens: int = 512
     max_body_bytes: int = 1 << 20
     queue_size: int = 64
+    max_batch: int = 8
     model_name: str | None = None
     aliases: tuple[str, ...] = ()
 
@@ -154,16 +158,30 @@ class _Job:
 
 
 class Worker:
-    """The thread that owns the LLM and answers queued jobs one at a time."""
+    """The thread that owns the LLM. Up to max_batch requests are decoded together (one engine call
+    per token for all of them, ringllm.batch.BatchDecoder), each from its own fresh KV store with its
+    own sampling settings; the others wait in the bounded FIFO queue (503 when it is full). A
+    request joins the batch between two steps (its prompt prefilled alone first) and leaves it when
+    it finishes or its client goes away."""
 
-    def __init__(self, llm, queue_size: int):
+    def __init__(self, llm, queue_size: int, max_batch: int = 8):
+        from ringllm.batch import BatchDecoder
+
         self.llm = llm
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.batch = BatchDecoder(llm, max_batch)
+        self.live: dict[int, tuple[_Job, Any]] = {}      # batch tag -> (job, its Decoder)
+        self._tags = itertools.count()
         self.busy = False
+        self.peak_batch = 0                               # most requests stepped together so far
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ringllm-worker", daemon=True)
         self._thread.start()
+
+    @property
+    def active(self) -> int:
+        return len(self.live)
 
     def submit(self, job: _Job) -> None:
         try:
@@ -173,7 +191,7 @@ class Worker:
                            "server_error", code="queue_full", headers={"Retry-After": "1"}) from None
 
     def stop(self) -> None:
-        """Finish the current job and end (queued jobs are dropped); never blocks."""
+        """End after the current step (active and queued jobs are dropped); never blocks."""
         self._stopping = True
         try:
             self.jobs.put_nowait(None)
@@ -182,49 +200,85 @@ class Worker:
 
     def _run(self) -> None:
         while not self._stopping:
-            job = self.jobs.get()
-            if job is None or self._stopping:
-                return
-            if job.cancel.is_set():
-                self.counters["cancelled"] += 1
-                continue
-            self.busy = True
-            try:
-                self._answer(job)
-            except BaseException as exc:      # the worker outlives whatever one request did
-                self.counters["failed"] += 1
-                job.emit(("error", 500, f"internal error: {type(exc).__name__}: {exc}"))
-            finally:
-                self.busy = False
+            while not self.batch.full:               # admit: wait when idle, else take only what waits
+                self.busy = bool(self.live)
+                try:
+                    job = self.jobs.get(block=not self.live)
+                except queue.Empty:
+                    break
+                if job is None or self._stopping:
+                    return
+                self.busy = True
+                self._admit(job)
+            if self.live:
+                self._step()
 
-    def _answer(self, job: _Job) -> None:
+    def _admit(self, job: _Job) -> None:
+        """Check the request, prefill it and put it in the batch (or answer it at once)."""
+        if job.cancel.is_set():
+            self.counters["cancelled"] += 1
+            return
         try:
-            gen = self.llm.generate(job.ids, stream=True, **job.params)
+            dec = self.llm.decoder(job.ids, **job.params)
         except RingLLMError as exc:
-            self.counters["failed"] += 1
-            job.emit(("error", 400, str(exc)))
+            self._fail(job, 400, str(exc))
+            return
+        except BaseException as exc:          # the worker outlives whatever one request did
+            self._fail(job, 500, f"internal error: {type(exc).__name__}: {exc}")
             return
         job.emit(("start",))
+        tag = next(self._tags)
         try:
-            for chunk in gen:
-                if job.cancel.is_set():
-                    break
-                job.emit(("chunk", chunk.text, chunk.token, chunk.finish_reason))
-            if job.cancel.is_set() and not gen.done:
-                gen.close()
-                self.counters["cancelled"] += 1
-                return
-            job.emit(("end", gen.finish_reason or "stop", gen.prompt_tokens, len(gen.tokens),
-                      gen.timings.to_dict()))
-            self.counters["completed"] += 1
+            joined = self.batch.join(dec, tag)
         except RingLLMError as exc:
-            self.counters["failed"] += 1
-            job.emit(("error", 400, str(exc)))
-        except Exception as exc:      # keep serving whatever one request did
-            self.counters["failed"] += 1
-            job.emit(("error", 500, f"internal error: {type(exc).__name__}: {exc}"))
-        finally:
-            gen.close()
+            self._fail(job, 400, str(exc))
+            return
+        except BaseException as exc:
+            self._fail(job, 500, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        if joined:
+            self.live[tag] = (job, dec)
+        else:                                 # ended at its prefill (EOS first, max_tokens 0)
+            self._end(job, dec)
+
+    def _step(self) -> None:
+        """Drop cancelled requests, advance the others one token together, stream their chunks."""
+        gone = [tag for tag, (job, _) in self.live.items() if job.cancel.is_set()]
+        for tag in gone:
+            self.batch.leave(tag)
+            del self.live[tag]
+        self.busy = bool(self.live)
+        self.counters["cancelled"] += len(gone)
+        if not self.live:
+            return
+        self.peak_batch = max(self.peak_batch, len(self.live))
+        try:
+            results = self.batch.step()
+        except BaseException as exc:          # an engine failure ends every request of this step
+            status = 400 if isinstance(exc, RingLLMError) else 500
+            msg = str(exc) if status == 400 else f"internal error: {type(exc).__name__}: {exc}"
+            for tag, (job, _) in list(self.live.items()):
+                self.batch.leave(tag)
+                self._fail(job, status, msg)
+            self.live.clear()
+            return
+        for tag, chunk in results:
+            job, dec = self.live[tag]
+            if job.cancel.is_set() and chunk.finish_reason is None:
+                continue                      # dropped before the next step
+            job.emit(("chunk", chunk.text, chunk.token, chunk.finish_reason))
+            if chunk.finish_reason is not None:
+                del self.live[tag]
+                self._end(job, dec)
+
+    def _end(self, job: _Job, dec) -> None:
+        rec = dec.record
+        job.emit(("end", rec.finish_reason or "stop", rec.prompt_tokens, len(rec.tokens), rec.timings.to_dict()))
+        self.counters["completed"] += 1
+
+    def _fail(self, job: _Job, status: int, message: str) -> None:
+        self.counters["failed"] += 1
+        job.emit(("error", status, message))
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,7 +394,7 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app):
-        state["worker"] = Worker(llm, s.queue_size)
+        state["worker"] = Worker(llm, s.queue_size, s.max_batch)
         try:
             yield
         finally:
@@ -351,7 +405,7 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
 
     def worker() -> Worker:
         if "worker" not in state:       # an app used without its lifespan (e.g. some test clients)
-            state["worker"] = Worker(llm, s.queue_size)
+            state["worker"] = Worker(llm, s.queue_size, s.max_batch)
         return state["worker"]
 
     @app.exception_handler(RequestValidationError)
@@ -467,7 +521,8 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
     @app.get("/health", summary="liveness and queue state")
     async def health():
         w = worker()
-        return {"status": "ok", "model": name, "queued": w.jobs.qsize(), "busy": w.busy, **w.counters}
+        return {"status": "ok", "model": name, "queued": w.jobs.qsize(), "busy": w.busy, "active": w.active,
+                "peak_batch": w.peak_batch, **w.counters}
 
     @app.get("/v1/models", summary="the loaded model")
     async def models():

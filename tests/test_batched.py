@@ -1,10 +1,14 @@
 """Batched decode (CPUEngine.step_batch) against one-sequence decode (CPUEngine.step).
 
 B sequences with their own stores (different capacities, policies, positions and lengths) advance
-together; sequences join and leave between steps. Every row's logits equal the same sequence
-decoded alone within 1e-4 (the batch runs the projections through the matrix-matrix kernels of
-chunked prefill, decode through the matvec kernels: float32 rounding only), greedy tokens are the
-same, and every store holds the same survivors as its one-sequence twin.
+together; sequences join and leave between steps. The batch runs the projections through the
+matrix-matrix kernels of chunked prefill, decode through the matvec kernels. For quantized GGUF
+weights (SmolLM2, Q4_1/Q8_0 blocks) both accumulate in the same order: the logits are bit-identical
+(measured max |diff| 0 over 600 rows). For float32 weights (the tiny random model) the matmul
+path rounds differently: measured max |diff| 1.1e-6 of max |logit| (50 steps), bounded here at
+1e-5 of max |logit| per row. Greedy tokens are the same, and every store holds the same survivors
+as its one-sequence twin. BatchDecoder (ringllm.batch) gives each sequence exactly what
+LLM.generate gives it alone.
 """
 from __future__ import annotations
 
@@ -13,10 +17,10 @@ import pytest
 
 from ringllm.models.loader import load_model
 from ringllm.runtime.engine import CPUEngine
-from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import KVConfig
 
-BATCH_TOL = 1e-4
+TINY_TOL = 1e-5        # float32 weights: |batched - alone| <= TINY_TOL * max |logit| (rounding)
 
 CONFIGS = [KVConfig(capacity=32, policy="streaming", sinks=4),
            KVConfig(capacity=48, policy="h2o", sinks=2),
@@ -32,9 +36,10 @@ def _same_stores(a, b) -> None:
             np.testing.assert_array_equal(np.sort(a.seq[il][h, :n]), np.sort(b.seq[il][h, :n]))
 
 
-def _batch_vs_alone(eng, prompts, n_steps, join_at=None, leave_at=None):
-    """Greedy decode of len(prompts) sequences (config i % len(CONFIGS)), batched and alone.
-    join_at: {i: step} sequence i enters the batch at that step; leave_at: {i: step} it leaves."""
+def _batch_vs_alone(eng, prompts, n_steps, tol, join_at=None, leave_at=None):
+    """Greedy decode of len(prompts) sequences (config i % len(CONFIGS)), batched and alone; every
+    row within tol * max |logit| (tol 0: bit-identical). join_at: {i: step} sequence i enters the
+    batch at that step; leave_at: {i: step} it leaves. Returns (batched stores, max relative diff)."""
     join_at, leave_at = join_at or {}, leave_at or {}
     n = len(prompts)
     cfg = [CONFIGS[i % len(CONFIGS)] for i in range(n)]
@@ -43,18 +48,21 @@ def _batch_vs_alone(eng, prompts, n_steps, join_at=None, leave_at=None):
     next_alone = [int(np.argmax(eng.prefill(p, st))) for p, st in zip(prompts, alone)]
     next_batch = [int(np.argmax(eng.prefill(p, st))) for p, st in zip(prompts, batch)]
     assert next_alone == next_batch
+    worst = 0.0
     for step in range(n_steps):
         active = [i for i in range(n) if join_at.get(i, 0) <= step < leave_at.get(i, n_steps)]
         logits = eng.step_batch([next_batch[i] for i in active], [batch[i] for i in active])
         for row, i in enumerate(active):
             want = eng.step(next_alone[i], alone[i]).copy()
-            np.testing.assert_allclose(logits[row], want, rtol=0, atol=BATCH_TOL * max(1.0, np.abs(want).max()))
+            diff = float(np.abs(logits[row] - want).max()) / float(np.abs(want).max())
+            worst = max(worst, diff)
+            assert diff <= tol, f"sequence {i} step {step}: max |diff| {diff:.2e} of max |logit|"
             next_alone[i], next_batch[i] = int(np.argmax(want)), int(np.argmax(logits[row]))
             assert next_alone[i] == next_batch[i], f"sequence {i} step {step}"
     for a, b in zip(alone, batch):
         assert a.n_seen == b.n_seen
         _same_stores(a, b)
-    return batch
+    return batch, worst
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +79,8 @@ def test_tiny_batch_equals_alone_with_join_and_leave(tiny_llama):
     eng = CPUEngine(tiny_llama.spec, tiny_llama.tensors, n_batch=16)
     rng = np.random.default_rng(0)
     prompts = [rng.permutation(256)[:L].tolist() for L in (5, 40, 17, 60, 9)]
-    stores = _batch_vs_alone(eng, prompts, 50, join_at={3: 10}, leave_at={1: 30})
+    stores, worst = _batch_vs_alone(eng, prompts, 50, TINY_TOL, join_at={3: 10}, leave_at={1: 30})
+    print(f"\ntiny float32 model: max |batched - alone| = {worst:.2e} of max |logit|")
     assert all(st.stats()["evicted_total"] > 0 for st in stores)
 
 
@@ -94,4 +103,69 @@ def test_smollm2_batch_of_four(smollm2_path):
     eng = CPUEngine(loaded.spec, loaded.tensors)
     text = novel_text()
     prompts = [loaded.tokenizer.encode(text[5000 * i:5000 * i + 800])[:L] for i, L in enumerate((60, 20, 90, 45))]
-    _batch_vs_alone(eng, prompts, 40, join_at={2: 5}, leave_at={0: 25})
+    _, worst = _batch_vs_alone(eng, prompts, 40, 0.0, join_at={2: 5}, leave_at={0: 25})
+    assert worst == 0.0                   # quantized weights: the same kernels, bit-identical
+
+
+# ---------------------------------------------------------------------------------------------- BatchDecoder
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    from ringllm.llm import LLM
+
+    return LLM(smollm2_path, kv=KVConfig(capacity=64, policy="streaming", sinks=4), progress=False)
+
+
+def test_batch_decoder_gives_each_sequence_what_it_gets_alone(llm):
+    """Five generations (greedy, stop string, seeded sampling with penalties, max_tokens 0) join a
+    BatchDecoder at different steps, one leaves early; each streams what LLM.generate streams alone,
+    its store evicting past capacity 64."""
+    from ringllm.batch import BatchDecoder
+
+    reqs = [("Once upon a time", dict(max_tokens=90, ignore_eos=True)),
+            ("The capital of France is", dict(max_tokens=20, stop=["."])),
+            ("Count: 1, 2, 3,", dict(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True)),
+            ("Pride and Prejudice", dict(max_tokens=0)),
+            ("A list of fruits: apple,", dict(max_tokens=40, temperature=0.7, top_k=20, seed=3, repeat_penalty=1.1))]
+    alone = [list(llm.generate(p, **kw)) for p, kw in reqs]
+    join_at, leave_at = {0: 0, 1: 0, 2: 5, 3: 7, 4: 12}, {0: 70}
+    batch = BatchDecoder(llm, max_batch=4)
+    got: dict[int, list] = {i: [] for i in range(len(reqs))}
+    decs, step = {}, 0
+    while step < 200 and (batch.active or len(decs) < len(reqs)):
+        for i, at in join_at.items():
+            if at == step:
+                decs[i] = llm.decoder(reqs[i][0], **reqs[i][1])
+                assert batch.join(decs[i], tag=i) == (i != 3)       # max_tokens 0 ends at its prefill
+        if leave_at.get(0) == step:
+            assert batch.leave(0) is decs[0]
+        assert batch.active <= 4
+        for tag, chunk in batch.step() if batch.active else []:
+            got[tag].append(chunk)
+        step += 1
+    for i, want in enumerate(alone):
+        have = got[i]
+        if i == 0:                                       # left after 70 steps: a prefix of the whole
+            assert len(have) == 70 and decs[0].record.finish_reason is None
+            want = want[:70]
+        assert [c.token for c in have] == [c.token for c in want], i
+        assert [c.text for c in have] == [c.text for c in want], i
+        assert [c.finish_reason for c in have] == [c.finish_reason for c in want], i
+        assert decs[i].record.text == "".join(c.text for c in have)
+    assert decs[0].store.stats()["evicted_total"] > 0
+
+
+def test_batch_decoder_refuses_misuse(llm):
+    from ringllm.batch import BatchDecoder
+
+    batch = BatchDecoder(llm, max_batch=1)
+    assert batch.join(llm.decoder("Hi", max_tokens=3, ignore_eos=True), tag="a")
+    with pytest.raises(ConfigError, match="full"):
+        batch.join(llm.decoder("Hi", max_tokens=3), tag="b")
+    with pytest.raises(ConfigError, match="unknown sampling"):
+        llm.decoder("Hi", temprature=0.5)
+    with pytest.raises(ConfigError, match="max_batch"):
+        BatchDecoder(llm, max_batch=0)
+    dec = llm.decoder("Hi", max_tokens=3)
+    with pytest.raises(RingLLMError, match="out of turn"):
+        dec.feed()                                       # before prefill()

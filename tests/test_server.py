@@ -251,13 +251,13 @@ def test_openapi_schema_and_docs(server):
 # ---------------------------------------------------------------------------------------------- in-process units
 
 class _BlockingLLM:
-    """Stands in for an LLM: generate() blocks until released (for the queue-full check)."""
+    """Stands in for an LLM: decoder() blocks until released (for the queue-full check)."""
     model_name, n_vocab = "fake", 10
 
     def __init__(self):
         self.release = threading.Event()
 
-    def generate(self, ids, stream=True, **kw):
+    def decoder(self, ids, **kw):
         self.release.wait(10)
         raise RuntimeError("the fake model fails")
 
@@ -290,3 +290,63 @@ def test_full_queue_answers_503():
         w._thread.join(5)
         loop.close()
     assert not w._thread.is_alive()
+
+
+# ---------------------------------------------------------------------------------------------- batched decoding
+
+def _stream_completion(server, body: dict, started: threading.Event | None = None,
+                       leave_when: threading.Event | None = None) -> str:
+    """The streamed text of a completion. started: set once two chunks have arrived; leave_when:
+    disconnect at the first chunk after that event is set."""
+    parts = []
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[5:])["choices"]
+            if choices:
+                parts.append(choices[0]["text"])
+            if started is not None and len(parts) >= 2:
+                started.set()
+            if leave_when is not None and leave_when.is_set():
+                break
+    return "".join(parts)
+
+
+def _concurrently(*calls):
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(c) for c in calls]
+        return [f.result() for f in futures]
+
+
+def test_two_concurrent_streams_are_batched_and_match_each_alone(server):
+    a = {"prompt": "It is a truth universally acknowledged, that", "max_tokens": 48, "ignore_eos": True,
+         "temperature": 0}
+    b = {"prompt": "The three primary colors are", "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+    alone = [_stream_completion(server, a), _stream_completion(server, b)]
+    started = threading.Event()
+    # b joins once a is streaming: from then on both advance in one batched engine step per token
+    together = _concurrently(lambda: _stream_completion(server, a, started=started),
+                             lambda: started.wait(60) and _stream_completion(server, b))
+    assert together == alone and all(alone)
+    assert health(server)["peak_batch"] >= 2
+
+
+def test_cancelling_one_batched_stream_leaves_the_other_intact(server):
+    long = {"prompt": "Once upon a time", "max_tokens": CAP, "ignore_eos": True, "temperature": 0}
+    short = {"prompt": "A list of fruits: apple,", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    want = _stream_completion(server, short)
+    before = health(server)
+    long_started, short_started = threading.Event(), threading.Event()
+    # short joins while long streams; long's client leaves once short streams too (both in the batch)
+    cut, got = _concurrently(lambda: _stream_completion(server, long, long_started, leave_when=short_started),
+                             lambda: long_started.wait(60) and _stream_completion(server, short, short_started))
+    assert got == want and cut
+    deadline = time.time() + 30
+    while health(server)["cancelled"] == before["cancelled"] and time.time() < deadline:
+        time.sleep(0.1)
+    after = health(server)
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["completed"] == before["completed"] + 1 and after["active"] == 0
