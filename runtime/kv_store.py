@@ -158,6 +158,19 @@ def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def count_below(sorted_a, n, x):
+    """Number of the first n entries of the ascending array sorted_a below x (binary search)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sorted_a[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _move_slot(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, h, dst, src, reindexed):
     """Slot dst of head h takes everything slot src holds (k, v, seq, rank, pos, score, aux, hist)."""
     seq_l[h, dst] = seq_l[h, src]
@@ -190,15 +203,7 @@ def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l,
         vseq[m] = seq_l[h, slots[m]]
     vseq.sort()
     for j in range(n):
-        s = seq_l[h, j]
-        lo, hi = 0, n_slots
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if vseq[mid] < s:
-                lo = mid + 1
-            else:
-                hi = mid
-        rank_l[h, j] -= lo
+        rank_l[h, j] -= count_below(vseq, n_slots, seq_l[h, j])
     # holes, highest slot first: the last occupied slot is then never a pending victim
     for a in range(n_slots):          # selection sort of the victims' slots, descending
         best = a
@@ -388,6 +393,8 @@ class KVStore:
         # optional callable(il, mass (n_kv, P) f32, store) run after each attention step with the per-slot
         # attention mass (group-summed); for measurements such as the attention loss of eviction
         self.mass_hook = None
+        # --- speculative rollback journal (runtime/kv_multi.py): None unless begin_journal() ran ---
+        self.journal = None
 
     # -----------------------------------------------------------------------------------------
     # Writes
@@ -415,6 +422,8 @@ class KVStore:
         query before RoPE, for policies whose victim depends on it (lsh); k_pre: see Policy.on_insert."""
         if self.layer_ring[il]:
             write = kv_write_streaming if self.update == "inplace" else kv_write_shift
+            if self.journal is not None:      # journal hook (kv_multi.py): save the rows this write overwrites
+                self.journal.before_ring(self, il)
             write(self.k[il], self.v[il], self.seq[il], self.pos[il], self.count[il], self.evicted[il],
                   k_new, v_new, seq, self.layer_sinks[il], self.reindexed)
             return
@@ -429,6 +438,8 @@ class KVStore:
                 policy.split(self, il, n_drop, self.drop_h)     # adakv: one selection over all heads
             else:
                 self.drop_h[:] = n_drop
+        if self.journal is not None:          # journal hook (kv_multi.py): victims chosen, rows saved
+            self.journal.before_policy(self, il)
         kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.score[il],
                         self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new, seq, self.key,
                         self.drop_h, self.layer_sinks[il], self.recent, self.reindexed, self.victims,
@@ -462,6 +473,51 @@ class KVStore:
                 **self.policy_impl.stats(),
                 "bytes": int(sum(a.nbytes for a in self.k + self.v + self.seq + self.rank + self.score + self.aux
                                  + self.hist) + (0 if self.reindexed else sum(a.nbytes for a in self.pos)))}
+
+    # -----------------------------------------------------------------------------------------
+    # Multi-token update and rollback journal (speculative decoding; kernels in runtime/kv_multi.py)
+    # -----------------------------------------------------------------------------------------
+
+    def replace_many(self, il: int, slots, k_rows: np.ndarray, v_rows: np.ndarray, seqs) -> None:
+        """m new tokens take m slots of every kv head of layer il in one in-place pass (EQUIP D.7):
+        slots (n_kv, m) ints (an occupied slot: its token leaves; a free one: count, count + 1, ...),
+        k_rows, v_rows (m, n_kv, head_dim) float32, seqs (m,) increasing and newer than every held
+        token. Ranks/positions updated; the new slots' score/aux/hist zeroed."""
+        from ringllm.runtime.kv_multi import check_replace_many, kv_replace_many
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        seqs = np.ascontiguousarray(seqs, dtype=np.int64).reshape(-1)
+        nkv, hd = self.spec.n_head_kv, self.spec.head_dim
+        k_rows = np.ascontiguousarray(k_rows, dtype=np.float32)
+        v_rows = np.ascontiguousarray(v_rows, dtype=np.float32)
+        if k_rows.shape != (seqs.size, nkv, hd) or v_rows.shape != k_rows.shape:
+            raise ConfigError(f"replace_many: k_rows and v_rows must be ({seqs.size}, {nkv}, {hd}); got "
+                              f"{k_rows.shape}, {v_rows.shape}")
+        check_replace_many(self, il, slots, seqs)
+        kv_replace_many(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.score[il],
+                        self.aux[il], self.hist[il], self.count[il], self.evicted[il], slots, k_rows, v_rows, seqs,
+                        self.reindexed, np.empty(seqs.size, np.int64))
+
+    def begin_journal(self, max_tokens: int):
+        """Journal the next (up to) max_tokens tokens fed, so that rollback(n_keep) can take the last
+        ones back out exactly (kv_multi.KVJournal). Reuses the journal's buffers when they fit."""
+        from ringllm.runtime.kv_multi import KVJournal
+        j = self.journal or getattr(self, "_journal_spare", None)
+        if j is None or j.max_tokens < max_tokens:
+            j = KVJournal(self, max_tokens)
+        j.reset()
+        self.journal = j
+        return j
+
+    def rollback(self, n_keep: int) -> None:
+        """Keep the first n_keep tokens fed since begin_journal; the store becomes bitwise the store fed
+        only those. The journal stays open (more tokens may be fed and rolled back)."""
+        if self.journal is None:
+            raise ConfigError("rollback without begin_journal")
+        self.journal.rollback(n_keep)
+
+    def commit(self) -> None:
+        """Stop journaling (the buffers are kept for the next begin_journal)."""
+        self._journal_spare, self.journal = self.journal, None
 
     # -----------------------------------------------------------------------------------------
     # Save / restore (sessions)

@@ -1,0 +1,262 @@
+"""Multi-token KV updates in one in-place pass (EQUIP section 5.4 / D.7), and the rollback journal that
+speculative decoding uses to take rejected tokens back out of a store.
+
+k tokens enter, k tokens leave, one call per layer:
+  * kv_put_rows: m rows (head, slot) of K and V (and the RK cache) written in one pass; the row
+    mover of both verbs below.
+  * kv_replace_many (KVStore.replace_many): m new tokens take m given slots of every head: the
+    tokens held there leave (counted in `evicted`), free slots are taken in order; ranks and
+    positions are updated in one pass per head (a survivor drops by the number of leaving tokens
+    older than it: O(n log m) instead of m passes of O(n)).
+  * KVJournal (KVStore.begin_journal / rollback / commit): before every write of a journaled
+    token, the store's small per-slot arrays of that layer (seq, rank, pos, count, evicted, score,
+    aux, hist, extra: a few KB) are snapshot and the K/V/RK rows the write will overwrite (the
+    ring's slot, or the policy's victims and the new token's slot) are saved. rollback(n_keep)
+    puts the saved rows back in reverse order (one kv_put_rows call per layer: the rejected tokens
+    leave, the tokens they evicted come back) and restores the snapshot taken before token n_keep,
+    so the store is bitwise the store that was fed only the first n_keep tokens, stale bytes of
+    empty slots included.
+
+A write the journal did not predict is caught: after each journaled token, every slot whose
+sequence index changed to a held token must be among the saved rows, else RuntimeError (a new
+write path that bypasses the journal, e.g. a changed victim rule, cannot silently corrupt a rollback).
+Not journaled (ConfigError at begin_journal or rollback): update "shift", RoPE strategy "kshift"
+(it re-rotates every newer key in place), paged stores.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_store import count_below
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def kv_put_rows(k_l, v_l, heads, slots, k_rows, v_rows):
+    """k_l[heads[i], slots[i]] = k_rows[i], v_l[...] = v_rows[i] for i = 0..m-1 in order (a later row
+    wins where a (head, slot) repeats).
+
+    k_l, v_l (n_kv, P, d) f32 (v_l may be k_l's RK twin (n_kv, P, rotary_dim) with v_rows the same
+    width); heads, slots (m,) i64; k_rows, v_rows (m, d) f32. Returns None."""
+    d = k_l.shape[2]
+    dv = v_l.shape[2]
+    for i in range(heads.shape[0]):
+        h, s = heads[i], slots[i]
+        for j in range(d):
+            k_l[h, s, j] = k_rows[i, j]
+        for j in range(dv):
+            v_l[h, s, j] = v_rows[i, j]
+
+
+@njit(cache=True, nogil=True)
+def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, slots, k_new, v_new,
+                    seq_new, reindexed, vseq):
+    """m new tokens enter and the m tokens in their slots leave, per head, in one pass.
+
+    k_l, v_l (n_kv, P, hd) f32; seq_l, rank_l, pos_l, aux_l (n_kv, P) i64; score_l (n_kv, P) f64;
+    hist_l (n_kv, P, w) f32; count_l, evicted_l (n_kv,) i64 (the store's arrays of one layer).
+    slots (n_kv, m) i64: slot of head h that new token i takes: an occupied slot (its token leaves)
+    or a free one (slots count, count + 1, ... in order of use; checked by the caller).
+    k_new, v_new (m, n_kv, hd) f32; seq_new (m,) i64 increasing and newer than every held token
+    (checked by the caller). vseq (m,) i64 scratch.
+
+    A survivor's rank drops by the number of leaving tokens older than it (binary search over their
+    sorted sequence indices); new token i gets rank n_after - m + i; score/aux/hist of the new slots
+    are zeroed. Returns None.
+    """
+    n_kv = seq_l.shape[0]
+    m = seq_new.shape[0]
+    hd = k_l.shape[2]
+    w = hist_l.shape[2]
+    for h in range(n_kv):
+        n = count_l[h]
+        n_leave = 0
+        for i in range(m):
+            s = slots[h, i]
+            if s < n:
+                vseq[n_leave] = seq_l[h, s]
+                n_leave += 1
+        vs = vseq[:n_leave]
+        vs.sort()
+        # survivors' ranks first, while the leaving tokens are still in place
+        for j in range(n):
+            sq = seq_l[h, j]
+            lo = count_below(vs, n_leave, sq)
+            if lo < n_leave and vs[lo] == sq:
+                continue                       # leaving: rewritten below
+            rank_l[h, j] -= lo
+            if reindexed:
+                pos_l[h, j] = rank_l[h, j]
+        n_after = n + (m - n_leave)
+        for i in range(m):
+            s = slots[h, i]
+            r = n_after - m + i
+            seq_l[h, s] = seq_new[i]
+            rank_l[h, s] = r
+            pos_l[h, s] = r if reindexed else seq_new[i]
+            score_l[h, s] = 0.0
+            aux_l[h, s] = 0
+            for c in range(w):
+                hist_l[h, s, c] = 0.0
+            for d in range(hd):
+                k_l[h, s, d] = k_new[i, h, d]
+                v_l[h, s, d] = v_new[i, h, d]
+        count_l[h] = n_after
+        evicted_l[h] += n_leave
+
+
+def check_replace_many(store, il: int, slots: np.ndarray, seqs: np.ndarray) -> None:
+    """The argument checks of KVStore.replace_many (an out-of-range slot in Numba is a segfault).
+    slots (n_kv, m) i64, seqs (m,) i64."""
+    n_kv, P = store.seq[il].shape
+    m = seqs.shape[0]
+    if slots.shape != (n_kv, m):
+        raise ConfigError(f"replace_many: slots must be ({n_kv}, {m}) (one slot per kv head and new token), "
+                          f"got {slots.shape}")
+    if m and (np.any(np.diff(seqs) <= 0) or seqs[0] < 0):
+        raise ConfigError("replace_many: new sequence indices must be >= 0 and strictly increasing")
+    for h in range(n_kv):
+        n = int(store.count[il][h])
+        held = store.seq[il][h, :n]
+        if m and n and seqs[0] <= held.max():
+            raise ConfigError(f"replace_many: new tokens must be newer than every held token (head {h} holds "
+                              f"{int(held.max())}, first new {int(seqs[0])})")
+        s = slots[h]
+        if np.any(s < 0) or np.any(s >= P) or np.unique(s).size != m:
+            raise ConfigError(f"replace_many: head {h} slots must be distinct, in 0..{P - 1}; got {s.tolist()}")
+        free = s[s >= n]
+        if not np.array_equal(free, np.arange(n, n + free.size)):
+            raise ConfigError(f"replace_many: head {h} free slots must be taken in order from count {n}; got "
+                              f"{free.tolist()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Journal
+# ---------------------------------------------------------------------------------------------
+
+
+class KVJournal:
+    """Undo log of up to `max_tokens` tokens fed into `store` (see the module docstring).
+
+    Per layer and journaled token t: snapshot[field][t] = the layer's small arrays before token t's
+    write; rows[t] = (heads (r,) i64, slots (r,) i64, k (r, hd), v (r, hd), rk (r, rotary_dim) or
+    None): the rows that write overwrites, as they were.
+    """
+
+    SNAP_FIELDS = ("seq", "rank", "count", "evicted", "score", "aux", "hist", "extra")
+
+    def __init__(self, store, max_tokens: int):
+        if max_tokens < 1:
+            raise ConfigError(f"a journal needs max_tokens >= 1, got {max_tokens}")
+        if getattr(store, "paged", False):
+            raise ConfigError("the rollback journal works on dense KVStores, not paged ones")
+        if store.update != "inplace":
+            raise ConfigError("the rollback journal needs update 'inplace' (the shift baseline moves every slot)")
+        if store.layer_rope_mode is not None and "kshift" in store.layer_rope_mode:
+            raise ConfigError("the rollback journal does not cover RoPE strategy 'kshift' (it re-rotates every "
+                              "newer key in place); use rope 'stored', 'fused' or 'rk'")
+        self.store, self.max_tokens = store, int(max_tokens)
+        self.fields = self.SNAP_FIELDS + (() if store.reindexed else ("pos",))
+        self.snap = [{f: np.empty((self.max_tokens,) + getattr(store, f)[il].shape, getattr(store, f)[il].dtype)
+                      for f in self.fields} for il in range(store.spec.n_layer)]
+        self.victims = np.zeros(max(store.layer_physical) + 1, np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start journaling from the store's current state."""
+        n_layer = self.store.spec.n_layer
+        self.base_n_seen = self.store.n_seen
+        self.n = [0] * n_layer
+        self.rows: list[list[tuple]] = [[] for _ in range(n_layer)]
+
+    # -- recording (KVStore.write calls these just before its kernel) --------------------------
+
+    def before_ring(self, store, il: int) -> None:
+        """The ring kernel is about to write: each head's slot is `count` while free, else the oldest
+        non-sink slot sinks + evicted mod (P - sinks) (kv_store._ring_slot)."""
+        cnt, ev = store.count[il], store.evicted[il]
+        cap, s = store.seq[il].shape[1], store.layer_sinks[il]
+        slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1)).astype(np.int64)
+        self._record(store, il, np.arange(cnt.shape[0], dtype=np.int64), slots)
+
+    def before_policy(self, store, il: int) -> None:
+        """kv_write_policy is about to evict drop_h[h] tokens of each head (store.key filled) and write
+        the new token into slot count - dropped: the victims are chosen here by the same function."""
+        from ringllm.runtime.kv_store import choose_victims   # called from Python: no cross-file Numba cache
+        heads, slots = [], []
+        for h in range(store.seq[il].shape[0]):
+            n, d = int(store.count[il][h]), int(store.drop_h[h])
+            got = 0
+            if d > 0:
+                got = int(choose_victims(store.key[h], store.seq[il][h], store.rank[il][h], n, d,
+                                         store.layer_sinks[il], store.recent, self.victims))
+                slots.extend(self.victims[:got].tolist())
+            slots.append(n - got)
+            heads.extend([h] * (got + 1))
+        self._record(store, il, np.asarray(heads, np.int64), np.asarray(slots, np.int64))
+
+    def _record(self, store, il: int, heads: np.ndarray, slots: np.ndarray) -> None:
+        t = self.n[il]
+        if t >= self.max_tokens:
+            raise ConfigError(f"journal full: it was begun for {self.max_tokens} tokens; begin_journal(n) with "
+                              "the number of tokens the verify feeds")
+        if t > 0:
+            self._check(il, t - 1)
+        snap = self.snap[il]
+        for f in self.fields:
+            src = getattr(store, f)[il]
+            if src.size:
+                snap[f][t] = src
+        rk = store.rk[il][heads, slots] if store.rk is not None else None
+        self.rows[il].append((heads, slots, store.k[il][heads, slots], store.v[il][heads, slots], rk))
+        self.n[il] = t + 1
+
+    def _check(self, il: int, t: int) -> None:
+        """Every slot whose token changed during journaled token t (now holding a token) was saved."""
+        seq_now, seq_then = self.store.seq[il], self.snap[il]["seq"][t]
+        changed = (seq_now != seq_then) & (seq_now >= 0)
+        heads, slots = self.rows[il][t][:2]
+        changed[heads, slots] = False
+        if changed.any():
+            h, j = np.argwhere(changed)[0]
+            raise RuntimeError(f"KV journal: layer {il} head {h} slot {j} was written without being journaled "
+                               "(a write path the journal does not predict); rollback would be wrong")
+
+    # -- rollback -----------------------------------------------------------------------------
+
+    def rollback(self, n_keep: int) -> None:
+        """Undo every journaled token after the first n_keep: the store becomes bitwise the store
+        that was fed only those n_keep tokens."""
+        store = self.store
+        fed = store.n_seen - self.base_n_seen
+        if not 0 <= n_keep <= fed:
+            raise ConfigError(f"rollback: n_keep must be in 0..{fed} (tokens fed since begin_journal), got {n_keep}")
+        if any(n != fed for n in self.n):
+            raise ConfigError(f"rollback: the journal saw {self.n} writes per layer for {fed} tokens fed; a write "
+                              "path bypassed it (RoPE strategy 'kshift'?)")
+        for il in range(store.spec.n_layer):
+            if fed > 0:
+                self._check(il, fed - 1)
+            if n_keep == fed:
+                continue
+            undo = self.rows[il][n_keep:fed][::-1]         # newest first: the oldest image of a row wins
+            heads = np.concatenate([u[0][::-1] for u in undo])
+            slots = np.concatenate([u[1][::-1] for u in undo])
+            kv_put_rows(store.k[il], store.v[il], heads, slots, np.concatenate([u[2][::-1] for u in undo]),
+                        np.concatenate([u[3][::-1] for u in undo]))
+            if store.rk is not None and undo[0][4] is not None:
+                rows = np.concatenate([u[4][::-1] for u in undo])
+                kv_put_rows(store.rk[il], store.rk[il], heads, slots, rows, rows)
+            snap = self.snap[il]
+            for f in self.fields:
+                dst = getattr(store, f)[il]
+                if dst.size:
+                    dst[...] = snap[f][n_keep]
+            del self.rows[il][n_keep:]
+            self.n[il] = n_keep
+        store.n_seen = self.base_n_seen + n_keep

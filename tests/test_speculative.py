@@ -1,0 +1,284 @@
+"""Multi-token KV updates, the rollback journal and greedy speculative decoding (runtime/kv_multi.py,
+runtime/speculative.py).
+
+- Rollback exactness: journal, feed gamma tokens, roll back to n_keep in 0..gamma; the store equals,
+  bitwise (k, v, seq, rank, pos, count, evicted, score, aux, hist, extra, rk), a store fed only the
+  kept tokens, and continuing both gives bitwise identical logits. Every write path of the engine:
+  the streaming ring (RoPE stored/fused/rk), sliding-window layers, score-based policies (h2o, tova,
+  snapkv, knorm) and staged eviction (several tokens dropped in one write), both position modes.
+- replace_many: a known-answer table (k tokens enter k slots, the leaving tokens are gone, ranks,
+  positions and counters right).
+- Speculative output == plain greedy output, both drafts (layer-truncated self-draft, small
+  streaming store), on a tiny random model (100 tokens) and SmolLM2 (500 tokens, slow).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringllm.models.common import f32_tensor
+from ringllm.runtime.engine import CPUEngine
+from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.model_spec import ModelSpec
+from ringllm.runtime.speculative import greedy_generate, make_layer_draft, speculative_generate
+
+
+def tiny_model(seed: int = 0, window: tuple = (), n_layer: int = 3):
+    """A random llama-style model (F32 weights, 256 tokens), built without transformers."""
+    spec = ModelSpec(arch="llama", n_vocab=256, n_embd=64, n_layer=n_layer, n_head=4, n_head_kv=2, head_dim=16,
+                     n_ff=128, n_ctx=4096, window=window)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in spec.expected_shapes().items():
+        v = 1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else rng.standard_normal(shape) / np.sqrt(shape[1])
+        tensors[name] = f32_tensor(name, v)
+    return spec, tensors
+
+
+def store_arrays(st) -> dict:
+    return {f"{f}.{il}": a.copy() for f in st.array_fields for il, a in enumerate(getattr(st, f))}
+
+
+def assert_same_store(a, b):
+    assert a.n_seen == b.n_seen
+    fa, fb = store_arrays(a), store_arrays(b)
+    assert fa.keys() == fb.keys()
+    for name in fa:
+        np.testing.assert_array_equal(fa[name], fb[name], err_msg=name)
+
+
+def feed(eng, st, ids, chunk: bool):
+    if not ids:
+        return
+    if chunk:
+        eng.logits(ids, st)
+    else:
+        for t in ids:
+            eng.step(t, st)
+
+
+def check_rollbacks(eng, kv, ids, n_prompt, gamma, chunk, positions_evict=True):
+    """For every n_keep in 0..gamma: journaled feed of gamma tokens then rollback(n_keep) == a store fed
+    the n_keep tokens; continuing gives the same logits."""
+    prompt, spec_ids, after = ids[:n_prompt], ids[n_prompt:n_prompt + gamma], ids[n_prompt + gamma:n_prompt + gamma + 3]
+    evicted_inside = False
+    for n_keep in range(gamma + 1):
+        a, b = eng.new_store(kv), eng.new_store(kv)
+        eng.prefill(prompt, a)
+        eng.prefill(prompt, b)
+        ev0 = a.stats()["evicted_total"]
+        a.begin_journal(gamma)
+        feed(eng, a, spec_ids, chunk)
+        evicted_inside |= a.stats()["evicted_total"] > ev0
+        a.rollback(n_keep)
+        a.commit()
+        feed(eng, b, spec_ids[:n_keep], chunk)
+        assert_same_store(a, b)
+        np.testing.assert_array_equal(eng.logits(after, a), eng.logits(after, b))
+        assert_same_store(a, b)
+    if positions_evict:
+        assert evicted_inside, "the journaled tokens evicted nothing: the test does not exercise restoring victims"
+
+
+CONFIGS = {
+    "streaming": dict(policy="streaming", sinks=2),
+    "h2o": dict(policy="h2o", sinks=2, recent=4),
+    "tova": dict(policy="tova", sinks=2),
+    "snapkv": dict(policy="snapkv", sinks=2, window=4, pool=3),
+    "knorm": dict(policy="knorm", sinks=2),
+    "staged_h2o": dict(policy="h2o", sinks=2, recent=4, lazy=3, slack=2, max_drop=2),
+    "staged_streaming": dict(policy="streaming", sinks=2, lazy=4),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+@pytest.mark.parametrize("positions", ["reindexed", "original"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_rollback_exact_tiny(tiny, name, positions):
+    eng = CPUEngine(*tiny, n_batch=16)
+    ids = np.random.default_rng(1).permutation(256)[:60].tolist()
+    kv = KVConfig(capacity=16, positions=positions, **CONFIGS[name])
+    check_rollbacks(eng, kv, ids, 30, 4, chunk=True)      # one verify forward of 4 rows
+    check_rollbacks(eng, kv, ids, 33, 6, chunk=False)     # 6 journaled decode steps
+
+
+@pytest.mark.parametrize("rope", ["fused", "rk"])
+def test_rollback_exact_rope_modes(tiny, rope):
+    eng = CPUEngine(*tiny, n_batch=16, rope=rope)
+    ids = np.random.default_rng(2).permutation(256)[:60].tolist()
+    for positions in ("reindexed", "original"):
+        check_rollbacks(eng, KVConfig(capacity=16, policy="streaming", sinks=2, positions=positions), ids, 30, 4, True)
+
+
+def test_rollback_exact_sliding_window():
+    """Gemma 3 style: two sliding-window layers (their own ring) beside a policy layer."""
+    eng = CPUEngine(*tiny_model(seed=3, window=(8, 8, 0)), n_batch=16)
+    ids = np.random.default_rng(3).permutation(256)[:60].tolist()
+    check_rollbacks(eng, KVConfig(capacity=16, policy="h2o", sinks=2, recent=4), ids, 30, 4, True)
+
+
+def test_rollback_zero_after_matmul_verify(tiny):
+    """A verify long enough for the matrix-matrix kernels (>= MATMUL_MIN_T rows) is undone exactly."""
+    eng = CPUEngine(*tiny, n_batch=16)
+    ids = np.random.default_rng(4).permutation(256)[:60].tolist()
+    for kv in (KVConfig(capacity=16, policy="streaming", sinks=2), KVConfig(capacity=16, policy="h2o", sinks=2)):
+        a, b = eng.new_store(kv), eng.new_store(kv)
+        eng.prefill(ids[:30], a)
+        eng.prefill(ids[:30], b)
+        a.begin_journal(9)
+        eng.logits(ids[30:39], a)
+        a.rollback(0)
+        assert_same_store(a, b)
+
+
+def test_journal_refuses_what_it_cannot_undo(tiny):
+    eng = CPUEngine(*tiny, n_batch=16, rope="kshift")
+    st = eng.new_store(KVConfig(capacity=16, policy="streaming", sinks=2))
+    eng.prefill(list(range(20)), st)
+    with pytest.raises(ConfigError, match="kshift"):
+        st.begin_journal(4)
+    eng2 = CPUEngine(*tiny, n_batch=16)
+    st2 = eng2.new_store(KVConfig(capacity=16, policy="streaming", sinks=2, update="shift"))
+    with pytest.raises(ConfigError, match="inplace"):
+        st2.begin_journal(4)
+    st3 = eng2.new_store(KVConfig(capacity=16, policy="streaming", sinks=2))
+    eng2.prefill(list(range(20)), st3)
+    st3.begin_journal(2)
+    with pytest.raises(ConfigError, match="journal full"):
+        eng2.logits([1, 2, 3], st3)
+    with pytest.raises(ConfigError, match="rollback without"):
+        eng2.new_store(KVConfig(capacity=16, policy="streaming")).rollback(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# replace_many
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("positions", ["reindexed", "original"])
+def test_replace_many_known_answer(tiny, positions):
+    spec = tiny[0]
+    eng = CPUEngine(*tiny, n_batch=16)
+    st = eng.new_store(KVConfig(capacity=8, policy="h2o", sinks=0, recent=0, positions=positions))
+    eng.prefill([5, 6, 7, 8, 9, 10], st)      # 6 of 8 slots: seq 0..5 in slots 0..5
+    il, nkv, hd = 1, spec.n_head_kv, spec.head_dim
+    st.score[il][:, :6] = 1.0
+    # head 0: tokens 1 and 4 leave (slots 1, 4), free slot 6 is taken; head 1: tokens 0, 2 leave, slot 6
+    slots = np.array([[4, 1, 6], [0, 6, 2]])
+    k_rows = np.arange(3 * nkv * hd, dtype=np.float32).reshape(3, nkv, hd)
+    v_rows = -k_rows
+    ev = st.evicted[il].copy()
+    st.replace_many(il, slots, k_rows, v_rows, [6, 7, 8])
+    want_seq = {0: [0, 7, 2, 3, 6, 5, 8, -1], 1: [6, 1, 8, 3, 4, 5, 7, -1]}
+    for h in range(nkv):
+        seq = st.seq[il][h].tolist()
+        assert seq == want_seq[h]
+        n = int(st.count[il][h])
+        assert n == 7
+        held = np.array(seq[:n])
+        ranks = st.rank[il][h, :n]
+        np.testing.assert_array_equal(ranks, np.argsort(np.argsort(held)))     # rank by sequence index
+        np.testing.assert_array_equal(st.pos[il][h, :n], ranks if positions == "reindexed" else held)
+        assert st.evicted[il][h] == ev[h] + 2
+        for i, s in enumerate(slots[h]):
+            np.testing.assert_array_equal(st.k[il][h, s], k_rows[i, h])
+            np.testing.assert_array_equal(st.v[il][h, s], v_rows[i, h])
+            assert st.score[il][h, s] == 0.0
+    assert 1 not in st.seq[il][0] and 4 not in st.seq[il][0] and 0 not in st.seq[il][1] and 2 not in st.seq[il][1]
+
+
+def test_replace_many_checks(tiny):
+    eng = CPUEngine(*tiny, n_batch=16)
+    st = eng.new_store(KVConfig(capacity=8, policy="h2o", sinks=0, recent=0))
+    eng.prefill([5, 6, 7, 8], st)
+    k = np.zeros((1, 2, 16), np.float32)
+    with pytest.raises(ConfigError, match="newer"):
+        st.replace_many(0, [[0], [0]], k, k, [2])
+    with pytest.raises(ConfigError, match="free slots"):
+        st.replace_many(0, [[6], [4]], k, k, [9])
+    with pytest.raises(ConfigError, match="distinct"):
+        st.replace_many(0, [[9], [4]], k, k, [9])
+
+
+def test_replace_many_equals_single_writes(tiny):
+    """m tokens in one call == m calls of one token each (ranks, positions, rows)."""
+    eng = CPUEngine(*tiny, n_batch=16)
+    kv = KVConfig(capacity=12, policy="h2o", sinks=0, recent=0)
+    a, b = eng.new_store(kv), eng.new_store(kv)
+    eng.prefill(list(range(10)), a)
+    eng.prefill(list(range(10)), b)
+    rng = np.random.default_rng(0)
+    slots = np.stack([rng.permutation(10)[:4] for _ in range(2)])
+    kr = rng.standard_normal((4, 2, 16)).astype(np.float32)
+    a.replace_many(2, slots, kr, kr + 1, [10, 11, 12, 13])
+    for i in range(4):
+        b.replace_many(2, slots[:, i:i + 1], kr[i:i + 1], kr[i:i + 1] + 1, [10 + i])
+    assert_same_store(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding == plain greedy
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [3, 5])
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_speculative_equals_greedy_tiny(gamma, policy):
+    spec, tensors = tiny_model(seed=5, n_layer=4)
+    target = CPUEngine(spec, tensors, n_batch=16)
+    kv = KVConfig(capacity=24, policy=policy, sinks=2)
+    prompt = np.random.default_rng(5).permutation(256)[:20].tolist()
+    want, _ = greedy_generate(target, target.new_store(kv), prompt, 100)
+    layer_draft = make_layer_draft(spec, tensors, 2, n_batch=16)
+    drafts = [(layer_draft, layer_draft.new_store(kv)),
+              (target, target.new_store(KVConfig(capacity=10, policy="streaming", sinks=2)))]
+    for draft, dstore in drafts:
+        st = target.new_store(kv)
+        got, stats = speculative_generate(target, st, draft, dstore, prompt, 100, gamma)
+        assert got == want
+        assert 0.0 <= stats["acceptance"] <= 1.0 and stats["rounds"] > 0
+        # the target store holds what plain decoding of the emitted tokens holds (all but the newest)
+        ref = target.new_store(kv)
+        target.prefill(prompt, ref)
+        feed(target, ref, got[:st.n_seen - len(prompt)], chunk=False)
+        if gamma + 1 < 5:
+            assert_same_store(st, ref)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    from ringllm.models.loader import load_model
+    return load_model(smollm2_path)
+
+
+@pytest.mark.parametrize("kv", [dict(capacity=48, policy="streaming", sinks=4),
+                                dict(capacity=48, policy="h2o", sinks=4),
+                                dict(capacity=48, policy="snapkv", sinks=4, lazy=4, slack=2, max_drop=3)])
+def test_rollback_exact_smollm2(smollm2, kv):
+    eng = CPUEngine(smollm2.spec, smollm2.tensors, n_batch=32)
+    ids = smollm2.tokenizer.encode("It is a truth universally acknowledged, that a single man in possession of a "
+                                   "good fortune, must be in want of a wife. However little known the feelings")
+    ids = (ids * 3)[:70]
+    check_rollbacks(eng, KVConfig(**kv), ids, 60, 4, chunk=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_kind", ["layers", "small_store"])
+def test_speculative_equals_greedy_smollm2(smollm2, draft_kind):
+    spec, tensors = smollm2.spec, smollm2.tensors
+    target = CPUEngine(spec, tensors)
+    kv = KVConfig(capacity=256, policy="h2o", sinks=4)
+    prompt = smollm2.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+    want, _ = greedy_generate(target, target.new_store(kv), prompt, 500)
+    if draft_kind == "layers":
+        draft = make_layer_draft(spec, tensors, 8)
+        dstore = draft.new_store(kv)
+    else:
+        draft, dstore = target, target.new_store(KVConfig(capacity=64, policy="streaming", sinks=4))
+    got, stats = speculative_generate(target, target.new_store(kv), draft, dstore, prompt, 500, 3)
+    assert got == want, f"first difference at {next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)}"
