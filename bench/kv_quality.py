@@ -235,19 +235,29 @@ def write(results: dict, args) -> None:
     except ImportError:
         return
     models = list(results["models"])
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 6), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^v<>pPhX*"
     for ax, name in zip(axes[0], models):
         res = results["models"][name]
-        for pol in results["policies"]:
+        top = 1.6 * res["ceiling"]          # policies that blow up are drawn at the top edge, value written
+        for i, pol in enumerate(results["policies"]):
             xs = [b for b in results["budgets"] if f"{pol}@{b}" in res["ppl"]]
-            ax.plot(xs, [res["ppl"][f"{pol}@{b}"] for b in xs], marker="o", label=pol)
-        ax.axhline(res["ceiling"], color="k", ls="--", label="ceiling")
+            ys = [res["ppl"][f"{pol}@{b}"] for b in xs]
+            ax.plot(xs, [min(y, top) for y in ys], marker=markers[i % len(markers)], color=colors[i % len(colors)],
+                    ls="-" if i < 10 else "--", label=pol)
+            for x, y in zip(xs, ys):
+                if y > top:
+                    ax.annotate(f"{pol} {y:.0f}", (x, top), textcoords="offset points", xytext=(0, -12 - 9 * (i % 2)),
+                                ha="center", fontsize=7, color=colors[i % len(colors)])
+        ax.axhline(res["ceiling"], color="k", ls=":", label="ceiling (whole context)")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        ax.set_xticks(results["budgets"], [str(b) for b in results["budgets"]])
+        ax.set_ylim(0.97 * res["ceiling"], 1.03 * top)
         ax.set_xlabel("KV budget (tokens)")
-        ax.set_ylabel("streaming perplexity")
+        ax.set_ylabel("streaming perplexity (clipped at 1.6x the ceiling)")
         ax.set_title(f"{name}, {res.get('tokens', results['tokens'])} tokens")
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.13))
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, args.name + ".png"), dpi=110)
 
