@@ -1,6 +1,7 @@
 """The `ringllm` command line (`python -m ringllm` is the same).
 
     ringllm generate   [-m MODEL] -p PROMPT [-n N] [--chat] [sampling] [KV options] [--engine E] [-t T] [--json]
+                       [--speculative store:C|layers:N [--gamma G]]
     ringllm chat       [-m MODEL] [--system TEXT] [-n N] [--load FILE] [sampling] [KV options] [-t T]
     ringllm perplexity [-m MODEL] -f FILE [--protocol chunked|streaming] [--ctx N] [--chunks K] [--tokens N]
                        [KV options] [-t T] [--json]
@@ -30,8 +31,9 @@ import threading
 import time
 from dataclasses import fields
 
-from ringllm.runtime.errors import RingLLMError
+from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, UPDATE_MODES, KVConfig
+from ringllm.sampling import SamplingParams
 
 # KVConfig knobs exposed as --kv-<name> (capacity, policy, sinks and positions have their own options)
 _KV_KNOBS = [f for f in fields(KVConfig) if f.name not in ("capacity", "policy", "sinks", "positions")]
@@ -119,6 +121,8 @@ def _generate(args: argparse.Namespace) -> int:
         # a plain prompt is text: control-token strings in it are not parsed as tokens
         ids = tok.encode(args.prompt, parse_special=False) or llm._prompt_ids("")
     t_load = time.perf_counter() - t0
+    if args.speculative:
+        return _speculate(args, llm, ids, t_load)
     gen = llm.generate(ids, max_tokens=args.n_predict, seed=args.seed, **_sampling(args))
     stop = _Interrupt()
     with stop:
@@ -144,6 +148,37 @@ def _generate(args: argparse.Namespace) -> int:
               f"{result['gen_tok_s']} tok/s, {args.engine} engine, finish: {result['finish_reason']}]",
               file=sys.stderr)
     return 130 if stop.requested else 0
+
+
+def _speculate(args: argparse.Namespace, llm, ids: list[int], t_load: float) -> int:
+    """generate --speculative: greedy decoding with a draft (LLM.speculate), printed when done."""
+    plain = SamplingParams()
+    changed = [flag for flag, value, default in (
+        ("--temp", args.temp, plain.temperature), ("--top-k", args.top_k, plain.top_k), ("--top-p", args.top_p, plain.top_p),
+        ("--min-p", args.min_p, plain.min_p), ("--repeat-penalty", args.repeat_penalty, plain.repeat_penalty),
+        ("--frequency-penalty", args.frequency_penalty, plain.frequency_penalty),
+        ("--presence-penalty", args.presence_penalty, plain.presence_penalty), ("--stop", args.stop, None))
+        if value != default]
+    if changed:
+        raise ConfigError(f"--speculative decodes greedily; drop {', '.join(changed)}")
+    out = llm.speculate(ids, max_tokens=args.n_predict, draft=args.speculative, gamma=args.gamma,
+                        ignore_eos=args.ignore_eos)
+    tm, sp = out.timings, out.speculation
+    result = {"model": llm.model_path, "engine": args.engine, "prompt_tokens": len(ids), "tokens": out.tokens,
+              "text": out.text, "finish_reason": out.finish_reason, "load_s": round(t_load, 3),
+              "prompt_tok_s": None if tm.prompt_tok_s is None else round(tm.prompt_tok_s, 2),
+              "gen_tok_s": None if tm.gen_tok_s is None else round(tm.gen_tok_s, 2),
+              "speculation": {"draft": args.speculative, "gamma": args.gamma,
+                              **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in sp.items()}},
+              "kv": {**_kv_summary(args), **llm.kv_stats()}, "timings": tm.to_dict()}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(out.text)
+        print(f"[{len(ids)} prompt tokens, {len(out.tokens)} generated at {result['gen_tok_s']} tok/s, draft "
+              f"{args.speculative} gamma {args.gamma}: acceptance {sp['acceptance']:.2f}, "
+              f"{sp['tokens_per_round']:.2f} tokens/round, finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
 
 
 class _Interrupt:
@@ -431,6 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--speculative", default=None, metavar="DRAFT",
+                   help="greedy speculative decoding with draft store:C (this model, streaming store of C) or "
+                        "layers:N (its first N layers); output printed when done")
+    g.add_argument("--gamma", type=int, default=3, help="tokens drafted per round (with --speculative)")
     g.set_defaults(func=_generate)
 
     c = sub.add_parser("chat", help="interactive chat (reads stdin; /reset /save /load /quit)")

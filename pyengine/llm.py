@@ -93,6 +93,7 @@ class Completion:
     finish_reason: str | None
     prompt_tokens: int
     timings: Timings = field(default_factory=Timings)
+    speculation: dict | None = None     # LLM.speculate(): rounds, drafted, accepted, acceptance, seconds
 
     @property
     def usage(self) -> dict:
@@ -363,6 +364,7 @@ class LLM:
         self._seeds = np.random.Generator(np.random.PCG64(self.seed))
         self._seed_lock = threading.Lock()
         self._store = None
+        self._layer_drafts: dict[int, Any] = {}       # speculate(): early-exit drafts by layer count
 
     # ------------------------------------------------------------------------------------------
     # Construction helpers
@@ -561,6 +563,61 @@ class LLM:
         """generate(..., stream=False)."""
         kwargs["stream"] = False
         return self.generate(prompt, **kwargs)
+
+    def speculate(self, prompt: str | Sequence[int], max_tokens: int = DEFAULT_MAX_TOKENS, draft: str = "store:64",
+                  gamma: int = 3, ignore_eos: bool = False) -> Completion:
+        """Greedy decoding sped up by a draft (runtime/speculative.py): the draft proposes `gamma`
+        tokens, the model verifies them in one forward, rejected ones are rolled back out of both KV
+        stores. The tokens are those of generate(prompt, temperature=0) up to the first EOS.
+
+        draft: "store:C" (this model over a streaming store of C tokens) or "layers:N" (its first N
+        layers + output head, early exit). Greedy only (no sampling, no stop strings); the model's
+        KV config applies to the target store. Decodes max_tokens tokens and cuts at the first EOS
+        (finish "stop"), so EOS costs the tokens after it. CPU backend only. The Completion's
+        .speculation holds rounds, drafted, accepted, acceptance, tokens_per_round and seconds.
+        On this 2-core CPU speculation is slower than plain decoding (bench/results/speculative.md)."""
+        from ringllm.runtime.speculative import make_layer_draft, speculative_generate
+
+        if self.backend != "cpu":
+            raise ConfigError(f"speculate() needs the cpu backend, this LLM uses {self.backend!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= 16:
+            raise ConfigError(f"gamma must be an integer in 1..16, got {gamma!r}")
+        kind, _, value = str(draft).partition(":")
+        if kind not in ("store", "layers") or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"draft must be 'store:C' or 'layers:N' with a positive integer, got {draft!r}")
+        ids = self._prompt_ids(prompt)
+        store = self._engine.new_store(self.kv)
+        check_room(store, self.spec, len(ids) + max_tokens + gamma)     # the verify runs gamma rows ahead
+        if kind == "layers":
+            drafts = self._layer_drafts
+            if int(value) not in drafts:
+                drafts[int(value)] = make_layer_draft(self.spec, self.model.tensors, int(value),
+                                                      n_threads=self.n_threads)
+            d_engine = drafts[int(value)]
+            d_kv = self.kv
+        else:
+            if int(value) < 2:
+                raise ConfigError(f"a draft store needs at least 2 slots, got {draft!r}")
+            d_engine, d_kv = self._engine, KVConfig(capacity=int(value), policy="streaming", sinks=min(4, int(value) - 1))
+        d_store = d_engine.new_store(d_kv)
+        self._acquire()
+        try:
+            self._store = store
+            t0 = time.perf_counter()
+            toks, stats = speculative_generate(self._engine, store, d_engine, d_store, ids, int(max_tokens), int(gamma))
+            wall = time.perf_counter() - t0
+        finally:
+            self._release()
+        finish = "length"
+        eos = frozenset() if ignore_eos else self.tokenizer.eos_ids
+        cut = next((i for i, t in enumerate(toks) if t in eos), None)
+        if cut is not None:
+            toks, finish = toks[:cut], "stop"
+        tm = Timings(prompt_tokens=len(ids), prompt_s=wall - stats["total_s"], gen_tokens=len(toks),
+                     gen_s=stats["total_s"], peak_memory_bytes=self._peak_memory())
+        return Completion(self.tokenizer.decode(toks), toks, finish, len(ids), tm, stats)
 
     def chat(self, messages: list[dict], stream: bool = False, **kwargs) -> "Generation | Completion":
         """Answer a conversation (list of {"role", "content"}) with the chat template, from a fresh

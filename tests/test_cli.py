@@ -59,6 +59,19 @@ def test_generate_json_and_text_agree(smollm2_path, tokenizer):
     assert "tok/s" in text.stderr
 
 
+def test_generate_speculative_matches_plain_greedy(smollm2_path):
+    args = ["generate", "-m", smollm2_path, "-p", "The capital of France is", "-n", "24", "--ignore-eos", "--json",
+            "--kv-policy", "streaming", "--kv-capacity", "16", *T1]
+    plain = json.loads(run(*args).stdout)
+    r = run(*args, "--speculative", "store:8", "--gamma", "2")
+    assert r.returncode == 0, r.stderr
+    spec = json.loads(r.stdout)
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]
+    assert spec["speculation"]["gamma"] == 2 and 0 <= spec["speculation"]["acceptance"] <= 1
+    bad = run("generate", "-m", smollm2_path, "-p", "Hi", "--speculative", "store:8", "--temp", "0.7", *T1)
+    assert bad.returncode != 0 and "greedily" in bad.stderr and "--temp" in bad.stderr
+
+
 def test_generate_kv_policy_sampling_and_stop(smollm2_path):
     prompt = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be"
     r = run("generate", "-p", prompt, "-n", "8", "--kv-policy", "streaming", "--kv-capacity", "16", "--kv-sinks", "2",

@@ -282,3 +282,37 @@ def test_speculative_equals_greedy_smollm2(smollm2, draft_kind):
         draft, dstore = target, target.new_store(KVConfig(capacity=64, policy="streaming", sinks=4))
     got, stats = speculative_generate(target, target.new_store(kv), draft, dstore, prompt, 500, 3)
     assert got == want, f"first difference at {next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)}"
+
+
+# ---------------------------------------------------------------------------------------------- LLM.speculate
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    from ringllm.llm import LLM
+
+    return LLM(smollm2_path, kv=KVConfig(capacity=64, policy="h2o", sinks=4), progress=False)
+
+
+@pytest.mark.parametrize("draft", ["store:32", "layers:10"])
+def test_llm_speculate_equals_greedy_generate(llm, draft):
+    """LLM.speculate gives generate(temperature=0)'s tokens and text, through evictions at capacity 64,
+    and up to the first EOS when EOS comes (the chat prompt answers and stops)."""
+    prompt = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+    want = llm.complete(prompt, max_tokens=120, ignore_eos=True)
+    got = llm.speculate(prompt, max_tokens=120, draft=draft, gamma=3, ignore_eos=True)
+    assert got.tokens == want.tokens and got.text == want.text and got.finish_reason == "length"
+    sp = got.speculation
+    assert sp["drafted"] == 3 * sp["rounds"] and 0 <= sp["accepted"] <= sp["drafted"]
+    assert got.timings.gen_tokens == 120 and llm.kv_stats()["evicted_total"] > 0
+    chat = llm.chat_ids(llm.render_chat([{"role": "user", "content": "Say hello."}], add_generation_prompt=True))
+    want = llm.complete(chat, max_tokens=60)
+    got = llm.speculate(chat, max_tokens=60, draft=draft)
+    assert want.finish_reason == "stop" and (got.tokens, got.text, got.finish_reason) == (want.tokens, want.text, "stop")
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(draft="store"), "draft must be"), (dict(draft="layers:0"), "draft must be"),
+                                           (dict(draft="layers:99"), "draft layers"), (dict(draft="store:1"), "2 slots"),
+                                           (dict(gamma=0), "gamma"), (dict(max_tokens=0), "max_tokens")])
+def test_llm_speculate_bad_arguments(llm, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        llm.speculate("Hi", **kwargs)
