@@ -228,6 +228,65 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
 
 
 # ---------------------------------------------------------------------------------------------
+# Rebased keys (policy layers): keys rotated at a per-slot base position, query rotated per offset
+# ---------------------------------------------------------------------------------------------
+#
+# Under a scoring policy the victims fall anywhere, so in reindexed mode the offsets seq - pos of
+# the stored strategy take as many values as there were evictions. Instead each key is stored
+# rotated at kbase, its logical position when written or last re-rotated, and the offset kbase - pos
+# is kept in [0, R) by re-rotating the few keys that reach R at write time (kv_store.rebase_keys).
+# The score of key j is (R(q_pos) q) . (R(pos_j) k_j) = (R(q_pos + off_j) q) . (R(kbase_j) k_j):
+# the query is rotated once per offset in use (at most R per kv head), no key is rotated at read.
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, rotary_dim, scale, scores, qvar,
+                   have, krot, mass):
+    """attend() for keys stored rotated at kbase_l (n_kv, cap) i64 (see the section comment).
+
+    cos, sin: RopeTable rows covering q_pos + qvar.shape[0]; qvar (R, n_head, hd) f32 scratch: the
+    query rotated at q_pos + off for each offset off in [0, R) met; have (R,) i64 scratch. A key
+    whose offset is outside [0, R) (only after an external write, e.g. replace_many, before the next
+    policy write re-rotates it) is rotated at read into krot (hd,) against the offset-0 query.
+    Other arguments as in attend().
+    """
+    n_head, hd = q.shape
+    n_kv = k_l.shape[0]
+    group = n_head // n_kv
+    n_var = qvar.shape[0]
+    half = rotary_dim // 2
+    for h in range(n_kv):
+        n = count_l[h]
+        h0 = h * group
+        qp = q_pos[h]
+        for o in range(n_var):
+            have[o] = 0
+        for j in range(n):
+            off = kbase_l[h, j] - pos_l[h, j]
+            key = k_l[h, j]
+            if off < 0 or off >= n_var:          # rotate this key to its position: R(-off)
+                a = -off if off < 0 else off
+                sg = np.float32(1.0) if off < 0 else np.float32(-1.0)
+                for i in range(half):
+                    c, sn = cos[a, i], sg * sin[a, i]
+                    x, y = key[i], key[i + half]
+                    krot[i] = x * c - y * sn
+                    krot[i + half] = y * c + x * sn
+                for i in range(rotary_dim, hd):
+                    krot[i] = key[i]
+                key = krot
+                off = 0
+            if have[off] == 0:
+                have[off] = 1
+                qv = qvar[off]
+                for g in range(group):
+                    _rotate_into(qv[h0 + g], q[h0 + g], qp + off, cos, sin, rotary_dim)
+                _scale_group(qv, h0, group, scale)
+            group_scores(scores, qvar[off], key, h0, group, j)
+        _softmax_weighted_v(out, scores, v_l, mass, h, n, group)
+
+
+# ---------------------------------------------------------------------------------------------
 # EQUIP's cached rotate-half (RK cache): RoPE(k) at p = k * C[p] + rk * S[p], rk = rotate_half(k)
 # ---------------------------------------------------------------------------------------------
 #

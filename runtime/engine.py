@@ -22,12 +22,12 @@ import numba
 import numpy as np
 
 from ringllm.runtime import matvec as mv
-from ringllm.runtime.attention import (FullRopeTable, RopeTable, attend, attend_rk, attend_stored, rk_write,
-                                      rope_rows_at)
+from ringllm.runtime.attention import (FullRopeTable, RopeTable, attend, attend_rebased, attend_rk, attend_stored,
+                                      rk_write, rope_rows_at)
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
-from ringllm.runtime.kv_store import KVStore, kv_write_kshift
+from ringllm.runtime.kv_store import REBASE_LIMIT, KVStore, kv_write_kshift
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.ops import ACT_CODES, add_bias, act_inplace, gated_act, layer_norm_rows, rms_norm_rows, softcap
 from ringllm.runtime.qtensor import QTensor
@@ -72,8 +72,10 @@ class CPUEngine:
                 keys rotated at read by two multiply-adds per dim;
             "kshift": keys stored rotated at their logical position and re-rotated by the position
                 change when an eviction re-indexes them (llama.cpp's K-shift).
-        Layers where a score-based policy chooses victims always use "fused" (see adopt_store).
-        bench/rope_strategies.py measures them against each other.
+        Layers where a policy chooses victims use "rebased" (keys rotated at a per-slot base position
+        kept within REBASE_LIMIT of the slot's position, the query rotated once per offset: see
+        attention.attend_rebased), or "fused" when rope is "fused" or the policy reads the stored
+        keys as they were before RoPE (rkv, gvote). bench/rope_strategies.py measures them.
     """
 
     ROPE_MODES = ("stored", "fused", "rk", "kshift")
@@ -107,6 +109,8 @@ class CPUEngine:
         self.qrot = np.zeros((nh, hd), np.float32)
         self.no_mass = np.zeros((0, 0), np.float32)
         self.qpos = np.zeros(spec.n_head_kv, np.int64)
+        self.qvar = np.zeros((REBASE_LIMIT, nh, hd), np.float32)     # attend_rebased: query per offset
+        self.qvar_have = np.zeros(REBASE_LIMIT, np.int64)
         self.ropes: dict[tuple[float, float], RopeTable] = {}
         self.layer_rope = []
         for il in range(spec.n_layer):
@@ -151,26 +155,32 @@ class CPUEngine:
     def adopt_store(self, store: KVStore) -> KVStore:
         """Size this engine's scratch for `store` (one built elsewhere, e.g. KVStore.restore).
 
-        Layers where an eviction policy chooses victims use fused RoPE whatever self.rope says: their
-        slots are permuted and re-ranked freely, so the offsets of the stored strategy would vary
-        from slot to slot."""
+        Layers where an eviction policy chooses victims use "rebased" RoPE (or "fused", see the class
+        docstring) whatever self.rope says: their slots are permuted and re-ranked freely, so the
+        offsets of the stored strategy would vary from slot to slot. A store whose policy layers
+        were laid out for the other of those two is converted in place."""
         cap = max(store.layer_physical)
         if self.scores.shape[1] < cap:
             self.scores = np.zeros((self.spec.n_head, cap), np.float32)
         if store.needs_mass and getattr(store, "mass", None) is None:
             store.mass = np.zeros((self.spec.n_head_kv, cap), np.float32)
-        modes = ["fused" if store.uses_policy(il) else self.rope for il in range(self.spec.n_layer)]
+        policy_mode = "fused" if self.rope == "fused" or store.policy_impl.plain_keys else "rebased"
+        modes = [policy_mode if store.uses_policy(il) else self.rope for il in range(self.spec.n_layer)]
         if store.update == "shift" and self.rope in ("rk", "kshift"):
             raise ConfigError(f"rope {self.rope!r} works on the in-place store only (update 'inplace')")
-        if store.layer_rope_mode is not None and store.layer_rope_mode != modes and store.n_seen > 0:
-            raise ConfigError(f"this store holds keys laid out for RoPE strategy {store.layer_rope_mode[0]!r}; "
-                              f"this engine uses {self.rope!r}: continue it with an engine of the same strategy")
+        old = store.layer_rope_mode
+        if old is not None and old != modes and store.n_seen > 0:
+            if any(a != b and not store.uses_policy(il) for il, (a, b) in enumerate(zip(old, modes))):
+                raise ConfigError(f"this store holds keys laid out for RoPE strategy {old[0]!r}; this engine uses "
+                                  f"{self.rope!r}: continue it with an engine of the same strategy")
+            for il, (a, b) in enumerate(zip(old, modes)):
+                store.convert_rope_layout(il, a, b)
         store.layer_rope_mode = modes
         if "rk" in modes and store.rk is None:
             store.rk = [np.zeros(k.shape[:2] + (self.spec.rotary_dim,), np.float32) for k in store.k]
-        if "fused" in modes or "rk" in modes:
+        if {"fused", "rk", "rebased"} & set(modes):
             for il in range(self.spec.n_layer):
-                self.layer_rope[il].ensure(cap + 1)
+                self.layer_rope[il].ensure(cap + REBASE_LIMIT + 1)
                 self.layer_full_rope[il].ensure(cap + 1)
         return store
 
@@ -386,12 +396,16 @@ class CPUEngine:
                 if mode == "rk":
                     rk_write(store.rk[il], store.k[il], store.seq[il], store.count[il], seq, s.rotary_dim)
             qp = store.query_position(il, seq)
-            if mode == "fused" or mode == "rk":
+            if mode == "fused" or mode == "rk" or mode == "rebased":
                 qp = int(store.count[il].max()) - 1 if store.reindexed else seq
-                if qp >= table.cos.shape[0]:
-                    table.ensure(qp + 1)
+                if qp + REBASE_LIMIT >= table.cos.shape[0]:
+                    table.ensure(qp + REBASE_LIMIT + 1)
                     self.layer_full_rope[il].ensure(qp + 1)
-            if mode == "fused":
+            if mode == "rebased":
+                attend_rebased(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.kbase[il],
+                               store.count[il], store.query_positions(il, seq, self.qpos), table.cos, table.sin,
+                               s.rotary_dim, scale, self.scores, self.qvar, self.qvar_have, self.krot, mass)
+            elif mode == "fused":
                 attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il],
                        store.query_positions(il, seq, self.qpos), table.cos, table.sin, s.rotary_dim, scale,
                        self.scores, self.krot, self.qrot, mass)

@@ -9,9 +9,10 @@ k tokens enter, k tokens leave, one call per layer:
     positions are updated in one pass per head (a survivor drops by the number of leaving tokens
     older than it: O(n log m) instead of m passes of O(n)).
   * KVJournal (KVStore.begin_journal / rollback / commit): before every write of a journaled
-    token, the store's small per-slot arrays of that layer (seq, rank, pos, count, evicted, score,
-    aux, hist, extra: a few KB) are snapshot and the K/V/RK rows the write will overwrite (the
-    ring's slot, or the policy's victims and the new token's slot) are saved. rollback(n_keep)
+    token, the store's small per-slot arrays of that layer (seq, rank, kbase, pos, count, evicted,
+    score, aux, hist, extra: a few KB) are snapshot and the K/V/RK rows the write will overwrite (the
+    ring's slot, or the policy's victims, the new token's slot and the keys a "rebased" layer will
+    re-rotate) are saved. rollback(n_keep)
     puts the saved rows back in reverse order (one kv_put_rows call per layer: the rejected tokens
     leave, the tokens they evicted come back) and restores the snapshot taken before token n_keep,
     so the store is bitwise the store that was fed only the first n_keep tokens, stale bytes of
@@ -29,7 +30,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.kv_store import count_below
+from ringllm.runtime.kv_store import REBASE_LIMIT, count_below
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -54,11 +55,11 @@ def kv_put_rows(k_l, v_l, heads, slots, k_rows, v_rows):
 
 
 @njit(cache=True, nogil=True)
-def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, slots, k_new, v_new,
-                    seq_new, reindexed, vseq):
+def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, slots, k_new,
+                    v_new, seq_new, reindexed, rebased, vseq):
     """m new tokens enter and the m tokens in their slots leave, per head, in one pass.
 
-    k_l, v_l (n_kv, P, hd) f32; seq_l, rank_l, pos_l, aux_l (n_kv, P) i64; score_l (n_kv, P) f64;
+    k_l, v_l (n_kv, P, hd) f32; seq_l, rank_l, pos_l, kbase_l, aux_l (n_kv, P) i64; score_l (n_kv, P) f64;
     hist_l (n_kv, P, w) f32; count_l, evicted_l (n_kv,) i64 (the store's arrays of one layer).
     slots (n_kv, m) i64: slot of head h that new token i takes: an occupied slot (its token leaves)
     or a free one (slots count, count + 1, ... in order of use; checked by the caller).
@@ -67,7 +68,8 @@ def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, coun
 
     A survivor's rank drops by the number of leaving tokens older than it (binary search over their
     sorted sequence indices); new token i gets rank n_after - m + i; score/aux/hist of the new slots
-    are zeroed. Returns None.
+    are zeroed; rebased (a "rebased" RoPE layer, which takes keys rotated at their logical position):
+    kbase of the new slots = their position, else 0 (keys before RoPE). Returns None.
     """
     n_kv = seq_l.shape[0]
     m = seq_new.shape[0]
@@ -99,6 +101,7 @@ def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, coun
             seq_l[h, s] = seq_new[i]
             rank_l[h, s] = r
             pos_l[h, s] = r if reindexed else seq_new[i]
+            kbase_l[h, s] = pos_l[h, s] if rebased else 0
             score_l[h, s] = 0.0
             aux_l[h, s] = 0
             for c in range(w):
@@ -148,7 +151,7 @@ class KVJournal:
     None): the rows that write overwrites, as they were.
     """
 
-    SNAP_FIELDS = ("seq", "rank", "count", "evicted", "score", "aux", "hist", "extra")
+    SNAP_FIELDS = ("seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra")
 
     def __init__(self, store, max_tokens: int):
         if max_tokens < 1:
@@ -198,6 +201,13 @@ class KVJournal:
                 slots.extend(self.victims[:got].tolist())
             slots.append(n - got)
             heads.extend([h] * (got + 1))
+            if store.rope_mode(il) == "rebased":
+                # survivors this write will re-rotate (kv_store.rebase_keys): an offset kbase - pos
+                # grows by at most `got`; saving a superset is harmless (an unchanged row restores as is)
+                off = store.kbase[il][h, :n] - store.pos[il][h, :n]
+                again = np.flatnonzero((off < 0) | (off + got >= REBASE_LIMIT))
+                slots.extend(again.tolist())
+                heads.extend([h] * again.size)
         self._record(store, il, np.asarray(heads, np.int64), np.asarray(slots, np.int64))
 
     def _record(self, store, il: int, heads: np.ndarray, slots: np.ndarray) -> None:

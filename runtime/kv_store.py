@@ -2,7 +2,9 @@
 
 Arrays per layer il (allocated once, never resized, never shifted; P = physical slots, see below):
     k[il], v[il]   (n_kv_head, P, head_dim) float32   keys before RoPE (or rotated by sequence index
-                                                       when the engine's "stored" RoPE strategy is used)
+                                                       when the engine's "stored" RoPE strategy is used,
+                                                       or by `kbase` on policy layers, "rebased")
+    kbase[il]      (n_kv_head, P) int64   position a slot's key is rotated at ("rebased" layers only)
     seq[il]        (n_kv_head, P) int64   sequence index of the token a slot holds, -1 = empty
     rank[il]       (n_kv_head, P) int64   rank of that token by sequence index among the head's tokens
     pos[il]        (n_kv_head, P) int64   logical position: `rank` itself in reindexed mode, the
@@ -45,6 +47,10 @@ from ringllm.runtime.model_spec import ModelSpec
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
+
+# "rebased" policy layers: the largest offset (kbase - pos) a stored key may have before it is
+# re-rotated to its position; the attention kernel rotates the query once per offset in use
+REBASE_LIMIT = 16
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -171,10 +177,11 @@ def count_below(sorted_a, n, x):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _move_slot(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, h, dst, src, reindexed):
-    """Slot dst of head h takes everything slot src holds (k, v, seq, rank, pos, score, aux, hist)."""
+def _move_slot(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, h, dst, src, reindexed):
+    """Slot dst of head h takes everything slot src holds (k, v, seq, rank, pos, kbase, score, aux, hist)."""
     seq_l[h, dst] = seq_l[h, src]
     rank_l[h, dst] = rank_l[h, src]
+    kbase_l[h, dst] = kbase_l[h, src]
     if not reindexed:
         pos_l[h, dst] = pos_l[h, src]
     score_l[h, dst] = score_l[h, src]
@@ -187,13 +194,13 @@ def _move_slot(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, h, dst, s
 
 
 @njit(cache=True, nogil=True)
-def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, slots, n_slots,
-                reindexed):
+def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, h, slots,
+                n_slots, reindexed):
     """Remove the tokens in slots[:n_slots] of head h, keeping slots [0, count) occupied.
 
     Ranks of the survivors drop by the number of victims older than them (in reindexed mode pos_l is
     rank_l, so positions follow). Each hole takes the last occupied slot (k, v, seq, rank, pos,
-    score, aux, hist move together): one slot copy per victim, no shifting.
+    kbase, score, aux, hist move together): one slot copy per victim, no shifting.
     """
     n = count_l[h]
     # rank update first, while the victims are still in place: a survivor drops by the number of
@@ -215,7 +222,7 @@ def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l,
         j = slots[m]
         last = n - 1
         if j != last:
-            _move_slot(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, h, j, last, reindexed)
+            _move_slot(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, h, j, last, reindexed)
         seq_l[h, last] = -1
         n -= 1
     count_l[h] = n
@@ -223,11 +230,11 @@ def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l,
 
 
 @njit(cache=True, nogil=True)
-def evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, slots, n_slots,
-                      reindexed):
+def evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, h, slots,
+                      n_slots, reindexed):
     """evict_slots for the shift-and-append baseline (update "shift"): head h's slots stay in sequence
     order (slot = rank); the victims are removed by copying every later survivor down over them
-    (k, v, seq, pos, score, aux, hist), as an ordered cache does. Benchmarks only."""
+    (k, v, seq, pos, kbase, score, aux, hist), as an ordered cache does. Benchmarks only."""
     n = count_l[h]
     slots[:n_slots].sort()
     out = 0
@@ -237,7 +244,7 @@ def evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, co
             m += 1
             continue
         if out != j:
-            _move_slot(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, h, out, j, reindexed)
+            _move_slot(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, h, out, j, reindexed)
         rank_l[h, out] = out
         out += 1
     for j in range(out, n):
@@ -246,28 +253,76 @@ def evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, co
     evicted_l[h] += n_slots
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _rotate_key_by(k_l, h, j, delta, have, angles, inv_freq, inv_scale, rotary_dim, tmp):
+    """Key j of head h rotated in place by `delta` positions; angles (2, rotary_dim/2) caches the
+    cos/sin of the delta in have[0] (recomputed only when the delta changes)."""
+    if delta != have[0]:
+        _angles_at(angles[0], angles[1], delta, inv_freq, inv_scale)
+        have[0] = delta
+    _rotate_with(tmp, k_l[h, j], angles[0], angles[1], rotary_dim)
+    for d in range(k_l.shape[2]):
+        k_l[h, j, d] = tmp[d]
+
+
 @njit(cache=True, nogil=True)
-def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
-                    seq_new, key_l, drop_h, sinks, recent, reindexed, victims, shift):
+def rebase_keys(k_l, pos_l, kbase_l, count_l, limit, inv_freq, inv_scale, rotary_dim, angles, have, tmp):
+    """Keys stored rotated at kbase whose offset kbase - pos left [0, limit) are re-rotated to their
+    position (kbase = pos). In reindexed mode every eviction moves the newer tokens down one position
+    and their offsets grow by one; the attention kernel (attend_rebased) reads keys at up to `limit`
+    distinct offsets by rotating the query once per offset, so a key is re-rotated once every
+    `limit` evictions instead of at every one (llama.cpp's K-shift, made lazy)."""
+    for h in range(k_l.shape[0]):
+        for j in range(count_l[h]):
+            off = kbase_l[h, j] - pos_l[h, j]
+            if off < 0 or off >= limit:
+                _rotate_key_by(k_l, h, j, -off, have, angles, inv_freq, inv_scale, rotary_dim, tmp)
+                kbase_l[h, j] = pos_l[h, j]
+
+
+@njit(cache=True, nogil=True)
+def rotate_keys_to(k_l, kbase_l, target_l, count_l, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp):
+    """Every held key, stored rotated at kbase, re-rotated to target_l (n_kv, P) i64; kbase = target.
+    Converts a layer between RoPE layouts: keys before RoPE are keys rotated at 0."""
+    angle_tag[0] = np.int64(-1) << 62
+    for h in range(k_l.shape[0]):
+        for j in range(count_l[h]):
+            if target_l[h, j] != kbase_l[h, j]:
+                _rotate_key_by(k_l, h, j, target_l[h, j] - kbase_l[h, j], angle_tag, angles, inv_freq, inv_scale,
+                               rotary_dim, tmp)
+                kbase_l[h, j] = target_l[h, j]
+
+
+@njit(cache=True, nogil=True)
+def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
+                    seq_new, key_l, drop_h, sinks, recent, reindexed, victims, shift, rebase, inv_freq, inv_scale,
+                    rotary_dim, angles, angle_tag, tmp):
     """Evict drop_h[h] tokens of each head h (lowest key_l among unprotected slots) and write the new token.
 
     drop_h (n_kv,) i64: equal for every head but under adakv; key_l (n_kv, P) f64 filled by the
     policy for occupied slots when any drop_h > 0; victims (>= max drop_h,) i64 scratch; shift: the
     shift-and-append baseline removes victims by copying survivors down (evict_slots_shift). The new
     token goes to slot count with rank count, zero score/aux/hist (the policy
-    initialises them afterwards). Returns None.
+    initialises them afterwards).
+    rebase: 0 stores k_new as given (keys before RoPE, the "fused" strategy); R > 0 ("rebased"):
+    k_new (before RoPE) is rotated at its logical position as it is written (kbase = position) and
+    the survivors whose offset kbase - pos left [0, R) are re-rotated (rebase_keys). inv_freq
+    (rotary_dim/2,) f64, inv_scale = 1/rope scale; angles (2, rotary_dim/2) f32, angle_tag (1,) i64
+    (the rotation angles holds) and tmp (hd,) f32 scratch. Returns None.
     """
     n_kv = seq_l.shape[0]
     w = hist_l.shape[2]
+    have = angle_tag
+    have[0] = np.int64(-1) << 62
     for h in range(n_kv):
         if drop_h[h] > 0:
             got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], drop_h[h], sinks, recent, victims)
             if shift:
-                evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h,
-                                  victims, got, reindexed)
+                evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l,
+                                  evicted_l, h, victims, got, reindexed)
             else:
-                evict_slots(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, count_l, evicted_l, h, victims,
-                            got, reindexed)
+                evict_slots(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, h,
+                            victims, got, reindexed)
         slot = count_l[h]
         rank_l[h, slot] = slot
         _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
@@ -276,6 +331,11 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, score_l, aux_l, hist_l, coun
         for i in range(w):
             hist_l[h, slot, i] = 0.0
         count_l[h] = slot + 1
+        if rebase > 0:
+            kbase_l[h, slot] = pos_l[h, slot]
+            _rotate_key_by(k_l, h, slot, pos_l[h, slot], have, angles, inv_freq, inv_scale, rotary_dim, tmp)
+    if rebase > 0:
+        rebase_keys(k_l, pos_l, kbase_l, count_l, rebase, inv_freq, inv_scale, rotary_dim, angles, have, tmp)
 
 
 @njit(cache=True, nogil=True)
@@ -376,6 +436,7 @@ class KVStore:
         self.seq = [np.full((nkv, p), -1, np.int64) for p in phys]
         self.rank = [np.zeros((nkv, p), np.int64) for p in phys]
         self.pos = self.rank if self.reindexed else [np.zeros((nkv, p), np.int64) for p in phys]
+        self.kbase = [np.zeros((nkv, p), np.int64) for p in phys]
         self.count = [np.zeros(nkv, np.int64) for _ in phys]
         self.evicted = [np.zeros(nkv, np.int64) for _ in phys]
         self.score = [np.zeros((nkv, p), np.float64) for p in phys]
@@ -388,7 +449,15 @@ class KVStore:
         self.drop_h = np.zeros(nkv, np.int64)                   # victims per head of the next policy write
         self.needs_mass = self.policy_impl.needs_mass
         self.mass = None                  # (n_kv, P) float32 attention mass scratch, set by the engine
-        self.layer_rope_mode = None       # per layer "stored" | "fused" | "rk" | "kshift", fixed by the first engine
+        self.layer_rope_mode = None       # per layer "stored" | "fused" | "rk" | "kshift" | "rebased", set by the engine
+        # RoPE of "rebased" policy layers, rotated as keys are written (kv_write_policy): per layer
+        # inv_freq (rotary_dim/2,) f64 and 1/scale; cos/sin and row scratch
+        half = spec.rotary_dim // 2
+        self.layer_inv_freq = [spec.rope_base[il] ** (-np.arange(half, dtype=np.float64) * 2.0 / spec.rotary_dim)
+                               for il in range(spec.n_layer)]
+        self.angles = np.zeros((2, half), np.float32)
+        self.angle_tag = np.zeros(1, np.int64)
+        self.ktmp = np.zeros(hd, np.float32)
         self.rk = None                    # RK cache, per layer (n_kv, P, rotary_dim) f32, rope "rk" only
         # optional callable(il, mass (n_kv, P) f32, store) run after each attention step with the per-slot
         # attention mass (group-summed); for measurements such as the attention loss of eviction
@@ -440,10 +509,17 @@ class KVStore:
                 self.drop_h[:] = n_drop
         if self.journal is not None:          # journal hook (kv_multi.py): victims chosen, rows saved
             self.journal.before_policy(self, il)
-        kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.score[il],
-                        self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new, seq, self.key,
-                        self.drop_h, self.layer_sinks[il], self.recent, self.reindexed, self.victims,
-                        self.update == "shift")
+        rebase = REBASE_LIMIT if self.rope_mode(il) == "rebased" else 0
+        kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.kbase[il],
+                        self.score[il], self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new,
+                        seq, self.key, self.drop_h, self.layer_sinks[il], self.recent, self.reindexed, self.victims,
+                        self.update == "shift", rebase, self.layer_inv_freq[il], 1.0 / self.spec.rope_scale[il],
+                        self.spec.rotary_dim, self.angles, self.angle_tag, self.ktmp)
+
+    def rope_mode(self, il: int) -> str | None:
+        """Layer il's RoPE strategy as set by the engine ("stored", "fused", "rk", "kshift", "rebased"), or
+        None before an engine adopted the store."""
+        return None if self.layer_rope_mode is None else self.layer_rope_mode[il]
 
     def stats_policy(self) -> dict:
         return self.policy_impl.stats()
@@ -461,6 +537,22 @@ class KVStore:
             out[:] = seq
         return out
 
+    def convert_rope_layout(self, il: int, old: str, new: str) -> None:
+        """Re-lay the keys of policy layer il from RoPE strategy `old` to `new`, both in ("fused",
+        "rebased"): keys before RoPE (a store saved before "rebased" existed, or an engine built with
+        rope "fused") or rotated at kbase. Exact up to float32 rounding of one rotation."""
+        if old == new:
+            return
+        if {old, new} != {"fused", "rebased"}:
+            raise ConfigError(f"cannot convert layer {il}'s keys from RoPE strategy {old!r} to {new!r}")
+        if old == "fused":
+            self.kbase[il][...] = 0
+        target = self.pos[il] if new == "rebased" else np.zeros_like(self.kbase[il])
+        rotate_keys_to(self.k[il], self.kbase[il], target, self.count[il], self.layer_inv_freq[il],
+                       1.0 / self.spec.rope_scale[il], self.spec.rotary_dim, self.angles, self.angle_tag, self.ktmp)
+        if new == "fused":
+            self.kbase[il][...] = 0
+
     def uses_policy(self, il: int) -> bool:
         """Whether layer il runs the policy (False: the plain ring of streaming/full or a sliding window)."""
         return not self.layer_ring[il]
@@ -471,8 +563,8 @@ class KVStore:
                 "sinks": self.sinks, "recent": self.recent, "positions": self.positions, "update": self.update,
                 "tokens_seen": self.n_seen, "layer_capacity": list(self.layer_capacity),
                 **self.policy_impl.stats(),
-                "bytes": int(sum(a.nbytes for a in self.k + self.v + self.seq + self.rank + self.score + self.aux
-                                 + self.hist) + (0 if self.reindexed else sum(a.nbytes for a in self.pos)))}
+                "bytes": int(sum(a.nbytes for a in self.k + self.v + self.seq + self.rank + self.kbase + self.score
+                                 + self.aux + self.hist) + (0 if self.reindexed else sum(a.nbytes for a in self.pos)))}
 
     # -----------------------------------------------------------------------------------------
     # Multi-token update and rollback journal (speculative decoding; kernels in runtime/kv_multi.py)
@@ -482,7 +574,8 @@ class KVStore:
         """m new tokens take m slots of every kv head of layer il in one in-place pass (EQUIP D.7):
         slots (n_kv, m) ints (an occupied slot: its token leaves; a free one: count, count + 1, ...),
         k_rows, v_rows (m, n_kv, head_dim) float32, seqs (m,) increasing and newer than every held
-        token. Ranks/positions updated; the new slots' score/aux/hist zeroed."""
+        token (keys laid out as the layer's RoPE strategy stores them: on a "rebased" layer, rotated at
+        their logical position). Ranks/positions updated; the new slots' score/aux/hist zeroed."""
         from ringllm.runtime.kv_multi import check_replace_many, kv_replace_many
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         seqs = np.ascontiguousarray(seqs, dtype=np.int64).reshape(-1)
@@ -493,9 +586,9 @@ class KVStore:
             raise ConfigError(f"replace_many: k_rows and v_rows must be ({seqs.size}, {nkv}, {hd}); got "
                               f"{k_rows.shape}, {v_rows.shape}")
         check_replace_many(self, il, slots, seqs)
-        kv_replace_many(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.score[il],
-                        self.aux[il], self.hist[il], self.count[il], self.evicted[il], slots, k_rows, v_rows, seqs,
-                        self.reindexed, np.empty(seqs.size, np.int64))
+        kv_replace_many(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.kbase[il],
+                        self.score[il], self.aux[il], self.hist[il], self.count[il], self.evicted[il], slots, k_rows,
+                        v_rows, seqs, self.reindexed, self.rope_mode(il) == "rebased", np.empty(seqs.size, np.int64))
 
     def begin_journal(self, max_tokens: int):
         """Journal the next (up to) max_tokens tokens fed, so that rollback(n_keep) can take the last
@@ -525,7 +618,7 @@ class KVStore:
 
     @property
     def array_fields(self) -> tuple[str, ...]:
-        base = ("k", "v", "seq", "rank", "count", "evicted", "score", "aux", "hist", "extra")
+        base = ("k", "v", "seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra")
         return base + (() if self.reindexed else ("pos",)) + (("rk",) if self.rk is not None else ())
 
     def state(self) -> dict:
@@ -545,13 +638,15 @@ class KVStore:
             n_seen, arrays = int(state["n_seen"]), state["arrays"]
             rope_mode = state.get("layer_rope_mode")
             if rope_mode is not None and (len(rope_mode) != spec.n_layer
-                                          or not set(rope_mode) <= {"stored", "fused", "rk", "kshift"}):
+                                          or not set(rope_mode) <= {"stored", "fused", "rk", "kshift", "rebased"}):
                 raise ValueError(f"layer_rope_mode {rope_mode!r}")
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"KV store state is malformed: {e!r}") from None
         if rope_mode is not None and "rk" in rope_mode:
             store.rk = [np.zeros(k.shape[:2] + (spec.rotary_dim,), np.float32) for k in store.k]
         fresh = store.state()["arrays"]
+        if not any(name.startswith("kbase.") for name in arrays):    # saved before "rebased" existed: no
+            arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("kbase.")}}   # rebased layers
         if set(arrays) != set(fresh):
             raise ConfigError(f"KV store state has arrays {sorted(set(arrays) ^ set(fresh))[:4]} that do not match "
                               "this model/config")

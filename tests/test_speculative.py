@@ -206,8 +206,9 @@ def test_replace_many_checks(tiny):
 
 
 def test_replace_many_equals_single_writes(tiny):
-    """m tokens in one call == m calls of one token each (ranks, positions, rows)."""
-    eng = CPUEngine(*tiny, n_batch=16)
+    """m tokens in one call == m calls of one token each (ranks, positions, rows), keys stored before
+    RoPE ("fused" layers: a stored key does not depend on when it was written)."""
+    eng = CPUEngine(*tiny, n_batch=16, rope="fused")
     kv = KVConfig(capacity=12, policy="h2o", sinks=0, recent=0)
     a, b = eng.new_store(kv), eng.new_store(kv)
     eng.prefill(list(range(10)), a)
@@ -218,7 +219,26 @@ def test_replace_many_equals_single_writes(tiny):
     a.replace_many(2, slots, kr, kr + 1, [10, 11, 12, 13])
     for i in range(4):
         b.replace_many(2, slots[:, i:i + 1], kr[i:i + 1], kr[i:i + 1] + 1, [10 + i])
+    assert a.rope_mode(2) == "fused" and not a.kbase[2].any()
     assert_same_store(a, b)
+
+
+def test_replace_many_rebased_layer_records_key_base(tiny):
+    """On a "rebased" policy layer, new keys come rotated at their logical position: kbase = pos there,
+    survivors keep the base their key was rotated at."""
+    eng = CPUEngine(*tiny, n_batch=16)
+    st = eng.new_store(KVConfig(capacity=12, policy="h2o", sinks=0, recent=0))
+    eng.prefill(list(range(10)), st)
+    assert st.rope_mode(2) == "rebased"
+    before = st.kbase[2].copy()
+    slots = np.array([[3, 10], [7, 10]])
+    kr = np.zeros((2, 2, 16), np.float32)
+    st.replace_many(2, slots, kr, kr, [10, 11])
+    for h in range(2):
+        new = slots[h]
+        np.testing.assert_array_equal(st.kbase[2][h, new], st.pos[2][h, new])
+        keep = np.setdiff1d(np.arange(10), new)
+        np.testing.assert_array_equal(st.kbase[2][h, keep], before[h, keep])
 
 
 # ---------------------------------------------------------------------------------------------

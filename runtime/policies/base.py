@@ -31,6 +31,7 @@ class Policy:
     needs_mass = False        # the attention kernel must emit per-slot mass for observe()
     history_width = 0         # columns of the store's hist array
     ragged = False            # heads may hold different numbers of tokens (adakv: layer_drops, split, head_slots)
+    plain_keys = False        # reads store.k expecting keys before RoPE: the layer keeps the "fused" layout
 
     def __init__(self, kv, spec):
         self.kv, self.spec = kv, spec

@@ -117,6 +117,7 @@ def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, 
 
 class GVote(Policy):
     name = "gvote"
+    plain_keys = True         # the synthetic queries vote over keys rotated from before RoPE
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)

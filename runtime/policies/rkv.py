@@ -62,6 +62,7 @@ def _rkv_keys(key, k_l, inv_l, hist_l, count_l, lam, s):
 class RKV(Policy):
     name = "rkv"
     needs_mass = True
+    plain_keys = True        # redundancy is measured between keys before RoPE
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)
