@@ -1,7 +1,10 @@
 """GPU backend speed: decode (tg) and prefill (pp) tokens/s, CUDA-graph decode, long streams with eviction,
-beside the CPU engine and (when llama-cpp-python was built with CUDA) llama.cpp on the same GGUF.
+beside transformers on the same GPU (its default cache, and the HF StreamingLLM shift-and-append
+pattern at the same capacities: bench/transformers_baseline.py), the CPU engine and (when
+llama-cpp-python was built with CUDA) llama.cpp on the same GGUF.
 
-    python bench/gpu_speed.py [-m MODEL] [--tg 256] [--pp 512] [--stream 5000] [--capacity 512]
+    python bench/gpu_speed.py [-m MODEL] [--tg 256] [--pp 512] [--stream 50000] [--capacities 512,4096]
+                              [--hf-stream 2000] [--name gpu_speed]
 
 Needs an NVIDIA GPU (exits with the backend's DeviceError message otherwise). Prints and writes
 bench/results/gpu_speed.{json,md}: tokens/s and achieved GB/s of weights (weight bytes read per
@@ -83,6 +86,7 @@ def bench_stream(m, n_tokens: int, capacity: int) -> dict:
     eng = CUDAEngine(m.spec, m.tensors, cuda_graph=True)
     out = {}
     for policy in POLICIES:
+        print(f"stream {policy} capacity {capacity}: {n_tokens} tokens", flush=True)
         st = eng.new_store(capacity=capacity, policy=policy)
         eng.prefill([1, 2, 3, 4], st)
         tok = eng.pick()
@@ -129,14 +133,33 @@ def bench_llama_cpp(path: str, n_tg: int) -> float | None:
     return n_tg / (time.perf_counter() - t0)
 
 
+def bench_transformers(path: str, n_tg: int, n_pp: int, n_stream: int, capacities: list[int],
+                       device: str = "cuda") -> dict:
+    """transformers on the GPU, same weights (float16): default cache pp/tg, and the shift-and-append
+    stream per capacity (bench/transformers_baseline.py)."""
+    import transformers_baseline as tb
+
+    model, torch = tb.load(path, device)
+    prompt = np.random.default_rng(0).integers(100, 5000, n_pp).tolist()
+    out = {"default_cache": tb.default_cache(model, torch, device, prompt, n_tg)}
+    for c in capacities:
+        r = tb.shift_append(model, torch, device, prompt, n_stream, c)
+        r.pop("tokens")
+        out[f"shift_append_{c}"] = r
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-m", "--model", default=None, help="GGUF file or HF dir (default: bundled SmolLM2)")
     ap.add_argument("--tg", type=int, default=256)
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--stream", type=int, default=5000, help="tokens per long-stream run (0 = skip)")
-    ap.add_argument("--capacity", type=int, default=512)
+    ap.add_argument("--stream", type=int, default=50000, help="tokens per long-stream run (0 = skip)")
+    ap.add_argument("--capacities", default="512,4096", help="store capacities of the long streams")
+    ap.add_argument("--hf-stream", type=int, default=2000,
+                    help="tokens of transformers' shift-and-append stream per capacity (0 = skip transformers)")
+    ap.add_argument("--name", default="gpu_speed")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU engine anchor")
     args = ap.parse_args(argv)
 
@@ -162,8 +185,11 @@ def main(argv=None) -> None:
     res = {"model": name, "gpu": gpu_name, "gpu_memory_gb": int(total[0]) / 1e9, "build": native.build_info(),
            "machine": machine(), "decode_bytes": decode_bytes(m), "tg": args.tg, "pp": args.pp}
     res["gpu_engine"] = bench_gpu(m, args.tg, args.pp, args.repeats)
+    capacities = [int(c) for c in args.capacities.split(",")]
     if args.stream:
-        res["stream"] = bench_stream(m, args.stream, args.capacity)
+        res["stream"] = {str(c): bench_stream(m, args.stream, c) for c in capacities}
+    if args.hf_stream:
+        res["transformers"] = bench_transformers(path, args.tg, args.pp, args.hf_stream, capacities)
     if not args.no_cpu:
         res["cpu_tg"] = bench_cpu(m, min(args.tg, 64))
     res["llama_cpp_gpu_tg"] = bench_llama_cpp(path, args.tg)
@@ -179,15 +205,29 @@ def main(argv=None) -> None:
         lines += ["", f"CPU engine tg: {res['cpu_tg']:.1f} tok/s"]
     if res["llama_cpp_gpu_tg"]:
         lines += [f"llama.cpp (GPU) tg: {res['llama_cpp_gpu_tg']:.1f} tok/s"]
+    if "transformers" in res:
+        d = res["transformers"]["default_cache"]
+        best = max(r["tg_device_pick"] for r in res["gpu_engine"].values())
+        lines += ["", f"transformers (same GPU, float16, default DynamicCache): pp {d['pp']:.0f} tok/s, tg "
+                  f"{d['tg']:.0f} tok/s; ringllm best tg / transformers tg: {best / d['tg']:.2f}x"]
     if "stream" in res:
-        lines += ["", f"Long stream: {args.stream} tokens at capacity {args.capacity} (CUDA graph decode)", "",
-                  "| policy | tok/s | first 1k p50 / p99 ms | last 1k p50 / p99 ms | evicted |", "|---|---|---|---|---|"]
-        for pol, r in res["stream"].items():
-            lines.append(f"| {pol} | {r['tok_s']:.0f} | {r['first_p50_ms']:.3f} / {r['first_p99_ms']:.3f} | "
-                         f"{r['last_p50_ms']:.3f} / {r['last_p99_ms']:.3f} | {r['evicted']} |")
+        lines += ["", f"Long streams: {args.stream} tokens per policy (CUDA graph decode); transformers' "
+                  f"shift-and-append stream: {args.hf_stream} tokens", "",
+                  "| capacity | engine / policy | tok/s | first 1k p50 / p99 ms | last 1k p50 / p99 ms | evicted |",
+                  "|---|---|---|---|---|---|"]
+        for cap, rows in res["stream"].items():
+            for pol, r in rows.items():
+                lines.append(f"| {cap} | ringllm {pol} | {r['tok_s']:.0f} | {r['first_p50_ms']:.3f} / "
+                             f"{r['first_p99_ms']:.3f} | {r['last_p50_ms']:.3f} / {r['last_p99_ms']:.3f} | "
+                             f"{r['evicted']} |")
+            r = res.get("transformers", {}).get(f"shift_append_{cap}")
+            if r:
+                lines.append(f"| {cap} | transformers shift-and-append | {r['tok_s']:.0f} | {r['first_p50_ms']:.3f} / "
+                             f"{r['first_p99_ms']:.3f} | {r['last_p50_ms']:.3f} / {r['last_p99_ms']:.3f} | "
+                             f"{r['n_tokens']} |")
     md = "\n".join(lines) + "\n"
     print(md)
-    write_results("gpu_speed", res, md)
+    write_results(args.name, res, md)
 
 
 if __name__ == "__main__":
