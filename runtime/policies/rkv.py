@@ -30,10 +30,11 @@ def _inverse_norms(inv_l, k_l, count_l):
         inv_l[h, j] = 1.0 / max(np.sqrt(nrm), 1e-30)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def _rkv_keys(key, k_l, inv_l, hist_l, count_l, lam, s):
     """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); inv_l (n_kv, P) f64 the keys'
-    inverse norms (_inverse_norms at insertion); s (hd,) f64 scratch."""
+    inverse norms (_inverse_norms at insertion); s (hd,) f64 scratch. fastmath: the sums over the
+    window and the dot products vectorize (float64, reassociated; far below the key grid)."""
     hd = k_l.shape[2]
     w = hist_l.shape[2]
     for h in range(k_l.shape[0]):

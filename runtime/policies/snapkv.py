@@ -30,11 +30,16 @@ def _record(hist_l, mass, count_l, col):
             hist_l[h, j, col] = mass[h, j]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def _pooled_keys(key, hist_l, rank_l, count_l, pool, by_rank):
-    """key[h, j] = max over tokens within pool//2 ranks of j of their window mass (float64)."""
+    """key[h, j] = max over tokens within pool//2 ranks of j of their window mass (float64).
+
+    by_rank (2P,) f64 scratch: window masses in rank order, then their pooled maxima. fastmath: the
+    w-term sums and the max passes vectorize (sums reassociated: float64 rounding, far below the
+    key grid)."""
     half = pool // 2
     w = hist_l.shape[2]
+    P = hist_l.shape[1]
     for h in range(hist_l.shape[0]):
         n = count_l[h]
         for j in range(n):
@@ -42,13 +47,15 @@ def _pooled_keys(key, hist_l, rank_l, count_l, pool, by_rank):
             for i in range(w):
                 acc += hist_l[h, j, i]
             by_rank[rank_l[h, j]] = acc
+        for r in range(n):
+            by_rank[P + r] = by_rank[r]
+        for o in range(1, half + 1):            # neighbours o ranks away on either side
+            for r in range(n - o):
+                by_rank[P + r] = max(by_rank[P + r], by_rank[r + o])
+            for r in range(o, n):
+                by_rank[P + r] = max(by_rank[P + r], by_rank[r - o])
         for j in range(n):
-            r = rank_l[h, j]
-            best = by_rank[r]
-            for t in range(max(0, r - half), min(n, r + half + 1)):
-                if by_rank[t] > best:
-                    best = by_rank[t]
-            key[h, j] = best
+            key[h, j] = by_rank[P + rank_l[h, j]]
 
 
 class SnapKV(Policy):
@@ -61,8 +68,8 @@ class SnapKV(Policy):
         self.by_rank = np.zeros(0, np.float64)
 
     def fill_keys(self, store, il, q, seq):
-        if self.by_rank.shape[0] < store.key.shape[1]:
-            self.by_rank = np.zeros(store.key.shape[1], np.float64)
+        if self.by_rank.shape[0] < 2 * store.hist[il].shape[1]:
+            self.by_rank = np.zeros(2 * store.hist[il].shape[1], np.float64)
         _pooled_keys(store.key, store.hist[il], store.rank[il], store.count[il], self.kv.pool, self.by_rank)
         grid_log_keys(store.key, store.count[il])
 
