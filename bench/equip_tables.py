@@ -85,7 +85,7 @@ def _update_driver():
             else:
                 drop_h[:] = 0
             kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l,
-                            kvs[i, 0], kvs[i, 1], seq0 + i, key_l, drop_h, sinks, 0, True, victims, shift,
+                            kvs[i, 0], kvs[i, 1], seq0 + i, key_l, 0, drop_h, sinks, 0, True, victims, shift,
                             0, inv_freq, 1.0, 2 * inv_freq.shape[0], angles, angle_tag, tmp)
     return run
 
@@ -122,8 +122,8 @@ def update_table(spec, caches, evict, repeats, policies=("streaming", "h2o")):
                         drop[:] = evict
                         run(st.k[il], st.v[il], st.seq[il], st.rank[il], st.pos[il], st.kbase[il], st.score[il],
                             st.aux[il], st.hist[il], st.count[il], st.evicted[il], kvs, cap + evict - 1, st.key, drop,
-                            4, pol == "h2o", st.victims, mode == "shift", st.layer_inv_freq[il], st.angles,
-                            st.angle_tag, st.ktmp)
+                            4, pol == "h2o", st.victims, mode == "shift", st.layer_inv_freq[il], st.layer_angles[il],
+                            st.layer_angle_tag[il], st.ktmp)
                     if rep:
                         times[mode].append(time.perf_counter() - t0)
                     assert int(st.evicted[0].sum()) == evict * nkv and int(st.count[0][0]) == cap + evict - 1

@@ -6,7 +6,54 @@ while the thread that has work waits for the scheduler: measured here, a 2-threa
 busy process beside it went from p50 16 ms / p99 179 ms (default) to p50 18 ms / p99 23 ms with a
 spin count of 1,000, at the same speed on an idle machine (bench/results/long_stream.md). Set
 before libgomp is loaded; a value the user exported wins.
+
+Numba's on-disk cache (cache=True) checks only the source file a kernel is defined in: a kernel
+that inlines one from another file (policy_step.policy_write_attend inlines the store's write
+kernel and the attention kernel) keeps its stale machine code when only that other file changes.
+The cache therefore lives in a directory named by a hash of every source file of this package
+(under NUMBA_CACHE_DIR when the user set one, else ~/.cache/ringllm/numba): any change to the
+kernels starts a fresh cache, and the three newest directories are kept.
 """
+import hashlib
 import os
+import shutil
 
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
+
+def _numba_cache_dir() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha1()
+    for root, dirs, files in os.walk(here):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(root, name), "rb") as f:
+                    digest.update(name.encode() + b"\0" + f.read())
+    base = os.environ["RINGLLM_NUMBA_CACHE_BASE"] or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ringllm", "numba")
+    path = os.path.join(base, digest.hexdigest()[:16])
+    try:
+        os.makedirs(path, exist_ok=True)
+        os.utime(path)
+        olds = sorted((e for e in os.scandir(base) if e.is_dir() and len(e.name) == 16 and e.path != path),
+                      key=lambda e: e.stat().st_mtime, reverse=True)
+        for e in olds[2:]:
+            shutil.rmtree(e.path, ignore_errors=True)
+    except OSError:
+        return ""          # unwritable: Numba falls back to its own locations
+    return path
+
+
+def _set_numba_cache_dir() -> None:
+    # the user's NUMBA_CACHE_DIR, remembered for child processes (which inherit the hashed one)
+    os.environ.setdefault("RINGLLM_NUMBA_CACHE_BASE", os.environ.get("NUMBA_CACHE_DIR", ""))
+    path = _numba_cache_dir()
+    if not path:
+        return
+    os.environ["NUMBA_CACHE_DIR"] = path
+    import numba.core.config as numba_config     # already imported by a caller: it read the environment then
+    numba_config.CACHE_DIR = path
+
+
+_set_numba_cache_dir()

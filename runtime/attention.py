@@ -46,6 +46,7 @@ class RopeTable:
 # chain); no approximate functions, so exp stays exact. Differences vs the reference are float32
 # rounding, well inside the engine's 1e-3 logit tolerance.
 FASTMATH = {"reassoc", "contract", "nsz"}
+_F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
@@ -67,7 +68,8 @@ def softmax_inplace(sc, n):
         total += e
     inv = np.float32(1.0) / total
     for j in range(n):
-        sc[j] *= inv
+        w = sc[j] * inv
+        sc[j] = w if w >= _F32_TINY else np.float32(0.0)   # no subnormal weights: they slow every op that reads them
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
@@ -244,21 +246,25 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
 # Under a scoring policy the victims fall anywhere, so in reindexed mode the offsets seq - pos of
 # the stored strategy take as many values as there were evictions. Instead each key is stored
 # rotated at kbase, its logical position when written or last re-rotated, and the offset kbase - pos
-# is kept in [0, R) by re-rotating the few keys that reach R at write time (kv_store.rebase_keys).
+# is kept in [0, R) by re-rotating the few keys that reach R in the attention pass that reads them.
 # The score of key j is (R(q_pos) q) . (R(pos_j) k_j) = (R(q_pos + off_j) q) . (R(kbase_j) k_j):
 # the query is rotated once per offset in use (at most R per kv head), no key is rotated at read.
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, rotary_dim, scale, scores, qvar,
-                   have, krot, mass):
+                   have, mass, offs):
     """attend() for keys stored rotated at kbase_l (n_kv, cap) i64 (see the section comment).
 
     cos, sin: RopeTable rows covering q_pos + qvar.shape[0]; qvar (R, n_head, hd) f32 scratch: the
-    query rotated at q_pos + off for each offset off in [0, R) met; have (R,) i64 scratch. A key
-    whose offset is outside [0, R) (only after an external write, e.g. replace_many, before the next
-    policy write re-rotates it) is rotated at read into krot (hd,) against the offset-0 query.
-    Other arguments as in attend().
+    query rotated at q_pos + off for each offset off in [0, R) met; have (R,) i64 and offs (cap,)
+    i64 scratch. Per kv head: one pass reads the offsets, the queries of the offsets in use are
+    rotated, then the scores are plain dot products (no branch in the key loop). A key whose offset
+    left [0, R) (the evictions of the write before this pass moved it down) is re-rotated to its
+    position in the store (kbase = pos) here, where it is read anyway: the write kernel
+    (kv_store.kv_write_policy) leaves these re-rotations to this pass. So the store is written:
+    a key's values change (the same key at another base), never what attention sees. Other
+    arguments as in attend().
     """
     n_head, hd = q.shape
     n_kv = k_l.shape[0]
@@ -273,27 +279,41 @@ def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, r
             have[o] = 0
         for j in range(n):
             off = kbase_l[h, j] - pos_l[h, j]
-            key = k_l[h, j]
-            if off < 0 or off >= n_var:          # rotate this key to its position: R(-off)
-                a = -off if off < 0 else off
-                sg = np.float32(1.0) if off < 0 else np.float32(-1.0)
-                for i in range(half):
-                    c, sn = cos[a, i], sg * sin[a, i]
-                    x, y = key[i], key[i + half]
-                    krot[i] = x * c - y * sn
-                    krot[i + half] = y * c + x * sn
-                for i in range(rotary_dim, hd):
-                    krot[i] = key[i]
-                key = krot
+            if off < 0 or off >= n_var:
+                _rotate_by_table(k_l[h, j], k_l[h, j], -off, cos, sin, rotary_dim)
+                kbase_l[h, j] = pos_l[h, j]
                 off = 0
-            if have[off] == 0:
-                have[off] = 1
-                qv = qvar[off]
+            offs[j] = off
+            have[off] = 1
+        for o in range(n_var):
+            if have[o]:
                 for g in range(group):
-                    _rotate_into(qv[h0 + g], q[h0 + g], qp + off, cos, sin, rotary_dim)
-                _scale_group(qv, h0, group, scale)
-            group_scores(scores, qvar[off], key, h0, group, j)
+                    _rotate_into(qvar[o, h0 + g], q[h0 + g], qp + o, cos, sin, rotary_dim)
+                _scale_group(qvar[o], h0, group, scale)
+        for j in range(n):
+            o = offs[j]
+            for g in range(group):
+                acc = np.float32(0.0)
+                for d in range(hd):
+                    acc += qvar[o, h0 + g, d] * k_l[h, j, d]
+                scores[h0 + g, j] = acc
         _softmax_weighted_v(out, scores, v_l, mass, h, n, group)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _rotate_by_table(dst, src, delta, cos, sin, rotary_dim):
+    """dst (hd,) = src rotated by `delta` positions (either sign) with table rows |delta|; dst may
+    be src. Dims past rotary_dim: copied."""
+    half = rotary_dim // 2
+    a = delta if delta >= 0 else -delta
+    sg = np.float32(1.0) if delta >= 0 else np.float32(-1.0)
+    for i in range(half):
+        c, sn = cos[a, i], sg * sin[a, i]
+        x, y = src[i], src[i + half]
+        dst[i] = x * c - y * sn
+        dst[i + half] = y * c + x * sn
+    for i in range(rotary_dim, src.shape[0]):
+        dst[i] = src[i]
 
 
 # ---------------------------------------------------------------------------------------------

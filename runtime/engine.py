@@ -29,6 +29,8 @@ from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import REBASE_LIMIT, KVStore, kv_write_kshift
 from ringllm.runtime.model_spec import ModelSpec
+from ringllm.runtime.policies.base import Policy
+from ringllm.runtime.policy_step import policy_write_attend
 from ringllm.runtime.ops import ACT_CODES, add_bias, act_inplace, gated_act, layer_norm_rows, rms_norm_rows, softcap
 from ringllm.runtime.qtensor import QTensor
 
@@ -127,6 +129,7 @@ class CPUEngine:
         self.ktmp = np.zeros(hd + spec.rotary_dim, np.float32)
         self.angles = np.zeros((2, spec.rotary_dim // 2), np.float32)
         self.scores = np.zeros((nh, 0), np.float32)
+        self.offs = np.zeros(0, np.int64)          # attend_rebased: each slot's offset
 
     def _pack_matrices(self, tensors: dict[str, QTensor]) -> dict:
         """Repack every matrix once. Projections that read the same input and share a GGML type are
@@ -162,6 +165,7 @@ class CPUEngine:
         cap = max(store.layer_physical)
         if self.scores.shape[1] < cap:
             self.scores = np.zeros((self.spec.n_head, cap), np.float32)
+            self.offs = np.zeros(cap, np.int64)
         if store.needs_mass and getattr(store, "mass", None) is None:
             store.mass = np.zeros((self.spec.n_head_kv, cap), np.float32)
         policy_mode = "fused" if self.rope == "fused" or store.policy_impl.plain_keys else "rebased"
@@ -379,6 +383,9 @@ class CPUEngine:
         if hook is not None and store.mass is None:
             store.mass = np.zeros((nkv, max(store.layer_physical)), np.float32)
         mass = store.mass if (policy is not None and policy.needs_mass) or hook is not None else self.no_mass
+        if policy is not None and store.journal is None:
+            self._attend_policy(il, b, store, policy, seq0, t0, T, kk, v3, table, scale, mass, hook)
+            return
         for t in range(t0, t0 + T):
             seq = seq0 + t - t0
             q_t = b.q[t].reshape(nh, hd)
@@ -404,7 +411,7 @@ class CPUEngine:
             if mode == "rebased":
                 attend_rebased(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.kbase[il],
                                store.count[il], store.query_positions(il, seq, self.qpos), table.cos, table.sin,
-                               s.rotary_dim, scale, self.scores, self.qvar, self.qvar_have, self.krot, mass)
+                               s.rotary_dim, scale, self.scores, self.qvar, self.qvar_have, mass, self.offs)
             elif mode == "fused":
                 attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il],
                        store.query_positions(il, seq, self.qpos), table.cos, table.sin, s.rotary_dim, scale,
@@ -421,6 +428,37 @@ class CPUEngine:
                               mass)
             if policy is not None:
                 policy.observe(store, il, mass, seq)
+            if hook is not None:
+                hook(il, mass, store)
+            b.att[t] = self.out3.reshape(-1)
+
+    def _attend_policy(self, il: int, b: _Buffers, store: KVStore, policy, seq0: int, t0: int, T: int, kk: np.ndarray,
+                       v3: np.ndarray, table, scale: np.float32, mass: np.ndarray, hook) -> None:
+        """_attend_dense for a layer where the policy chooses victims: per token the policy's keys
+        (KVStore.prepare_policy_write), then eviction, write and attention in one kernel call
+        (policy_step.policy_write_attend), then the policy's observe. Same results as store.write +
+        attend_rebased/attend, with the interpreter's glue of five calls cut to three."""
+        nh, hd = self.spec.n_head, self.spec.head_dim
+        rebase = store.layer_rebase[il]
+        if not store.reindexed and seq0 + T + REBASE_LIMIT >= table.cos.shape[0]:
+            table.ensure(seq0 + T + REBASE_LIMIT + 1)     # original positions grow with the stream
+        args = (store.k[il], store.v[il], store.seq[il], store.rank[il], store.pos[il], store.kbase[il],
+                store.score[il], store.aux[il], store.hist[il], store.count[il], store.evicted[il])
+        rope = (store.layer_inv_freq[il], store.layer_inv_scale[il], self.spec.rotary_dim, store.layer_angles[il],
+                store.layer_angle_tag[il], store.ktmp)
+        sinks, shift = store.layer_sinks[il], store.update == "shift"
+        inserts = type(policy).on_insert is not Policy.on_insert
+        for t in range(t0, t0 + T):
+            seq = seq0 + t - t0
+            q_t = b.q[t].reshape(nh, hd)
+            grid = store.prepare_policy_write(il, q_t, seq)
+            policy_write_attend(*args, kk[t], v3[t], seq, store.key, grid, store.drop_h, sinks, store.recent,
+                                store.reindexed, store.victims, shift, rebase, *rope, self.out3, q_t, table.cos,
+                                table.sin, scale, self.scores, self.qvar, self.qvar_have, self.krot, self.qrot,
+                                self.qpos, mass, self.offs)
+            if inserts:          # the policy's per-token state of the new slot (reads neither attention nor out3)
+                policy.on_insert(store, il, kk[t], q_t)
+            policy.observe(store, il, mass, seq)
             if hook is not None:
                 hook(il, mass, store)
             b.att[t] = self.out3.reshape(-1)

@@ -202,8 +202,8 @@ class KVJournal:
             slots.append(n - got)
             heads.extend([h] * (got + 1))
             if store.rope_mode(il) == "rebased":
-                # survivors this write will re-rotate (kv_store.rebase_keys): an offset kbase - pos
-                # grows by at most `got`; saving a superset is harmless (an unchanged row restores as is)
+                # survivors the attention after this write re-rotates (attention.attend_rebased): an offset
+                # kbase - pos grows by at most `got`; saving a superset is harmless (an unchanged row restores as is)
                 off = store.kbase[il][h, :n] - store.pos[il][h, :n]
                 again = np.flatnonzero((off < 0) | (off + got >= REBASE_LIMIT))
                 slots.extend(again.tolist())

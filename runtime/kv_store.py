@@ -43,6 +43,7 @@ from ringllm.runtime.attention import _angles_at, _rotate_with
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig, keep_after
 from ringllm.runtime.model_spec import ModelSpec
+from ringllm.runtime.policies.base import GRID_NONE, grid_cell_bound, grid_value
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -163,6 +164,32 @@ def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
     return got
 
 
+@njit(cache=True, nogil=True)
+def choose_one(key_h, seq_h, rank_h, n, sinks, recent, grid):
+    """choose_victims(n_drop=1) on raw keys that are compared on grid `grid` (policies.base.grid_value):
+    the same victim as mapping every key onto the grid first, but the grid (a log2 per slot for
+    masses) is computed only for the slots within a cell of the lowest raw key. Returns the slot,
+    or -1 when every slot is protected."""
+    lo, hi = sinks, n - recent
+    xmin = np.inf
+    for j in range(n):
+        r = rank_h[j]
+        x = key_h[j]
+        if r >= lo and r < hi and x < xmin:
+            xmin = x
+    if xmin == np.inf:
+        return -1
+    gmin = grid_value(xmin, grid)
+    bound = grid_cell_bound(xmin, grid)
+    best = -1
+    for j in range(n):
+        r = rank_h[j]
+        if r >= lo and r < hi and key_h[j] <= bound:
+            if grid_value(key_h[j], grid) == gmin and (best < 0 or seq_h[j] < seq_h[best]):
+                best = j
+    return best
+
+
 @njit(cache=True, nogil=True, inline="always")
 def count_below(sorted_a, n, x):
     """Number of the first n entries of the ascending array sorted_a below x (binary search)."""
@@ -205,12 +232,17 @@ def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l,
     n = count_l[h]
     # rank update first, while the victims are still in place: a survivor drops by the number of
     # victims older than it (binary search over the victims' sorted sequence indices)
-    vseq = np.empty(n_slots, np.int64)
-    for m in range(n_slots):
-        vseq[m] = seq_l[h, slots[m]]
-    vseq.sort()
-    for j in range(n):
-        rank_l[h, j] -= count_below(vseq, n_slots, seq_l[h, j])
+    if n_slots == 1:
+        s0 = seq_l[h, slots[0]]
+        for j in range(n):
+            rank_l[h, j] -= seq_l[h, j] > s0
+    else:
+        vseq = np.empty(n_slots, np.int64)
+        for m in range(n_slots):
+            vseq[m] = seq_l[h, slots[m]]
+        vseq.sort()
+        for j in range(n):
+            rank_l[h, j] -= count_below(vseq, n_slots, seq_l[h, j])
     # holes, highest slot first: the last occupied slot is then never a pending victim
     for a in range(n_slots):          # selection sort of the victims' slots, descending
         best = a
@@ -266,21 +298,6 @@ def _rotate_key_by(k_l, h, j, delta, have, angles, inv_freq, inv_scale, rotary_d
 
 
 @njit(cache=True, nogil=True)
-def rebase_keys(k_l, pos_l, kbase_l, count_l, limit, inv_freq, inv_scale, rotary_dim, angles, have, tmp):
-    """Keys stored rotated at kbase whose offset kbase - pos left [0, limit) are re-rotated to their
-    position (kbase = pos). In reindexed mode every eviction moves the newer tokens down one position
-    and their offsets grow by one; the attention kernel (attend_rebased) reads keys at up to `limit`
-    distinct offsets by rotating the query once per offset, so a key is re-rotated once every
-    `limit` evictions instead of at every one (llama.cpp's K-shift, made lazy)."""
-    for h in range(k_l.shape[0]):
-        for j in range(count_l[h]):
-            off = kbase_l[h, j] - pos_l[h, j]
-            if off < 0 or off >= limit:
-                _rotate_key_by(k_l, h, j, -off, have, angles, inv_freq, inv_scale, rotary_dim, tmp)
-                kbase_l[h, j] = pos_l[h, j]
-
-
-@njit(cache=True, nogil=True)
 def rotate_keys_to(k_l, kbase_l, target_l, count_l, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp):
     """Every held key, stored rotated at kbase, re-rotated to target_l (n_kv, P) i64; kbase = target.
     Converts a layer between RoPE layouts: keys before RoPE are keys rotated at 0."""
@@ -295,28 +312,37 @@ def rotate_keys_to(k_l, kbase_l, target_l, count_l, inv_freq, inv_scale, rotary_
 
 @njit(cache=True, nogil=True)
 def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
-                    seq_new, key_l, drop_h, sinks, recent, reindexed, victims, shift, rebase, inv_freq, inv_scale,
-                    rotary_dim, angles, angle_tag, tmp):
+                    seq_new, key_l, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase, inv_freq,
+                    inv_scale, rotary_dim, angles, angle_tag, tmp):
     """Evict drop_h[h] tokens of each head h (lowest key_l among unprotected slots) and write the new token.
 
     drop_h (n_kv,) i64: equal for every head but under adakv; key_l (n_kv, P) f64 filled by the
-    policy for occupied slots when any drop_h > 0; victims (>= max drop_h,) i64 scratch; shift: the
+    policy for occupied slots when any drop_h > 0, raw keys compared on grid `grid` (GRID_NONE:
+    compared as they are; see policies.base.grid_value); victims (>= max drop_h,) i64 scratch; shift: the
     shift-and-append baseline removes victims by copying survivors down (evict_slots_shift). The new
     token goes to slot count with rank count, zero score/aux/hist (the policy
     initialises them afterwards).
-    rebase: 0 stores k_new as given (keys before RoPE, the "fused" strategy); R > 0 ("rebased"):
-    k_new (before RoPE) is rotated at its logical position as it is written (kbase = position) and
-    the survivors whose offset kbase - pos left [0, R) are re-rotated (rebase_keys). inv_freq
-    (rotary_dim/2,) f64, inv_scale = 1/rope scale; angles (2, rotary_dim/2) f32, angle_tag (1,) i64
-    (the rotation angles holds) and tmp (hd,) f32 scratch. Returns None.
+    rebase: 0 stores k_new as given (keys before RoPE, the "fused" strategy); nonzero ("rebased"):
+    k_new (before RoPE) is rotated at its logical position as it is written (kbase = position);
+    survivors whose offset kbase - pos the evictions pushed out of [0, REBASE_LIMIT) are re-rotated
+    by the attention pass that follows (attention.attend_rebased), which reads every key anyway. inv_freq
+    (rotary_dim/2,) f64, inv_scale = 1/rope scale; angles (2, rotary_dim/2) f32 and angle_tag (1,) i64:
+    the layer's cache of the last new key's rotation (cos, sin and the position they are for; in
+    reindexed mode a full store writes at the same position every step, so no cos/sin is
+    computed), tmp (hd,) f32 scratch. Returns None.
     """
     n_kv = seq_l.shape[0]
     w = hist_l.shape[2]
-    have = angle_tag
-    have[0] = np.int64(-1) << 62
     for h in range(n_kv):
         if drop_h[h] > 0:
-            got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], drop_h[h], sinks, recent, victims)
+            victims[0] = -1
+            if drop_h[h] == 1 and grid != GRID_NONE:
+                victims[0] = choose_one(key_l[h], seq_l[h], rank_l[h], count_l[h], sinks, recent, grid)
+                got = 1
+            if victims[0] < 0:       # several victims, no grid, or no key below inf (NaN keys): the general path
+                for j in range(count_l[h]):
+                    key_l[h, j] = grid_value(key_l[h, j], grid)
+                got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], drop_h[h], sinks, recent, victims)
             if shift:
                 evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l,
                                   evicted_l, h, victims, got, reindexed)
@@ -324,6 +350,8 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
                 evict_slots(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, h,
                             victims, got, reindexed)
         slot = count_l[h]
+        if slot >= seq_l.shape[1]:
+            raise ValueError("kv_write_policy: no slot free after eviction (every held token is protected)")
         rank_l[h, slot] = slot
         _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
         score_l[h, slot] = 0.0
@@ -331,11 +359,9 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
         for i in range(w):
             hist_l[h, slot, i] = 0.0
         count_l[h] = slot + 1
-        if rebase > 0:
+        if rebase != 0:
             kbase_l[h, slot] = pos_l[h, slot]
-            _rotate_key_by(k_l, h, slot, pos_l[h, slot], have, angles, inv_freq, inv_scale, rotary_dim, tmp)
-    if rebase > 0:
-        rebase_keys(k_l, pos_l, kbase_l, count_l, rebase, inv_freq, inv_scale, rotary_dim, angles, have, tmp)
+            _rotate_key_by(k_l, h, slot, pos_l[h, slot], angle_tag, angles, inv_freq, inv_scale, rotary_dim, tmp)
 
 
 @njit(cache=True, nogil=True)
@@ -449,14 +475,16 @@ class KVStore:
         self.drop_h = np.zeros(nkv, np.int64)                   # victims per head of the next policy write
         self.needs_mass = self.policy_impl.needs_mass
         self.mass = None                  # (n_kv, P) float32 attention mass scratch, set by the engine
-        self.layer_rope_mode = None       # per layer "stored" | "fused" | "rk" | "kshift" | "rebased", set by the engine
+        self._layer_rope_mode = None      # per layer "stored" | "fused" | "rk" | "kshift" | "rebased", set by the engine
+        self.layer_rebase = [0] * spec.n_layer    # REBASE_LIMIT on "rebased" layers, else 0 (follows layer_rope_mode)
+        self.layer_inv_scale = [1.0 / spec.rope_scale[il] for il in range(spec.n_layer)]
         # RoPE of "rebased" policy layers, rotated as keys are written (kv_write_policy): per layer
         # inv_freq (rotary_dim/2,) f64 and 1/scale; cos/sin and row scratch
         half = spec.rotary_dim // 2
         self.layer_inv_freq = [spec.rope_base[il] ** (-np.arange(half, dtype=np.float64) * 2.0 / spec.rotary_dim)
                                for il in range(spec.n_layer)]
-        self.angles = np.zeros((2, half), np.float32)
-        self.angle_tag = np.zeros(1, np.int64)
+        self.layer_angles = [np.zeros((2, half), np.float32) for _ in phys]    # kv_write_policy's rotation cache
+        self.layer_angle_tag = [np.full(1, np.int64(-1) << 62, np.int64) for _ in phys]
         self.ktmp = np.zeros(hd, np.float32)
         self.rk = None                    # RK cache, per layer (n_kv, P, rotary_dim) f32, rope "rk" only
         # optional callable(il, mass (n_kv, P) f32, store) run after each attention step with the per-slot
@@ -496,25 +524,47 @@ class KVStore:
             write(self.k[il], self.v[il], self.seq[il], self.pos[il], self.count[il], self.evicted[il],
                   k_new, v_new, seq, self.layer_sinks[il], self.reindexed)
             return
-        n_drop = self.drops(il)
-        self.drop_h[:] = 0
-        if n_drop > 0:
-            policy = self.policy_impl
-            wanted = policy.fill_keys(self, il, q, seq)
-            if wanted is not None:            # adaptive budgets (gvote) may drop more than the capacity asks
-                n_drop = max(n_drop, int(wanted))
-            if policy.ragged:
-                policy.split(self, il, n_drop, self.drop_h)     # adakv: one selection over all heads
-            else:
-                self.drop_h[:] = n_drop
+        grid = self.prepare_policy_write(il, q, seq)
         if self.journal is not None:          # journal hook (kv_multi.py): victims chosen, rows saved
             self.journal.before_policy(self, il)
-        rebase = REBASE_LIMIT if self.rope_mode(il) == "rebased" else 0
         kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.kbase[il],
                         self.score[il], self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new,
-                        seq, self.key, self.drop_h, self.layer_sinks[il], self.recent, self.reindexed, self.victims,
-                        self.update == "shift", rebase, self.layer_inv_freq[il], 1.0 / self.spec.rope_scale[il],
-                        self.spec.rotary_dim, self.angles, self.angle_tag, self.ktmp)
+                        seq, self.key, grid, self.drop_h, self.layer_sinks[il], self.recent, self.reindexed,
+                        self.victims, self.update == "shift", self.layer_rebase[il], self.layer_inv_freq[il],
+                        self.layer_inv_scale[il], self.spec.rotary_dim, self.layer_angles[il],
+                        self.layer_angle_tag[il], self.ktmp)
+
+    def prepare_policy_write(self, il: int, q: np.ndarray | None, seq: int) -> int:
+        """Before a write into policy layer il: how many tokens each head drops (self.drop_h) and, when
+        any, the policy's keys (self.key). Returns the grid the write kernel compares the keys on:
+        the policy's own when the keys were left raw (kv_store.choose_one grids only the few it
+        needs), GRID_NONE when fill_keys gridded them (the journal and adakv's split choose from
+        the keys themselves)."""
+        policy = self.policy_impl
+        n_drop = self.drops(il)
+        grid = policy.key_grid if self.journal is None and not policy.ragged else GRID_NONE
+        if n_drop <= 0:
+            self.drop_h.fill(0)
+            return grid
+        wanted = (policy.fill_raw_keys if grid != GRID_NONE else policy.fill_keys)(self, il, q, seq)
+        if wanted is not None:            # adaptive budgets (gvote) may drop more than the capacity asks
+            n_drop = max(n_drop, int(wanted))
+        if policy.ragged:
+            policy.split(self, il, n_drop, self.drop_h)     # adakv: one selection over all heads
+        else:
+            self.drop_h.fill(n_drop)
+        return grid
+
+    @property
+    def layer_rope_mode(self) -> list[str] | None:
+        """Per layer RoPE strategy, set by the engine (adopt_store) or a restore; None before."""
+        return self._layer_rope_mode
+
+    @layer_rope_mode.setter
+    def layer_rope_mode(self, modes) -> None:
+        self._layer_rope_mode = modes
+        modes_or_none = modes if modes is not None else [None] * self.spec.n_layer
+        self.layer_rebase = [REBASE_LIMIT if m == "rebased" else 0 for m in modes_or_none]
 
     def rope_mode(self, il: int) -> str | None:
         """Layer il's RoPE strategy as set by the engine ("stored", "fused", "rk", "kshift", "rebased"), or
@@ -549,7 +599,8 @@ class KVStore:
             self.kbase[il][...] = 0
         target = self.pos[il] if new == "rebased" else np.zeros_like(self.kbase[il])
         rotate_keys_to(self.k[il], self.kbase[il], target, self.count[il], self.layer_inv_freq[il],
-                       1.0 / self.spec.rope_scale[il], self.spec.rotary_dim, self.angles, self.angle_tag, self.ktmp)
+                       1.0 / self.spec.rope_scale[il], self.spec.rotary_dim, self.layer_angles[il],
+                       self.layer_angle_tag[il], self.ktmp)
         if new == "fused":
             self.kbase[il][...] = 0
 
@@ -658,4 +709,5 @@ class KVStore:
             ref[...] = arrays[name]
         store.n_seen = n_seen
         store.layer_rope_mode = list(rope_mode) if rope_mode is not None else None
+        store.policy_impl.after_restore(store)
         return store

@@ -146,6 +146,43 @@ def test_snapkv_pooled_window_scores():
     assert sums[4] == pytest.approx(0.1) and sum(sums.values()) == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("mode", ["log", "abs"])
+def test_grid_aware_choice_equals_gridding_every_key(mode):
+    """kv_store.choose_one (one victim, grid computed near the minimum only) and
+    base.grid_lowest_keys (up to k victims) pick what choose_victims picks on fully gridded keys,
+    on keys built to tie: many equal keys, keys one float step or one grid cell apart, zeros."""
+    from ringllm.runtime.kv_store import choose_one, choose_victims
+    from ringllm.runtime.policies.base import GRID_ABS, GRID_LOG, grid_keys, grid_lowest_keys
+    grid = GRID_LOG if mode == "log" else GRID_ABS
+    rng = np.random.default_rng(7)
+    cell = 2.0 ** (1 / 4096) if mode == "log" else 1 / 4096
+    for trial in range(300):
+        n = int(rng.integers(3, 40))
+        base = rng.choice([0.0, 1e-31, 1e-6, 0.3, 1.0]) if mode == "log" else rng.choice([-0.5, 0.0, 0.25])
+        steps = rng.integers(0, 4, n)
+        if mode == "log":
+            raw = base * cell ** (steps * rng.choice([0.5, 1.0])) * (1 + rng.integers(0, 3, n) * 1e-16)
+        else:
+            raw = base + steps * cell * rng.choice([0.5, 1.0]) + rng.integers(0, 3, n) * 1e-17
+        raw = raw.reshape(1, n)
+        seq = rng.permutation(1000)[:n].reshape(1, n).astype(np.int64)
+        rank = np.argsort(np.argsort(seq[0])).reshape(1, n).astype(np.int64)
+        count = np.array([n], np.int64)
+        sinks, recent = int(rng.integers(0, 2)), int(rng.integers(0, 2))
+        gridded = raw.copy()
+        grid_keys(gridded, count, grid)
+        want = np.zeros(n + 1, np.int64)
+        for k in (1, 2, 3):
+            got_n = choose_victims(gridded[0], seq[0], rank[0], n, k, sinks, recent, want)
+            keys = raw.copy()
+            grid_lowest_keys(keys, rank, count, k, sinks, recent, grid)
+            out = np.zeros(n + 1, np.int64)
+            assert choose_victims(keys[0], seq[0], rank[0], n, k, sinks, recent, out) == got_n
+            assert out[:got_n].tolist() == want[:got_n].tolist(), (trial, k)
+            if k == 1:
+                assert choose_one(raw[0], seq[0], rank[0], n, sinks, recent, grid) == (want[0] if got_n else -1)
+
+
 def _adakv_evicts(masses, ada_floor=0.0):
     """Ada-KV on a hand-built layer of len(masses) kv heads, 6 tokens each, capacity 6 per head
     (sinks 1, recent 1, window 1, pool 1: a slot's key is the mass it got): the sequence indices

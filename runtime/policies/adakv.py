@@ -28,6 +28,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.kv_config import keep_after
+from ringllm.runtime.policies.base import grid_lowest_keys
 from ringllm.runtime.policies.snapkv import SnapKV
 
 
@@ -102,6 +103,13 @@ class AdaKV(SnapKV):
     def head_slots(self, capacity: int, physical: int) -> int:
         """Slots per head: the most one head can hold while the others sit at their floor."""
         return self.n_kv * physical - (self.n_kv - 1) * min(self.head_floor(capacity), physical)
+
+    def fill_keys(self, store, il, q, seq):
+        """SnapKV's keys, gridded only where the layer's selection of layer_drops victims can reach
+        (grid_lowest_keys: no head gives more than the layer total)."""
+        self.fill_raw_keys(store, il, q, seq)
+        grid_lowest_keys(store.key, store.rank[il], store.count[il], self.layer_drops(store, il),
+                         store.layer_sinks[il], store.recent, self.key_grid)
 
     def layer_drops(self, store, il: int) -> int:
         """Tokens the next write takes out of layer il over all heads (Algorithm 1 on the layer totals)."""

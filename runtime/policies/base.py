@@ -24,6 +24,10 @@ import numpy as np
 from numba import njit
 
 
+KEY_GRID = 4096
+GRID_NONE, GRID_LOG, GRID_ABS = 0, 1, 2      # Policy.key_grid: how raw keys map onto the grid
+
+
 class Policy:
     """Base: streaming order (oldest first), no attention needed, no per-slot state."""
 
@@ -31,6 +35,7 @@ class Policy:
     needs_mass = False        # the attention kernel must emit per-slot mass for observe()
     history_width = 0         # columns of the store's hist array
     ragged = False            # heads may hold different numbers of tokens (adakv: layer_drops, split, head_slots)
+    key_grid = GRID_NONE      # fill_keys = fill_raw_keys, then the keys mapped onto this grid (see grid_value)
     plain_keys = False        # reads store.k expecting keys before RoPE: the layer keeps the "fused" layout
 
     def __init__(self, kv, spec):
@@ -51,6 +56,13 @@ class Policy:
     def fill_keys(self, store, il: int, q, seq: int):
         """Fill store.key for the held slots of layer il; may return a number of tokens to drop larger
         than the capacity asks for (adaptive budgets), else None."""
+        wanted = self.fill_raw_keys(store, il, q, seq)
+        grid_keys(store.key, store.count[il], self.key_grid)
+        return wanted
+
+    def fill_raw_keys(self, store, il: int, q, seq: int):
+        """fill_keys before the keys are mapped onto the grid: the store's write kernel grids only the
+        keys within one cell of the minimum when it picks a single victim (kv_store.choose_one)."""
         seq_keys(store.key, store.seq[il], store.count[il])
 
     def on_insert(self, store, il: int, k_pre: np.ndarray, q_pre: np.ndarray) -> None:
@@ -59,24 +71,76 @@ class Policy:
     def observe(self, store, il: int, mass: np.ndarray, seq: int) -> None:
         pass
 
+    def after_restore(self, store) -> None:
+        """Rebuild derived per-slot state after KVStore.restore (a state saved by an older version)."""
 
-KEY_GRID = 4096
+
+
+
+@njit(cache=True, nogil=True, inline="always")
+def grid_value(x, mode):
+    """The grid key of raw key x: GRID_LOG round(KEY_GRID * log2(x + 1e-30)) for masses (x >= 0),
+    GRID_ABS round(x * KEY_GRID) for signed O(1) scores, GRID_NONE x itself. Non-decreasing in x."""
+    if mode == GRID_LOG:
+        return np.floor(KEY_GRID * np.log2(x + 1e-30) + 0.5)
+    if mode == GRID_ABS:
+        return np.floor(x * KEY_GRID + 0.5)
+    return x
+
+
+@njit(cache=True, nogil=True, inline="always")
+def grid_cell_bound(x, mode):
+    """An upper bound on the raw keys that can share x's grid key (a superset: a little over one cell)."""
+    if mode == GRID_LOG:
+        return (x + 1e-30) * 1.001 - 1e-30      # a cell spans a factor 2^(1/4096) = 1.00017
+    if mode == GRID_ABS:
+        return x + 2.0 / KEY_GRID
+    return x
 
 
 @njit(cache=True, nogil=True)
-def grid_log_keys(key, count_l):
-    """key[h, j] (>= 0) -> round(KEY_GRID * log2(key)): a relative grid for masses."""
+def grid_keys(key, count_l, mode):
+    """key[h, j] -> grid_value(key[h, j], mode) for the occupied slots."""
+    if mode == GRID_NONE:
+        return
     for h in range(count_l.shape[0]):
         for j in range(count_l[h]):
-            key[h, j] = np.floor(KEY_GRID * np.log2(key[h, j] + 1e-30) + 0.5)
+            key[h, j] = grid_value(key[h, j], mode)
 
 
 @njit(cache=True, nogil=True)
-def grid_abs_keys(key, count_l):
-    """key[h, j] -> round(key * 2^12) for signed O(1) scores."""
+def grid_lowest_keys(key, rank_l, count_l, k, sinks, recent, mode):
+    """Prepare raw keys for choosing at most k victims per head on grid `mode`, computing the grid
+    only where it can matter: per head, the unprotected slots whose raw key is within a grid cell
+    of the k-th lowest raw key get their grid key, every other slot +inf. The k lowest by (grid
+    key, seq), the victims of any choice of up to k, are the same as with every key gridded: a
+    slot above the bound has a grid key above that of the k lowest raw keys. k > 8 (staged
+    eviction dropping many at once): every key is gridded (grid_keys)."""
+    if k > 8 or mode == GRID_NONE:
+        grid_keys(key, count_l, mode)
+        return
+    low = np.empty(k, np.float64)
     for h in range(count_l.shape[0]):
-        for j in range(count_l[h]):
-            key[h, j] = np.floor(key[h, j] * KEY_GRID + 0.5)
+        n = count_l[h]
+        m = 0                                   # the m (<= k) lowest raw keys so far, ascending
+        for j in range(n):
+            r = rank_l[h, j]
+            if r < sinks or r >= n - recent:
+                continue
+            x = key[h, j]
+            if m < k:
+                m += 1
+            elif x >= low[k - 1]:
+                continue
+            i = m - 1                           # insertion into the sorted buffer
+            while i > 0 and low[i - 1] > x:
+                low[i] = low[i - 1]
+                i -= 1
+            low[i] = x
+        bound = grid_cell_bound(low[m - 1], mode) if m > 0 else -np.inf
+        for j in range(n):
+            x = key[h, j]
+            key[h, j] = grid_value(x, mode) if x <= bound else np.inf
 
 
 @njit(cache=True, nogil=True)
@@ -105,10 +169,9 @@ def copy_keys(key, score_l, count_l, sign):
             key[h, j] = sign * score_l[h, j]
 
 
-def log_score_keys(store, il: int) -> None:
-    """store.key <- the slots' scores on the log grid (h2o's accumulated mass, tova's latest weight)."""
+def score_keys(store, il: int) -> None:
+    """store.key <- the slots' scores (h2o's accumulated mass, tova's latest weight), raw."""
     copy_keys(store.key, store.score[il], store.count[il], 1.0)
-    grid_log_keys(store.key, store.count[il])
 
 
 @njit(cache=True, nogil=True)

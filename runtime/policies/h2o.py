@@ -9,15 +9,17 @@ split between heavy hitters and the recent window.
 """
 from __future__ import annotations
 
-from ringllm.runtime.policies.base import Policy, accumulate_mass, log_score_keys
+from ringllm.runtime.policies.base import GRID_LOG, Policy, accumulate_mass, score_keys
 
 
 class H2O(Policy):
     name = "h2o"
     needs_mass = True
 
-    def fill_keys(self, store, il, q, seq):
-        log_score_keys(store, il)
+    key_grid = GRID_LOG
+
+    def fill_raw_keys(self, store, il, q, seq):
+        score_keys(store, il)
 
     def observe(self, store, il, mass, seq):
         accumulate_mass(store.score[il], mass, store.count[il])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.policies.base import Policy, grid_abs_keys
+from ringllm.runtime.policies.base import GRID_ABS, Policy
 from ringllm.runtime.policies.snapkv import _record
 
 
@@ -70,9 +70,10 @@ class RKV(Policy):
         self.history_width = kv.window
         self.s = np.zeros(spec.head_dim, np.float64)
 
-    def fill_keys(self, store, il, q, seq):
+    key_grid = GRID_ABS
+
+    def fill_raw_keys(self, store, il, q, seq):
         _rkv_keys(store.key, store.k[il], store.score[il], store.hist[il], store.count[il], self.kv.rkv_lambda, self.s)
-        grid_abs_keys(store.key, store.count[il])
 
     def on_insert(self, store, il, k_pre, q_pre):
         _inverse_norms(store.score[il], store.k[il], store.count[il])   # score: 1/|k|, moves with the slot

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from ringllm.runtime.policies.base import Policy, log_score_keys
+from ringllm.runtime.policies.base import GRID_LOG, Policy, score_keys
 
 
 @njit(cache=True, nogil=True)
@@ -30,8 +30,10 @@ class TOVA(Policy):
     name = "tova"
     needs_mass = True
 
-    def fill_keys(self, store, il, q, seq):
-        log_score_keys(store, il)
+    key_grid = GRID_LOG
+
+    def fill_raw_keys(self, store, il, q, seq):
+        score_keys(store, il)
 
     def observe(self, store, il, mass, seq):
         _latest_mean(store.score[il], mass, store.count[il], self.spec.n_head)
