@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from ringllm.runtime import matvec as mv
-from ringllm.runtime.attention import (FullRopeTable, RopeTable, attend, attend_rebased, attend_rk, attend_stored,
+from ringllm.runtime.attention import (FullRopeTable, RopeTable, attend, attend_rk, attend_stored,
                                       rk_write, rope_rows_at)
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
@@ -383,16 +383,13 @@ class CPUEngine:
         if hook is not None and store.mass is None:
             store.mass = np.zeros((nkv, max(store.layer_physical)), np.float32)
         mass = store.mass if (policy is not None and policy.needs_mass) or hook is not None else self.no_mass
-        if policy is not None and store.journal is None:
+        if policy is not None:
             self._attend_policy(il, b, store, policy, seq0, t0, T, kk, v3, table, scale, mass, hook)
             return
         for t in range(t0, t0 + T):
             seq = seq0 + t - t0
             q_t = b.q[t].reshape(nh, hd)
-            if policy is not None:
-                store.write(il, kk[t], v3[t], seq, q_t)
-                policy.on_insert(store, il, kk[t], q_t)
-            elif mode == "kshift":
+            if mode == "kshift":
                 kv_write_kshift(store.k[il], store.v[il], store.seq[il], store.pos[il], store.count[il],
                                 store.evicted[il], kk[t], v3[t], seq, store.layer_sinks[il], store.reindexed,
                                 inv_freq, inv_scale, s.rotary_dim, self.layer_back[il], self.angles, self.ktmp)
@@ -403,16 +400,12 @@ class CPUEngine:
                 if mode == "rk":
                     rk_write(store.rk[il], store.k[il], store.seq[il], store.count[il], seq, s.rotary_dim)
             qp = store.query_position(il, seq)
-            if mode == "fused" or mode == "rk" or mode == "rebased":
+            if mode == "fused" or mode == "rk":
                 qp = int(store.count[il].max()) - 1 if store.reindexed else seq
                 if qp + REBASE_LIMIT >= table.cos.shape[0]:
                     table.ensure(qp + REBASE_LIMIT + 1)
                     self.layer_full_rope[il].ensure(qp + 1)
-            if mode == "rebased":
-                attend_rebased(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.kbase[il],
-                               store.count[il], store.query_positions(il, seq, self.qpos), table.cos, table.sin,
-                               s.rotary_dim, scale, self.scores, self.qvar, self.qvar_have, mass, self.offs)
-            elif mode == "fused":
+            if mode == "fused":
                 attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il],
                        store.query_positions(il, seq, self.qpos), table.cos, table.sin, s.rotary_dim, scale,
                        self.scores, self.krot, self.qrot, mass)
@@ -426,8 +419,6 @@ class CPUEngine:
                 attend_stored(self.out3, q_t, store.k[il], store.v[il], store.pos[il], ref, store.count[il],
                               qp, inv_freq, inv_scale, s.rotary_dim, scale, self.scores, self.qrot, self.angles,
                               mass)
-            if policy is not None:
-                policy.observe(store, il, mass, seq)
             if hook is not None:
                 hook(il, mass, store)
             b.att[t] = self.out3.reshape(-1)
@@ -435,9 +426,11 @@ class CPUEngine:
     def _attend_policy(self, il: int, b: _Buffers, store: KVStore, policy, seq0: int, t0: int, T: int, kk: np.ndarray,
                        v3: np.ndarray, table, scale: np.float32, mass: np.ndarray, hook) -> None:
         """_attend_dense for a layer where the policy chooses victims: per token the policy's keys
-        (KVStore.prepare_policy_write), then eviction, write and attention in one kernel call
-        (policy_step.policy_write_attend), then the policy's observe. Same results as store.write +
-        attend_rebased/attend, with the interpreter's glue of five calls cut to three."""
+        (KVStore.prepare_policy_write; the rollback journal, when one runs, saves the rows the step
+        will change), then eviction, write and attention in one kernel call
+        (policy_step.policy_write_attend), then the policy's observe. Every policy layer takes this
+        one path, journaled or not: a rollback's replay and a plain feed run the same machine code,
+        so their stores agree bitwise."""
         nh, hd = self.spec.n_head, self.spec.head_dim
         rebase = store.layer_rebase[il]
         if not store.reindexed and seq0 + T + REBASE_LIMIT >= table.cos.shape[0]:
@@ -452,6 +445,8 @@ class CPUEngine:
             seq = seq0 + t - t0
             q_t = b.q[t].reshape(nh, hd)
             grid = store.prepare_policy_write(il, q_t, seq)
+            if store.journal is not None:
+                store.journal.before_policy(store, il)
             policy_write_attend(*args, kk[t], v3[t], seq, store.key, grid, store.drop_h, sinks, store.recent,
                                 store.reindexed, store.victims, shift, rebase, *rope, self.out3, q_t, table.cos,
                                 table.sin, scale, self.scores, self.qvar, self.qvar_have, self.krot, self.qrot,

@@ -24,13 +24,6 @@ from numba import njit
 from ringllm.runtime.policies.base import GRID_LOG, Policy
 
 
-@njit(cache=True, nogil=True)
-def _record(hist_l, mass, count_l, col):
-    for h in range(hist_l.shape[0]):
-        for j in range(count_l[h]):
-            hist_l[h, j, col] = mass[h, j]
-
-
 @njit(cache=True, nogil=True, fastmath=True)
 def _record_sums(hist_l, sums_l, mass, count_l, col):
     """hist[h, j, col] = mass[h, j] and sums[h, j] = the slot's window total hist[h, j, :] (float64),
@@ -40,10 +33,11 @@ def _record_sums(hist_l, sums_l, mass, count_l, col):
     w = hist_l.shape[2]
     for h in range(hist_l.shape[0]):
         for j in range(count_l[h]):
-            hist_l[h, j, col] = mass[h, j]
+            m = mass[h, j]
             acc = 0.0
-            for i in range(w):
-                acc += hist_l[h, j, i]
+            for i in range(w):       # the row as it will be, summed before the store (no store-to-load stall)
+                acc += m if i == col else hist_l[h, j, i]
+            hist_l[h, j, col] = m
             sums_l[h, j] = acc
 
 
