@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from numba import njit
+
 from ringllm.runtime.errors import ConfigError
 
 POLICIES = ("full", "streaming", "h2o", "scissorhands", "tova", "knorm", "lsh", "random", "snapkv", "pyramidkv",
@@ -161,12 +163,14 @@ class KVConfig:
         return cls(**d)
 
 
-def keep_after(length: int, capacity: int, lazy: int, slack: int, max_drop: int) -> int:
+@njit(cache=True, nogil=True)
+def keep_after(length, capacity, lazy, slack, max_drop):
     """Algorithm 1 of the staged-eviction seed: how many of `length` held tokens survive this step.
 
     C = capacity, H = C + slack. Returns `length` (no pruning) while length <= C or length - C < lazy,
     else C when max_drop == 0, else min(max(length - max_drop, C), H).
-    (4, 2044, 32, 16, 32) i.e. C = 2048: keep_after(2090, 2048, 32, 16, 32) == 2058.
+    (4, 2044, 32, 16, 32) i.e. C = 2048: keep_after(2090, 2048, 32, 16, 32) == 2058. Compiled (Numba):
+    adakv's selection kernel runs it on the layer totals; from Python it takes and returns ints.
     """
     if length <= capacity or length - capacity < lazy:
         return length

@@ -236,6 +236,13 @@ def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l,
         s0 = seq_l[h, slots[0]]
         for j in range(n):
             rank_l[h, j] -= seq_l[h, j] > s0
+    elif n_slots <= 8:               # a few (adakv's per-head share): compare with each, no allocation
+        for j in range(n):
+            sj = seq_l[h, j]
+            c = 0
+            for m in range(n_slots):
+                c += sj > seq_l[h, slots[m]]
+            rank_l[h, j] -= c
     else:
         vseq = np.empty(n_slots, np.int64)
         for m in range(n_slots):
@@ -504,11 +511,10 @@ class KVStore:
                               "policy 'full'; choose an eviction policy (e.g. streaming) or a shorter input")
 
     def drops(self, il: int) -> int:
-        """Tokens the next write into layer il evicts per head (staged eviction, Algorithm 1)."""
+        """Tokens the next write into layer il evicts per head (staged eviction, Algorithm 1; adakv
+        decides per layer in its select)."""
         if self.layer_ring[il]:
             return int(self.count[il][0] >= self.layer_capacity[il])
-        if self.policy_impl.ragged:
-            return self.policy_impl.layer_drops(self, il)     # over all heads together (adakv)
         held = int(self.count[il][0]) + 1
         kv = self.kv
         return held - keep_after(held, self.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop)
@@ -538,21 +544,21 @@ class KVStore:
         """Before a write into policy layer il: how many tokens each head drops (self.drop_h) and, when
         any, the policy's keys (self.key). Returns the grid the write kernel compares the keys on:
         the policy's own when the keys were left raw (kv_store.choose_one grids only the few it
-        needs), GRID_NONE when fill_keys gridded them (the journal and adakv's split choose from
+        needs), GRID_NONE when the keys were gridded (the journal and adakv's select choose from
         the keys themselves)."""
         policy = self.policy_impl
+        if policy.ragged:                 # adakv: one selection over all heads, keys left gridded
+            policy.select(self, il)
+            return GRID_NONE
         n_drop = self.drops(il)
-        grid = policy.key_grid if self.journal is None and not policy.ragged else GRID_NONE
+        grid = policy.key_grid if self.journal is None else GRID_NONE
         if n_drop <= 0:
             self.drop_h.fill(0)
             return grid
         wanted = (policy.fill_raw_keys if grid != GRID_NONE else policy.fill_keys)(self, il, q, seq)
         if wanted is not None:            # adaptive budgets (gvote) may drop more than the capacity asks
             n_drop = max(n_drop, int(wanted))
-        if policy.ragged:
-            policy.split(self, il, n_drop, self.drop_h)     # adakv: one selection over all heads
-        else:
-            self.drop_h.fill(n_drop)
+        self.drop_h.fill(n_drop)
         return grid
 
     @property

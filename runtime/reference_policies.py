@@ -21,6 +21,7 @@ U64 = np.uint64
 
 
 GRID = 4096   # steps per octave / per unit: keys that differ by rounding only tie (runtime/policies/base.py)
+FIXED = 2.0 ** 48   # window masses count in units of 2^-48, summed as integers (runtime/policies/snapkv.py)
 
 
 def log_grid(x: np.ndarray) -> np.ndarray:
@@ -162,8 +163,13 @@ class RefSnapKV(RefPolicy):
     def new_state(self, n_kv):
         return {"win": np.zeros((n_kv, 0, self.kv.window), np.float32)}
 
+    @staticmethod
+    def window_total(win: np.ndarray) -> np.ndarray:
+        """(L, w) f32 window masses -> (L,) f64 totals: entries rounded to units of 2^-48, summed exactly."""
+        return np.floor(win.astype(np.float64) * FIXED + 0.5).astype(np.int64).sum(axis=1).astype(np.float64) / FIXED
+
     def key(self, lc, il, h, q, seq_new):
-        raw = lc.state["win"][h].astype(np.float64).sum(axis=1)
+        raw = self.window_total(lc.state["win"][h])
         half, n = self.kv.pool // 2, raw.shape[0]
         return log_grid(np.array([raw[max(0, i - half):min(n, i + half + 1)].max() for i in range(n)]))
 
@@ -223,7 +229,7 @@ class RefRKV(RefSnapKV):
     """Importance (window mass / max) and redundancy (mean pairwise cosine of the pre-RoPE keys)."""
 
     def key(self, lc, il, h, q, seq_new):
-        imp = lc.state["win"][h].astype(np.float64).sum(axis=1)
+        imp = self.window_total(lc.state["win"][h])
         imp = imp / imp.max() if imp.max() > 0 else imp
         k = lc.k[h].astype(np.float64)
         unit = k / np.maximum(np.linalg.norm(k, axis=1, keepdims=True), 1e-30)

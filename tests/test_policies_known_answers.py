@@ -146,25 +146,54 @@ def test_snapkv_pooled_window_scores():
     assert sums[4] == pytest.approx(0.1) and sum(sums.values()) == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "rkv", "adakv"])
+def test_window_totals_stay_exact_over_a_long_stream(policy):
+    """The fixed-point window totals that observe moves by (new entry - replaced entry) equal the
+    whole window re-summed (snapkv.window_totals) and the reference engine's definition, after 3,000
+    steps of evictions and masses spanning zeros, tiny values and ones: no drift, no residue."""
+    from ringllm.runtime.policies.snapkv import window_totals
+    from ringllm.runtime.reference_policies import RefSnapKV
+    st = KVStore(_spec(n_head=4, n_kv=2), KVConfig(capacity=24, policy=policy, sinks=2, window=5))
+    rng = np.random.default_rng(3)
+    z = np.zeros((2, HD), np.float32)
+    for t in range(3000):
+        st.write(0, z + rng.standard_normal((2, HD)).astype(np.float32), z, t, np.zeros((4, HD), np.float32))
+        st.policy_impl.on_insert(st, 0, z, None)
+        st.n_seen += 1
+        mass = rng.choice([0.0, 1e-30, 1e-16, 3e-15, 0.25, 1.0, 2.0], size=(2, st.aux[0].shape[1]))
+        st.policy_impl.observe(st, 0, (mass * rng.random(mass.shape)).astype(np.float32), t)
+    again = np.zeros_like(st.aux[0])
+    window_totals(again, st.hist[0], st.count[0])
+    for h in range(2):
+        n = st.count[0][h]
+        assert st.aux[0][h, :n].tolist() == again[h, :n].tolist()
+        want = RefSnapKV.window_total(st.hist[0][h, :n])
+        assert (st.aux[0][h, :n].astype(np.float64) / 2.0 ** 48).tolist() == want.tolist()
+    held = np.concatenate([st.aux[0][h, :st.count[0][h]] for h in range(2)])
+    assert (held == 0).any() and (held > 0).any()        # totals of only tiny masses are exactly 0
+
+
+def _tie_prone_keys(rng, mode, n):
+    """Raw keys built to tie on grid `mode`: many equal, one float step or one grid cell apart, zeros."""
+    cell = 2.0 ** (1 / 4096) if mode == "log" else 1 / 4096
+    steps = rng.integers(0, 4, n)
+    if mode == "log":
+        base = rng.choice([0.0, 1e-31, 1e-6, 0.3, 1.0])
+        return base * cell ** (steps * rng.choice([0.5, 1.0])) * (1 + rng.integers(0, 3, n) * 1e-16)
+    return rng.choice([-0.5, 0.0, 0.25]) + steps * cell * rng.choice([0.5, 1.0]) + rng.integers(0, 3, n) * 1e-17
+
+
 @pytest.mark.parametrize("mode", ["log", "abs"])
 def test_grid_aware_choice_equals_gridding_every_key(mode):
-    """kv_store.choose_one (one victim, grid computed near the minimum only) and
-    base.grid_lowest_keys (up to k victims) pick what choose_victims picks on fully gridded keys,
-    on keys built to tie: many equal keys, keys one float step or one grid cell apart, zeros."""
+    """kv_store.choose_one (one victim, grid computed near the minimum only) picks what
+    choose_victims picks on fully gridded keys, on keys built to tie."""
     from ringllm.runtime.kv_store import choose_one, choose_victims
-    from ringllm.runtime.policies.base import GRID_ABS, GRID_LOG, grid_keys, grid_lowest_keys
+    from ringllm.runtime.policies.base import GRID_ABS, GRID_LOG, grid_keys
     grid = GRID_LOG if mode == "log" else GRID_ABS
     rng = np.random.default_rng(7)
-    cell = 2.0 ** (1 / 4096) if mode == "log" else 1 / 4096
     for trial in range(300):
         n = int(rng.integers(3, 40))
-        base = rng.choice([0.0, 1e-31, 1e-6, 0.3, 1.0]) if mode == "log" else rng.choice([-0.5, 0.0, 0.25])
-        steps = rng.integers(0, 4, n)
-        if mode == "log":
-            raw = base * cell ** (steps * rng.choice([0.5, 1.0])) * (1 + rng.integers(0, 3, n) * 1e-16)
-        else:
-            raw = base + steps * cell * rng.choice([0.5, 1.0]) + rng.integers(0, 3, n) * 1e-17
-        raw = raw.reshape(1, n)
+        raw = _tie_prone_keys(rng, mode, n).reshape(1, n)
         seq = rng.permutation(1000)[:n].reshape(1, n).astype(np.int64)
         rank = np.argsort(np.argsort(seq[0])).reshape(1, n).astype(np.int64)
         count = np.array([n], np.int64)
@@ -172,15 +201,56 @@ def test_grid_aware_choice_equals_gridding_every_key(mode):
         gridded = raw.copy()
         grid_keys(gridded, count, grid)
         want = np.zeros(n + 1, np.int64)
-        for k in (1, 2, 3):
-            got_n = choose_victims(gridded[0], seq[0], rank[0], n, k, sinks, recent, want)
-            keys = raw.copy()
-            grid_lowest_keys(keys, rank, count, k, sinks, recent, grid)
-            out = np.zeros(n + 1, np.int64)
-            assert choose_victims(keys[0], seq[0], rank[0], n, k, sinks, recent, out) == got_n
-            assert out[:got_n].tolist() == want[:got_n].tolist(), (trial, k)
-            if k == 1:
-                assert choose_one(raw[0], seq[0], rank[0], n, sinks, recent, grid) == (want[0] if got_n else -1)
+        got_n = choose_victims(gridded[0], seq[0], rank[0], n, 1, sinks, recent, want)
+        assert choose_one(raw[0], seq[0], rank[0], n, sinks, recent, grid) == (want[0] if got_n else -1), trial
+
+
+def test_adakv_select_equals_sorting_every_gridded_key():
+    """adakv.select_drops (pooled keys, grid near each head's minimum, per-head insertion lists,
+    merge) against a brute force: every key gridded, the layer's candidates sorted by (grid key,
+    seq, head), taken in order while the head stays above its floor; then choose_victims on the
+    keys it leaves picks those victims. Keys built to tie, heads of different lengths, pool 1 and 3,
+    none to 14 victims (as staged eviction drops)."""
+    from ringllm.runtime.kv_store import choose_victims
+    from ringllm.runtime.policies.adakv import select_drops
+    from ringllm.runtime.policies.base import GRID_LOG, grid_value
+    from ringllm.runtime.policies.snapkv import pooled_keys
+    rng = np.random.default_rng(11)
+    P, n_kv = 48, 3
+    for trial in range(300):
+        count = rng.integers(5, P, n_kv).astype(np.int64)
+        tot = np.zeros((n_kv, P), np.int64)           # window totals in fixed point (snapkv.record_window)
+        for h in range(n_kv):
+            tot[h, :count[h]] = np.floor(_tie_prone_keys(rng, "log", int(count[h])) * 2.0 ** 48 + 0.5)
+        seq = np.stack([rng.permutation(1000)[:P] for _ in range(n_kv)]).astype(np.int64)
+        rank = np.zeros((n_kv, P), np.int64)
+        for h in range(n_kv):
+            rank[h, :count[h]] = np.argsort(np.argsort(seq[h, :count[h]]))
+        pool, sinks, recent = int(rng.choice([1, 3])), int(rng.integers(0, 3)), int(rng.integers(0, 3))
+        floor = int(rng.integers(0, 12))
+        held = int(count.sum()) + n_kv              # the new token of each head included
+        cap = (held - int(rng.integers(-2, 13))) // n_kv
+        n_total = max(0, held - cap * n_kv)          # plain per-step eviction on the layer total
+        by_rank = np.zeros(2 * P)
+        pooled = np.zeros((n_kv, P))
+        pooled_keys(pooled, tot, rank, count, pool, by_rank)
+        cands = sorted((grid_value(pooled[h, j], GRID_LOG), seq[h, j], h, j) for h in range(n_kv)
+                       for j in range(count[h]) if sinks <= rank[h, j] < count[h] - recent)
+        want = [[] for _ in range(n_kv)]
+        for g, s, h, j in cands:
+            if sum(map(len, want)) == n_total:
+                break
+            if count[h] + 1 - len(want[h]) > floor:
+                want[h].append(j)
+        key = np.zeros((n_kv, P))
+        drop_h = np.zeros(n_kv, np.int64)
+        got = select_drops(key, tot, seq, rank, count, pool, by_rank, cap, 0, 0, 0, sinks, recent, floor, GRID_LOG,
+                           np.zeros(P), np.zeros((n_kv, P), np.int64), np.zeros(n_kv, np.int64), drop_h)
+        assert got == sum(map(len, want)) and drop_h.tolist() == [len(w) for w in want], trial
+        for h in range(n_kv):
+            out = np.zeros(P, np.int64)
+            assert choose_victims(key[h], seq[h], rank[h], count[h], drop_h[h], sinks, recent, out) == drop_h[h]
+            assert out[:drop_h[h]].tolist() == want[h], (trial, h)
 
 
 def _adakv_evicts(masses, ada_floor=0.0):

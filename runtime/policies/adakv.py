@@ -28,42 +28,85 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.kv_config import keep_after
-from ringllm.runtime.policies.base import grid_lowest_keys
-from ringllm.runtime.policies.snapkv import SnapKV
+from ringllm.runtime.policies.base import grid_cell_bound, grid_value
+from ringllm.runtime.policies.snapkv import SnapKV, pooled_keys
 
 
 @njit(cache=True, nogil=True)
-def split_drops(key, seq_l, rank_l, count_l, n_total, sinks, recent, floor, order, ptr, drop_h):
-    """drop_h[h] = how many of the layer's n_total victims head h gives, by one layer-wide selection.
+def select_drops(key, tot_l, seq_l, rank_l, count_l, pool, by_rank, capacity, lazy, slack, max_drop, sinks, recent,
+                 floor, mode, low, order, ptr, drop_h):
+    """drop_h[h] = how many of the layer's n_total victims head h gives, by one layer-wide selection,
+    in one call over the layer's scores: SnapKV's pooled keys, each head's candidates, the merge.
 
-    key (n_kv, P) f64 keys of the held slots (lowest goes), seq_l/rank_l (n_kv, P) i64, count_l
-    (n_kv,) held before the write. A slot is a candidate when sinks <= rank < count - recent; a head
-    keeps at least `floor` tokens after the new one enters. order (n_kv, >= n_total) i64 and ptr
-    (n_kv,) i64 are scratch: each head's n_total lowest candidates are found first (no head gives
-    more), O(n_total x held) per head, then merged. Victims are taken lowest key first, ties to the lower seq, then the lower head.
-    Returns the number chosen (fewer than n_total only when too few candidates remain).
+    n_total: staged eviction (kv_config.keep_after) on the layer totals, the held tokens of all
+    heads plus the n_kv entering, with capacity, lazy, slack, max_drop (per head) times n_kv.
+
+    tot_l (n_kv, P) i64 window mass totals in fixed point (snapkv.record_window), seq_l/rank_l (n_kv, P) i64, count_l (n_kv,) held
+    before the write, pool/by_rank as snapkv.pooled_keys. A slot is a candidate when
+    sinks <= rank < count - recent; a head keeps at least `floor` tokens after the new one enters.
+    Victims are taken lowest grid key (grid `mode`, policies.base.grid_value) first, ties to the
+    lower seq, then the lower head. Per head, only the n_total lowest candidates can be taken (no
+    head gives more than the layer): they are found among the slots within a grid cell of the
+    n_total-th lowest raw key (the grid, a log2, is computed for those only), sorted by
+    insertion. key (n_kv, P) f64 is left holding those slots' grid keys and +inf elsewhere, so
+    kv_store.choose_victims(drop_h[h]) on it picks exactly the victims chosen here. Scratch: low
+    (P,) f64, order (n_kv, P) i64 (each head's candidates in order), ptr (n_kv,) i64. Returns the
+    number chosen (fewer than n_total only when too few candidates remain).
     """
     n_kv = count_l.shape[0]
+    held = n_kv
+    for h in range(n_kv):
+        held += count_l[h]
+    n_total = held - keep_after(held, capacity * n_kv, lazy * n_kv, slack * n_kv, max_drop * n_kv)
+    if n_total <= 0:
+        drop_h[:] = 0
+        return 0
+    pooled_keys(key, tot_l, rank_l, count_l, pool, by_rank)
     for h in range(n_kv):
         n = count_l[h]
-        m = 0                            # head h's n_total lowest candidates, in (key, seq) order
-        for i in range(n_total):
-            best = -1
-            for j in range(n):
-                r = rank_l[h, j]
-                if r < sinks or r >= n - recent:
+        m = 0                                   # the m <= n_total lowest raw keys, ascending
+        for j in range(n):
+            r = rank_l[h, j]
+            if r < sinks or r >= n - recent:
+                continue
+            x = key[h, j]
+            if m < n_total:
+                m += 1
+            elif x >= low[n_total - 1]:
+                continue
+            i = m - 1
+            while i > 0 and low[i - 1] > x:
+                low[i] = low[i - 1]
+                i -= 1
+            low[i] = x
+        bound = grid_cell_bound(low[m - 1], mode) if m > 0 else -np.inf
+        c = 0                                   # head h's m lowest candidates by (grid key, seq)
+        for j in range(n):
+            x = key[h, j]
+            if not x <= bound:
+                key[h, j] = np.inf
+                continue
+            g = grid_value(x, mode)
+            key[h, j] = g
+            r = rank_l[h, j]
+            if r < sinks or r >= n - recent:
+                continue
+            s = seq_l[h, j]
+            if c == m:
+                p = order[h, m - 1]
+                if g > key[h, p] or (g == key[h, p] and s > seq_l[h, p]):
                     continue
-                if m > 0:                # strictly after the previous pick (seqs are unique per head)
-                    p = order[h, m - 1]
-                    if key[h, j] < key[h, p] or (key[h, j] == key[h, p] and seq_l[h, j] <= seq_l[h, p]):
-                        continue
-                if best < 0 or key[h, j] < key[h, best] or (key[h, j] == key[h, best] and seq_l[h, j] < seq_l[h, best]):
-                    best = j
-            if best < 0:
-                break
-            order[h, m] = best
-            m += 1
-        ptr[h] = m                       # candidates of head h
+            else:
+                c += 1
+            i = c - 1
+            while i > 0:
+                p = order[h, i - 1]
+                if key[h, p] < g or (key[h, p] == g and seq_l[h, p] < s):
+                    break
+                order[h, i] = p
+                i -= 1
+            order[h, i] = j
+        ptr[h] = c
         drop_h[h] = 0
     got = 0
     while got < n_total:
@@ -95,6 +138,8 @@ class AdaKV(SnapKV):
         self.n_kv = spec.n_head_kv
         self.order = np.zeros((self.n_kv, 0), np.int64)
         self.ptr = np.zeros(self.n_kv, np.int64)
+        self.low = np.zeros(0, np.float64)
+        self.floors: dict[int, int] = {}       # head_floor per layer capacity
 
     def head_floor(self, capacity: int) -> int:
         """Tokens every head keeps at least (Ada-KV's safeguard; never below what protection keeps)."""
@@ -104,22 +149,17 @@ class AdaKV(SnapKV):
         """Slots per head: the most one head can hold while the others sit at their floor."""
         return self.n_kv * physical - (self.n_kv - 1) * min(self.head_floor(capacity), physical)
 
-    def fill_keys(self, store, il, q, seq):
-        """SnapKV's keys, gridded only where the layer's selection of layer_drops victims can reach
-        (grid_lowest_keys: no head gives more than the layer total)."""
-        self.fill_raw_keys(store, il, q, seq)
-        grid_lowest_keys(store.key, store.rank[il], store.count[il], self.layer_drops(store, il),
-                         store.layer_sinks[il], store.recent, self.key_grid)
-
-    def layer_drops(self, store, il: int) -> int:
-        """Tokens the next write takes out of layer il over all heads (Algorithm 1 on the layer totals)."""
-        kv, n = self.kv, self.n_kv
-        held = int(store.count[il].sum()) + n
-        return held - keep_after(held, store.layer_capacity[il] * n, kv.lazy * n, kv.slack * n, kv.max_drop * n)
-
-    def split(self, store, il: int, n_total: int, drop_h: np.ndarray) -> None:
-        """drop_h (n_kv,) i64 <- per-head victims of the layer-wide selection over store.key."""
-        if self.order.shape[1] < n_total:
-            self.order = np.zeros((self.n_kv, n_total), np.int64)
-        split_drops(store.key, store.seq[il], store.rank[il], store.count[il], n_total, store.layer_sinks[il],
-                    store.recent, self.head_floor(store.layer_capacity[il]), self.order, self.ptr, drop_h)
+    def select(self, store, il: int) -> None:
+        """Before a write into layer il: store.drop_h (n_kv,) <- each head's victims of the
+        layer-wide selection, store.key <- keys that make choose_victims pick them (select_drops)."""
+        P = store.seq[il].shape[1]
+        if self.order.shape[1] < P:
+            self.order = np.zeros((self.n_kv, P), np.int64)
+            self.low = np.zeros(P, np.float64)
+        kv, cap = self.kv, store.layer_capacity[il]
+        floor = self.floors.get(cap)
+        if floor is None:
+            floor = self.floors[cap] = self.head_floor(cap)
+        select_drops(store.key, store.aux[il], store.seq[il], store.rank[il], store.count[il], kv.pool,
+                     self.rank_scratch(store, il), cap, kv.lazy, kv.slack, kv.max_drop, store.layer_sinks[il],
+                     store.recent, floor, self.key_grid, self.low, self.order, self.ptr, store.drop_h)

@@ -34,7 +34,7 @@ class Policy:
     name = "base"
     needs_mass = False        # the attention kernel must emit per-slot mass for observe()
     history_width = 0         # columns of the store's hist array
-    ragged = False            # heads may hold different numbers of tokens (adakv: layer_drops, split, head_slots)
+    ragged = False            # heads may hold different numbers of tokens (adakv: select, head_slots)
     key_grid = GRID_NONE      # fill_keys = fill_raw_keys, then the keys mapped onto this grid (see grid_value)
     plain_keys = False        # reads store.k expecting keys before RoPE: the layer keeps the "fused" layout
 
@@ -106,41 +106,6 @@ def grid_keys(key, count_l, mode):
     for h in range(count_l.shape[0]):
         for j in range(count_l[h]):
             key[h, j] = grid_value(key[h, j], mode)
-
-
-@njit(cache=True, nogil=True)
-def grid_lowest_keys(key, rank_l, count_l, k, sinks, recent, mode):
-    """Prepare raw keys for choosing at most k victims per head on grid `mode`, computing the grid
-    only where it can matter: per head, the unprotected slots whose raw key is within a grid cell
-    of the k-th lowest raw key get their grid key, every other slot +inf. The k lowest by (grid
-    key, seq), the victims of any choice of up to k, are the same as with every key gridded: a
-    slot above the bound has a grid key above that of the k lowest raw keys. k > 8 (staged
-    eviction dropping many at once): every key is gridded (grid_keys)."""
-    if k > 8 or mode == GRID_NONE:
-        grid_keys(key, count_l, mode)
-        return
-    low = np.empty(k, np.float64)
-    for h in range(count_l.shape[0]):
-        n = count_l[h]
-        m = 0                                   # the m (<= k) lowest raw keys so far, ascending
-        for j in range(n):
-            r = rank_l[h, j]
-            if r < sinks or r >= n - recent:
-                continue
-            x = key[h, j]
-            if m < k:
-                m += 1
-            elif x >= low[k - 1]:
-                continue
-            i = m - 1                           # insertion into the sorted buffer
-            while i > 0 and low[i - 1] > x:
-                low[i] = low[i - 1]
-                i -= 1
-            low[i] = x
-        bound = grid_cell_bound(low[m - 1], mode) if m > 0 else -np.inf
-        for j in range(n):
-            x = key[h, j]
-            key[h, j] = grid_value(x, mode) if x <= bound else np.inf
 
 
 @njit(cache=True, nogil=True)

@@ -4,8 +4,8 @@ Importance I_j: the attention mass token j received from the last w queries (sum
 group; the store's hist ring, as for SnapKV), divided by the largest I in the head (so I in [0, 1]).
 Redundancy R_j: the mean cosine similarity of key j (before RoPE) with the other keys the head
 holds, in [-1, 1], computed as (k_j/|k_j|) . S - 1 over n - 1 with S the sum of the normalised held
-keys (O(n d) per decision, not O(n^2 d)). The slot's score keeps its window total (taken as
-observe writes the column, as for SnapKV). Score Z_j = lambda I_j - (1 - lambda) R_j (lambda =
+keys (O(n d) per decision, not O(n^2 d)). The slot's aux keeps its window total, in fixed point
+as for SnapKV (runtime/policies/snapkv.py), so I_j = T_j / max T. Score Z_j = lambda I_j - (1 - lambda) R_j (lambda =
 rkv_lambda, default 0.1 as in the paper): the victim has the lowest Z, i.e. it is unimportant and
 repeats what other keys already say. Ties -> the older token. Default recent = w.
 """
@@ -15,13 +15,13 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.policies.base import GRID_ABS, Policy
-from ringllm.runtime.policies.snapkv import _record_sums, _window_sums
+from ringllm.runtime.policies.snapkv import MASS_FIXED, check_window, record_window, window_totals
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _rkv_keys(key, k_l, sums_l, count_l, lam, s, inv):
-    """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); sums_l (n_kv, P) f64 the slots'
-    window totals (kept by observe); s (hd,) and inv (P,) f64 scratch (1/|k_j|, computed here where
+def _rkv_keys(key, k_l, tot_l, count_l, lam, s, inv):
+    """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); tot_l (n_kv, P) i64 the slots'
+    window totals in fixed point (snapkv.record_window, kept by observe); s (hd,) and inv (P,) f64 scratch (1/|k_j|, computed here where
     the key is read anyway). fastmath: the dot products vectorize (float64, reassociated; far below
     the key grid)."""
     hd = k_l.shape[2]
@@ -37,14 +37,14 @@ def _rkv_keys(key, k_l, sums_l, count_l, lam, s, inv):
             inv[j] = 1.0 / max(np.sqrt(nrm), 1e-30)
             for d in range(hd):
                 s[d] += k_l[h, j, d] * inv[j]
-            top = max(top, sums_l[h, j])
+            top = max(top, np.float64(tot_l[h, j]))
         top = 1.0 / top if top > 0 else 0.0
         for j in range(n):
             dot = 0.0
             for d in range(hd):
                 dot += k_l[h, j, d] * s[d]
             red = (dot * inv[j] - 1.0) / max(n - 1, 1)
-            key[h, j] = lam * sums_l[h, j] * top - (1.0 - lam) * red
+            key[h, j] = lam * np.float64(tot_l[h, j]) * top - (1.0 - lam) * red
 
 
 class RKV(Policy):
@@ -54,6 +54,7 @@ class RKV(Policy):
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)
+        check_window(kv, spec)
         self.history_width = kv.window
         self.s = np.zeros(spec.head_dim, np.float64)
         self.inv = np.zeros(0, np.float64)
@@ -63,11 +64,11 @@ class RKV(Policy):
     def fill_raw_keys(self, store, il, q, seq):
         if self.inv.shape[0] < store.k[il].shape[1]:
             self.inv = np.zeros(store.k[il].shape[1], np.float64)
-        _rkv_keys(store.key, store.k[il], store.score[il], store.count[il], self.kv.rkv_lambda, self.s, self.inv)
+        _rkv_keys(store.key, store.k[il], store.aux[il], store.count[il], self.kv.rkv_lambda, self.s, self.inv)
 
     def observe(self, store, il, mass, seq):
-        _record_sums(store.hist[il], store.score[il], mass, store.count[il], seq % self.kv.window)
+        record_window(store.hist[il], store.aux[il], mass, store.count[il], seq % self.kv.window)
 
     def after_restore(self, store):
-        for il in range(store.spec.n_layer):     # a state saved when score held 1/|k|
-            _window_sums(store.score[il], store.hist[il], store.count[il])
+        for il in range(store.spec.n_layer):     # a state saved before the window totals were kept in aux
+            window_totals(store.aux[il], store.hist[il], store.count[il])

@@ -6,7 +6,7 @@ A bounded store cannot hold a long prompt whole, so here the same rule runs when
 go (every step, or every `lazy` steps with staged eviction, which is SnapKV's batch compression):
 the observation window is the last w queries seen (prompt or generated), each slot's score is the
 attention mass it received from them (summed over the GQA group; kept per slot in the store's hist
-ring, column = query index mod w, its total in the slot's score, taken as each column is written),
+ring, column = query index mod w, its total in the slot's aux, moved as each column is written),
 scores are max-pooled over `pool` neighbouring tokens in sequence order (SnapKV's clustering,
 kernel 7 by default, the kernel clipped at the edges), and the lowest pooled score goes; ties ->
 the older token. The observation window itself is protected: default recent = w. For a prompt
@@ -15,43 +15,75 @@ that fits the store and a first eviction right after it, this is exactly SnapKV.
 PyramidKV: the same scores, with per-layer budgets falling linearly with depth from
 2C - C/beta (first layer) to C/beta (last layer), C = capacity, so the mean budget is C; each
 layer's budget is at least sinks + recent + 1.
+
+Window totals are fixed point: each entry counts as round(mass x 2^48) (int64; a total is exact
+whatever the order of the sums, so observe moves it by the new entry minus the replaced one and
+reads one column, not the whole row). Masses below 2^-49 (1.8e-15) count as 0: tokens whose
+window total is that small tie, and the older goes. A total must fit int64: window x GQA group
+<= 16384 (checked at construction).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
+from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.policies.base import GRID_LOG, Policy
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _record_sums(hist_l, sums_l, mass, count_l, col):
-    """hist[h, j, col] = mass[h, j] and sums[h, j] = the slot's window total hist[h, j, :] (float64),
-    for the occupied slots. The total is taken here, where the row's cache lines are being written
-    anyway, instead of re-reading the whole (n_kv, P, w) window when keys are needed. fastmath: the
-    w-term sums vectorize (reassociated: float64 rounding, far below the key grid)."""
-    w = hist_l.shape[2]
+MASS_FIXED = 2.0 ** 48     # window totals are kept in fixed point, units of 2^-48 (module docstring)
+
+
+def check_window(kv, spec) -> None:
+    """A window total must fit int64: w entries of at most `group` (one GQA group's weights) each."""
+    group = spec.n_head // spec.n_head_kv
+    if kv.window * group > 2 ** 14:
+        raise ConfigError(f"window {kv.window} x GQA group {group} exceeds 16384: the fixed-point window "
+                          f"totals would overflow; use window <= {2 ** 14 // group}")
+
+
+@njit(cache=True, nogil=True, inline="always")
+def mass_fixed(m):
+    """An attention mass (f32 >= 0) in fixed point: round(m x 2^48) as int64."""
+    return np.int64(np.floor(np.float64(m) * MASS_FIXED + 0.5))
+
+
+@njit(cache=True, nogil=True)
+def record_window(hist_l, tot_l, mass, count_l, col):
+    """hist[h, j, col] = mass[h, j] and tot[h, j] (int64) = the slot's window total in fixed point,
+    for the occupied slots: the total moves by the new entry minus the one it replaces. Integer
+    sums are exact, so this equals window_totals' sum of the whole row, in any order, for ever."""
     for h in range(hist_l.shape[0]):
         for j in range(count_l[h]):
             m = mass[h, j]
-            acc = 0.0
-            for i in range(w):       # the row as it will be, summed before the store (no store-to-load stall)
-                acc += m if i == col else hist_l[h, j, i]
+            tot_l[h, j] += mass_fixed(m) - mass_fixed(hist_l[h, j, col])
             hist_l[h, j, col] = m
-            sums_l[h, j] = acc
+
+
+@njit(cache=True, nogil=True)
+def window_totals(tot_l, hist_l, count_l):
+    """tot[h, j] = sum over the row hist[h, j, :] of mass_fixed (as record_window keeps it)."""
+    w = hist_l.shape[2]
+    for h in range(hist_l.shape[0]):
+        for j in range(count_l[h]):
+            acc = 0
+            for i in range(w):
+                acc += mass_fixed(hist_l[h, j, i])
+            tot_l[h, j] = acc
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _pooled_keys(key, sums_l, rank_l, count_l, pool, by_rank):
-    """key[h, j] = max over tokens within pool//2 ranks of j of their window mass sums_l (float64).
+def pooled_keys(key, tot_l, rank_l, count_l, pool, by_rank):
+    """key[h, j] = max over tokens within pool//2 ranks of j of their window mass totals, tot_l
+    (n_kv, P) int64 in fixed point (record_window), as float64 (tot x 2^-48, exact below 2^53).
 
     by_rank (2P,) f64 scratch: window masses in rank order, then their pooled maxima."""
     half = pool // 2
-    P = sums_l.shape[1]
-    for h in range(sums_l.shape[0]):
+    P = tot_l.shape[1]
+    for h in range(tot_l.shape[0]):
         n = count_l[h]
         for j in range(n):
-            by_rank[rank_l[h, j]] = sums_l[h, j]
+            by_rank[rank_l[h, j]] = np.float64(tot_l[h, j]) * (1.0 / MASS_FIXED)
         for r in range(n):
             by_rank[P + r] = by_rank[r]
         for o in range(1, half + 1):            # neighbours o ranks away on either side
@@ -63,40 +95,34 @@ def _pooled_keys(key, sums_l, rank_l, count_l, pool, by_rank):
             key[h, j] = by_rank[P + rank_l[h, j]]
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _window_sums(sums_l, hist_l, count_l):
-    """sums[h, j] = hist[h, j, :] summed (float64), as _record_sums leaves it."""
-    w = hist_l.shape[2]
-    for h in range(hist_l.shape[0]):
-        for j in range(count_l[h]):
-            acc = 0.0
-            for i in range(w):
-                acc += hist_l[h, j, i]
-            sums_l[h, j] = acc
-
-
 class SnapKV(Policy):
     name = "snapkv"
     needs_mass = True
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)
+        check_window(kv, spec)
         self.history_width = kv.window
         self.by_rank = np.zeros(0, np.float64)
 
     key_grid = GRID_LOG
 
-    def fill_raw_keys(self, store, il, q, seq):
+    def rank_scratch(self, store, il) -> np.ndarray:
+        """pooled_keys' by_rank scratch, (2P,) f64 for layer il's P slots per head."""
         if self.by_rank.shape[0] < 2 * store.hist[il].shape[1]:
             self.by_rank = np.zeros(2 * store.hist[il].shape[1], np.float64)
-        _pooled_keys(store.key, store.score[il], store.rank[il], store.count[il], self.kv.pool, self.by_rank)
+        return self.by_rank
+
+    def fill_raw_keys(self, store, il, q, seq):
+        pooled_keys(store.key, store.aux[il], store.rank[il], store.count[il], self.kv.pool,
+                    self.rank_scratch(store, il))
 
     def observe(self, store, il, mass, seq):
-        _record_sums(store.hist[il], store.score[il], mass, store.count[il], seq % self.kv.window)
+        record_window(store.hist[il], store.aux[il], mass, store.count[il], seq % self.kv.window)
 
     def after_restore(self, store):
-        for il in range(store.spec.n_layer):     # a state saved before the window totals were kept in score
-            _window_sums(store.score[il], store.hist[il], store.count[il])
+        for il in range(store.spec.n_layer):     # a state saved before the window totals were kept in aux
+            window_totals(store.aux[il], store.hist[il], store.count[il])
 
 
 class PyramidKV(SnapKV):
