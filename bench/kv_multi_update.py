@@ -49,7 +49,7 @@ def fresh(cap, nkv, hd):
     seq = np.tile(np.arange(cap, dtype=np.int64), (nkv, 1))
     return dict(pos=seq.copy(), kbase=seq.copy(), k=rng.standard_normal((nkv, cap, hd)).astype(np.float32),
                 v=rng.standard_normal((nkv, cap, hd)).astype(np.float32), seq=seq, rank=seq.copy(),
-                score=np.zeros((nkv, cap)), aux=np.zeros((nkv, cap), np.int64), hist=np.zeros((nkv, cap, 0), np.float32),
+                score=np.zeros((nkv, cap)), aux=np.zeros((nkv, cap), np.int64), hist=np.zeros((nkv, 0, cap), np.float32),
                 count=np.full(nkv, cap, np.int64), evicted=np.zeros(nkv, np.int64))
 
 

@@ -236,7 +236,7 @@ class ChatSession:
                 if state_fn is None:
                     raise ConfigError(f"the {llm.backend} backend's KV store cannot be saved")
                 st = state_fn()
-                kv_state = {"kv": st["kv"], "n_seen": int(st["n_seen"])}
+                kv_state = {"kv": st["kv"], "n_seen": int(st["n_seen"]), "hist_layout": st.get("hist_layout")}
                 arrays = {f"kv/{name}": np.asarray(a) for name, a in st["arrays"].items()}
             header = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "model": model_identity(llm),
                       "session_kv": self.kv.to_dict(), "system": self.system, "seed": int(self.seed),
@@ -314,7 +314,7 @@ class ChatSession:
             if header["store"] is not None:
                 from ringllm.runtime.kv_store import KVStore
                 st = header["store"]
-                state = {"kv": st["kv"], "n_seen": int(st["n_seen"]),
+                state = {"kv": st["kv"], "n_seen": int(st["n_seen"]), "hist_layout": st.get("hist_layout"),
                          "arrays": {n[3:]: a for n, a in arrays.items() if n.startswith("kv/")}}
                 if len(state["arrays"]) != len(arrays):
                     raise ValueError("unexpected arrays in the file")

@@ -60,7 +60,7 @@ def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
     """m new tokens enter and the m tokens in their slots leave, per head, in one pass.
 
     k_l, v_l (n_kv, P, hd) f32; seq_l, rank_l, pos_l, kbase_l, aux_l (n_kv, P) i64; score_l (n_kv, P) f64;
-    hist_l (n_kv, P, w) f32; count_l, evicted_l (n_kv,) i64 (the store's arrays of one layer).
+    hist_l (n_kv, w, P) f32; count_l, evicted_l (n_kv,) i64 (the store's arrays of one layer).
     slots (n_kv, m) i64: slot of head h that new token i takes: an occupied slot (its token leaves)
     or a free one (slots count, count + 1, ... in order of use; checked by the caller).
     k_new, v_new (m, n_kv, hd) f32; seq_new (m,) i64 increasing and newer than every held token
@@ -74,7 +74,7 @@ def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
     n_kv = seq_l.shape[0]
     m = seq_new.shape[0]
     hd = k_l.shape[2]
-    w = hist_l.shape[2]
+    w = hist_l.shape[1]
     for h in range(n_kv):
         n = count_l[h]
         n_leave = 0
@@ -105,7 +105,7 @@ def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
             score_l[h, s] = 0.0
             aux_l[h, s] = 0
             for c in range(w):
-                hist_l[h, s, c] = 0.0
+                hist_l[h, c, s] = 0.0
             for d in range(hd):
                 k_l[h, s, d] = k_new[i, h, d]
                 v_l[h, s, d] = v_new[i, h, d]

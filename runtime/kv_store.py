@@ -13,7 +13,8 @@ Arrays per layer il (allocated once, never resized, never shifted; P = physical 
     evicted[il]    (n_kv_head,) int64     tokens evicted so far
     score[il]      (n_kv_head, P) float64 policy score per slot (accumulated attention, key norm, ...)
     aux[il]        (n_kv_head, P) int64   policy bits per slot (LSH code, Scissorhands history)
-    hist[il]       (n_kv_head, P, w) float32  last w attention masses per slot (windowed policies only)
+    hist[il]       (n_kv_head, w, P) float32  last w attention masses per slot, window-major: column c of
+                                              every slot contiguous (windowed policies only)
 
 Positions (DESIGN.md):
     reindexed: a token's position is its rank, by sequence index, among the tokens its head holds;
@@ -131,6 +132,8 @@ def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
     slots in the order chosen (lowest key first). Returns how many were chosen (fewer than n_drop
     only when too few slots are unprotected).
     """
+    if n_drop <= 0:
+        return 0
     if n_drop > 8:           # many at once (staged eviction): sort the candidates, O(n log n)
         cand = np.empty(n, np.int64)
         m = 0
@@ -144,23 +147,26 @@ def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
         got = min(n_drop, m)
         out[:got] = cand[:got]
         return got
-    got = 0
-    for i in range(n_drop):
-        best = -1
-        for j in range(n):
-            r = rank_h[j]
-            if r < sinks or r >= n - recent:
+    got = 0                  # one pass, the n_drop lowest kept sorted by (key, seq) in out (insertion)
+    for j in range(n):
+        r = rank_h[j]
+        if r < sinks or r >= n - recent:
+            continue
+        x, s = key_h[j], seq_h[j]
+        if got == n_drop:
+            p = out[got - 1]
+            if not (x < key_h[p] or (x == key_h[p] and s < seq_h[p])):
                 continue
-            if got > 0:       # picks come in (key, seq) order: only slots strictly after the last one qualify
-                p = out[got - 1]
-                if key_h[j] < key_h[p] or (key_h[j] == key_h[p] and seq_h[j] <= seq_h[p]):
-                    continue
-            if best < 0 or key_h[j] < key_h[best] or (key_h[j] == key_h[best] and seq_h[j] < seq_h[best]):
-                best = j
-        if best < 0:
-            break
-        out[got] = best
-        got += 1
+        else:
+            got += 1
+        i = got - 1
+        while i > 0:
+            p = out[i - 1]
+            if not (x < key_h[p] or (x == key_h[p] and s < seq_h[p])):
+                break
+            out[i] = p
+            i -= 1
+        out[i] = j
     return got
 
 
@@ -216,8 +222,8 @@ def _move_slot(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, 
     for d in range(k_l.shape[2]):
         k_l[h, dst, d] = k_l[h, src, d]
         v_l[h, dst, d] = v_l[h, src, d]
-    for i in range(hist_l.shape[2]):
-        hist_l[h, dst, i] = hist_l[h, src, i]
+    for i in range(hist_l.shape[1]):
+        hist_l[h, i, dst] = hist_l[h, i, src]
 
 
 @njit(cache=True, nogil=True)
@@ -339,7 +345,7 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
     computed), tmp (hd,) f32 scratch. Returns None.
     """
     n_kv = seq_l.shape[0]
-    w = hist_l.shape[2]
+    w = hist_l.shape[1]
     for h in range(n_kv):
         if drop_h[h] > 0:
             victims[0] = -1
@@ -347,8 +353,9 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
                 victims[0] = choose_one(key_l[h], seq_l[h], rank_l[h], count_l[h], sinks, recent, grid)
                 got = 1
             if victims[0] < 0:       # several victims, no grid, or no key below inf (NaN keys): the general path
-                for j in range(count_l[h]):
-                    key_l[h, j] = grid_value(key_l[h, j], grid)
+                if grid != GRID_NONE:
+                    for j in range(count_l[h]):
+                        key_l[h, j] = grid_value(key_l[h, j], grid)
                 got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], drop_h[h], sinks, recent, victims)
             if shift:
                 evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l,
@@ -364,7 +371,7 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
         score_l[h, slot] = 0.0
         aux_l[h, slot] = 0
         for i in range(w):
-            hist_l[h, slot, i] = 0.0
+            hist_l[h, i, slot] = 0.0
         count_l[h] = slot + 1
         if rebase != 0:
             kbase_l[h, slot] = pos_l[h, slot]
@@ -474,7 +481,7 @@ class KVStore:
         self.evicted = [np.zeros(nkv, np.int64) for _ in phys]
         self.score = [np.zeros((nkv, p), np.float64) for p in phys]
         self.aux = [np.zeros((nkv, p), np.int64) for p in phys]
-        self.hist = [np.zeros((nkv, p, hw), np.float32) for p in phys]
+        self.hist = [np.zeros((nkv, hw, p), np.float32) for p in phys]
         # per-layer policy state that is not per slot (GVote's recent queries), shape from the policy
         self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
         self.key = np.zeros((nkv, max(phys)), np.float64)      # victim keys, filled by the policy
@@ -517,6 +524,8 @@ class KVStore:
             return int(self.count[il][0] >= self.layer_capacity[il])
         held = int(self.count[il][0]) + 1
         kv = self.kv
+        if not kv.staged:                 # plain per-step eviction: Algorithm 1 with R = sigma = delta = 0
+            return max(0, held - self.layer_capacity[il])
         return held - keep_after(held, self.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop)
 
     def write(self, il: int, k_new: np.ndarray, v_new: np.ndarray, seq: int, q: np.ndarray | None = None) -> None:
@@ -683,7 +692,8 @@ class KVStore:
         "arrays": {"k.0": ndarray, ...}} (per-layer arrays named field.layer). Restored by restore()."""
         arrays = {f"{name}.{il}": a for name in self.array_fields for il, a in enumerate(getattr(self, name))}
         return {"kv": self.kv.to_dict(), "n_seen": int(self.n_seen), "arrays": arrays,
-                "layer_rope_mode": list(self.layer_rope_mode) if self.layer_rope_mode else None}
+                "layer_rope_mode": list(self.layer_rope_mode) if self.layer_rope_mode else None,
+                "hist_layout": "window_major"}
 
     @classmethod
     def restore(cls, spec: ModelSpec, state: dict) -> "KVStore":
@@ -704,6 +714,8 @@ class KVStore:
         fresh = store.state()["arrays"]
         if not any(name.startswith("kbase.") for name in arrays):    # saved before "rebased" existed: no
             arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("kbase.")}}   # rebased layers
+        if state.get("hist_layout") != "window_major":     # saved when hist was (n_kv, P, w): slot-major
+            arrays = {n: (np.swapaxes(np.asarray(a), 1, 2) if n.startswith("hist.") else a) for n, a in arrays.items()}
         if set(arrays) != set(fresh):
             raise ConfigError(f"KV store state has arrays {sorted(set(arrays) ^ set(fresh))[:4]} that do not match "
                               "this model/config")

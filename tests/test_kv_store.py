@@ -118,3 +118,29 @@ def test_shift_mode_keeps_slots_ordered():
     assert store.seq[0][0].tolist() == [0, 1, 9, 10, 11]
     assert store.k[0][0, :, 0].tolist() == [0, 1, 9, 10, 11]
     assert store.pos[0][0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_state_round_trip_and_slot_major_window_of_earlier_saves():
+    """state() -> restore() gives the same arrays; a state saved before the window ring became
+    window-major (hist (n_kv, P, w), no "hist_layout", window totals not in aux) restores to the
+    same store: hist transposed, the fixed-point totals recomputed from it."""
+    from ringllm.runtime.kv_config import KVConfig
+    spec = _spec(window=(0, 0))
+    st = KVStore(spec, KVConfig(capacity=12, policy="snapkv", sinks=1, window=3))
+    rng = np.random.default_rng(5)
+    z = np.zeros((2, 8), np.float32)
+    for t in range(40):
+        for il in range(2):
+            st.write(il, z + rng.standard_normal((2, 8)).astype(np.float32), z, t, np.zeros((4, 8), np.float32))
+            st.policy_impl.observe(st, il, rng.random((2, 12)).astype(np.float32), t)
+        st.n_seen += 1
+    state = st.state()
+    again = KVStore.restore(spec, state)
+    old = {"kv": state["kv"], "n_seen": state["n_seen"], "layer_rope_mode": None,
+           "arrays": {n: (np.ascontiguousarray(np.swapaxes(a, 1, 2)) if n.startswith("hist.")
+                          else np.zeros_like(a) if n.startswith("aux.") else a) for n, a in state["arrays"].items()}}
+    earlier = KVStore.restore(spec, old)
+    for name, a in state["arrays"].items():
+        assert np.array_equal(again.state()["arrays"][name], a), name
+        assert np.array_equal(earlier.state()["arrays"][name], a), name
+    assert st.hist[0].shape == (2, 3, 12) and (st.aux[0][:, :st.count[0][0]] > 0).all()

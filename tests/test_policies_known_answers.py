@@ -142,7 +142,7 @@ def test_snapkv_pooled_window_scores():
     # window sums [0 .2 0 0 .5 0 0]; pooled over 3: [.2 .2 .2 .5 .5 .5 0]; unprotected 1..5 -> lowest .2, oldest 1
     assert _evicted_by_next_write(st) == [1]
     st.policy_impl.observe(st, 0, np.zeros((1, 7), np.float32), 7)   # column 7 % 2 = 1 replaced: only step 6 left
-    sums = dict(zip(st.seq[0][0, :7].tolist(), st.hist[0][0, :7].sum(axis=1).tolist()))
+    sums = dict(zip(st.seq[0][0, :7].tolist(), st.hist[0][0, :, :7].sum(axis=0).tolist()))
     assert sums[4] == pytest.approx(0.1) and sum(sums.values()) == pytest.approx(0.1)
 
 
@@ -167,7 +167,7 @@ def test_window_totals_stay_exact_over_a_long_stream(policy):
     for h in range(2):
         n = st.count[0][h]
         assert st.aux[0][h, :n].tolist() == again[h, :n].tolist()
-        want = RefSnapKV.window_total(st.hist[0][h, :n])
+        want = RefSnapKV.window_total(st.hist[0][h, :, :n].T)
         assert (st.aux[0][h, :n].astype(np.float64) / 2.0 ** 48).tolist() == want.tolist()
     held = np.concatenate([st.aux[0][h, :st.count[0][h]] for h in range(2)])
     assert (held == 0).any() and (held > 0).any()        # totals of only tiny masses are exactly 0
@@ -203,6 +203,23 @@ def test_grid_aware_choice_equals_gridding_every_key(mode):
         want = np.zeros(n + 1, np.int64)
         got_n = choose_victims(gridded[0], seq[0], rank[0], n, 1, sinks, recent, want)
         assert choose_one(raw[0], seq[0], rank[0], n, sinks, recent, grid) == (want[0] if got_n else -1), trial
+
+
+def test_choose_victims_equals_sorting_by_key_then_seq():
+    """kv_store.choose_victims (one insertion pass up to 8 victims, a sort beyond) takes the n_drop
+    lowest (key, seq) among unprotected slots, in that order, on keys with many ties."""
+    from ringllm.runtime.kv_store import choose_victims
+    rng = np.random.default_rng(13)
+    for trial in range(400):
+        n = int(rng.integers(1, 40))
+        key = rng.integers(0, 4, n).astype(np.float64) * rng.choice([1.0, 0.5])
+        seq = rng.permutation(1000)[:n].astype(np.int64)
+        rank = np.argsort(np.argsort(seq)).astype(np.int64)
+        sinks, recent, k = int(rng.integers(0, 3)), int(rng.integers(0, 3)), int(rng.integers(1, 12))
+        want = sorted((key[j], seq[j], j) for j in range(n) if sinks <= rank[j] < n - recent)[:k]
+        out = np.full(k, -1, np.int64)
+        got = choose_victims(key, seq, rank, n, k, sinks, recent, out)
+        assert got == len(want) and out[:got].tolist() == [j for _, _, j in want], trial
 
 
 def test_adakv_select_equals_sorting_every_gridded_key():

@@ -33,7 +33,7 @@ class Policy:
 
     name = "base"
     needs_mass = False        # the attention kernel must emit per-slot mass for observe()
-    history_width = 0         # columns of the store's hist array
+    history_width = 0         # window entries per slot in the store's hist array
     ragged = False            # heads may hold different numbers of tokens (adakv: select, head_slots)
     key_grid = GRID_NONE      # fill_keys = fill_raw_keys, then the keys mapped onto this grid (see grid_value)
     plain_keys = False        # reads store.k expecting keys before RoPE: the layer keeps the "fused" layout

@@ -4,9 +4,10 @@ Importance I_j: the attention mass token j received from the last w queries (sum
 group; the store's hist ring, as for SnapKV), divided by the largest I in the head (so I in [0, 1]).
 Redundancy R_j: the mean cosine similarity of key j (before RoPE) with the other keys the head
 holds, in [-1, 1], computed as (k_j/|k_j|) . S - 1 over n - 1 with S the sum of the normalised held
-keys (O(n d) per decision, not O(n^2 d)). The slot's aux keeps its window total, in fixed point
-as for SnapKV (runtime/policies/snapkv.py), so I_j = T_j / max T. Score Z_j = lambda I_j - (1 - lambda) R_j (lambda =
-rkv_lambda, default 0.1 as in the paper): the victim has the lowest Z, i.e. it is unimportant and
+keys (O(n d) per decision, not O(n^2 d)); the slot's score keeps 1/|k_j|, measured the first
+time the key is read. The slot's aux keeps its window total, in fixed point as for SnapKV
+(runtime/policies/snapkv.py), so I_j = T_j / max T. Score Z_j = lambda I_j - (1 - lambda) R_j
+(lambda = rkv_lambda, default 0.1 as in the paper): the victim has the lowest Z, i.e. it is unimportant and
 repeats what other keys already say. Ties -> the older token. Default recent = w.
 """
 from __future__ import annotations
@@ -19,10 +20,11 @@ from ringllm.runtime.policies.snapkv import MASS_FIXED, check_window, record_win
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _rkv_keys(key, k_l, tot_l, count_l, lam, s, inv):
+def _rkv_keys(key, k_l, tot_l, inv_l, count_l, lam, s):
     """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); tot_l (n_kv, P) i64 the slots'
-    window totals in fixed point (snapkv.record_window, kept by observe); s (hd,) and inv (P,) f64 scratch (1/|k_j|, computed here where
-    the key is read anyway). fastmath: the dot products vectorize (float64, reassociated; far below
+    window totals in fixed point (snapkv.record_window, kept by observe); inv_l (n_kv, P) f64 the
+    slots' 1/|k_j| (the store's score: 0 for a slot not measured yet, computed here the first time
+    the key is read, then it moves with the slot); s (hd,) f64 scratch. fastmath: the dot products vectorize (float64, reassociated; far below
     the key grid)."""
     hd = k_l.shape[2]
     for h in range(k_l.shape[0]):
@@ -31,19 +33,21 @@ def _rkv_keys(key, k_l, tot_l, count_l, lam, s, inv):
             s[d] = 0.0
         top = 0.0
         for j in range(n):
-            nrm = 0.0
+            if inv_l[h, j] == 0.0:      # a key's norm is measured once (keys before RoPE never change)
+                nrm = 0.0
+                for d in range(hd):
+                    nrm += np.float64(k_l[h, j, d]) * k_l[h, j, d]
+                inv_l[h, j] = 1.0 / max(np.sqrt(nrm), 1e-30)
+            inv = inv_l[h, j]
             for d in range(hd):
-                nrm += np.float64(k_l[h, j, d]) * k_l[h, j, d]
-            inv[j] = 1.0 / max(np.sqrt(nrm), 1e-30)
-            for d in range(hd):
-                s[d] += k_l[h, j, d] * inv[j]
+                s[d] += k_l[h, j, d] * inv
             top = max(top, np.float64(tot_l[h, j]))
         top = 1.0 / top if top > 0 else 0.0
         for j in range(n):
             dot = 0.0
             for d in range(hd):
                 dot += k_l[h, j, d] * s[d]
-            red = (dot * inv[j] - 1.0) / max(n - 1, 1)
+            red = (dot * inv_l[h, j] - 1.0) / max(n - 1, 1)
             key[h, j] = lam * np.float64(tot_l[h, j]) * top - (1.0 - lam) * red
 
 
@@ -57,14 +61,11 @@ class RKV(Policy):
         check_window(kv, spec)
         self.history_width = kv.window
         self.s = np.zeros(spec.head_dim, np.float64)
-        self.inv = np.zeros(0, np.float64)
 
     key_grid = GRID_ABS
 
     def fill_raw_keys(self, store, il, q, seq):
-        if self.inv.shape[0] < store.k[il].shape[1]:
-            self.inv = np.zeros(store.k[il].shape[1], np.float64)
-        _rkv_keys(store.key, store.k[il], store.aux[il], store.count[il], self.kv.rkv_lambda, self.s, self.inv)
+        _rkv_keys(store.key, store.k[il], store.aux[il], store.score[il], store.count[il], self.kv.rkv_lambda, self.s)
 
     def observe(self, store, il, mass, seq):
         record_window(store.hist[il], store.aux[il], mass, store.count[il], seq % self.kv.window)
@@ -72,3 +73,4 @@ class RKV(Policy):
     def after_restore(self, store):
         for il in range(store.spec.n_layer):     # a state saved before the window totals were kept in aux
             window_totals(store.aux[il], store.hist[il], store.count[il])
+            store.score[il][...] = 0.0          # 1/|k| measured again on first read (older states kept totals there)

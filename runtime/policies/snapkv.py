@@ -50,26 +50,26 @@ def mass_fixed(m):
 
 @njit(cache=True, nogil=True)
 def record_window(hist_l, tot_l, mass, count_l, col):
-    """hist[h, j, col] = mass[h, j] and tot[h, j] (int64) = the slot's window total in fixed point,
+    """hist[h, col, j] = mass[h, j] and tot[h, j] (int64) = the slot's window total in fixed point,
     for the occupied slots: the total moves by the new entry minus the one it replaces. Integer
-    sums are exact, so this equals window_totals' sum of the whole row, in any order, for ever."""
+    sums are exact, so this equals window_totals' sum of the slot's whole window, in any order, for
+    ever. hist (n_kv, w, P) is window-major: the column read and written here is contiguous."""
     for h in range(hist_l.shape[0]):
         for j in range(count_l[h]):
             m = mass[h, j]
-            tot_l[h, j] += mass_fixed(m) - mass_fixed(hist_l[h, j, col])
-            hist_l[h, j, col] = m
+            tot_l[h, j] += mass_fixed(m) - mass_fixed(hist_l[h, col, j])
+            hist_l[h, col, j] = m
 
 
 @njit(cache=True, nogil=True)
 def window_totals(tot_l, hist_l, count_l):
-    """tot[h, j] = sum over the row hist[h, j, :] of mass_fixed (as record_window keeps it)."""
-    w = hist_l.shape[2]
+    """tot[h, j] = sum over the slot's window hist[h, :, j] of mass_fixed (as record_window keeps it)."""
     for h in range(hist_l.shape[0]):
         for j in range(count_l[h]):
-            acc = 0
-            for i in range(w):
-                acc += mass_fixed(hist_l[h, j, i])
-            tot_l[h, j] = acc
+            tot_l[h, j] = 0
+        for i in range(hist_l.shape[1]):
+            for j in range(count_l[h]):
+                tot_l[h, j] += mass_fixed(hist_l[h, i, j])
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -109,8 +109,8 @@ class SnapKV(Policy):
 
     def rank_scratch(self, store, il) -> np.ndarray:
         """pooled_keys' by_rank scratch, (2P,) f64 for layer il's P slots per head."""
-        if self.by_rank.shape[0] < 2 * store.hist[il].shape[1]:
-            self.by_rank = np.zeros(2 * store.hist[il].shape[1], np.float64)
+        if self.by_rank.shape[0] < 2 * store.seq[il].shape[1]:
+            self.by_rank = np.zeros(2 * store.seq[il].shape[1], np.float64)
         return self.by_rank
 
     def fill_raw_keys(self, store, il, q, seq):
