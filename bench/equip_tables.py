@@ -75,7 +75,7 @@ def _update_driver():
 
     @njit(cache=False, nogil=True)
     def run(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, kvs, seq0, key_l,
-            drop_h, sinks, by_score, victims, shift, inv_freq, angles, angle_tag, tmp):
+            drop_h, sinks, by_score, victims, shift, inv_freq, angles, angle_tag, tmp, ksum):
         nkv = seq_l.shape[0]
         for i in range(kvs.shape[0]):
             if i == 0:
@@ -86,7 +86,7 @@ def _update_driver():
                 drop_h[:] = 0
             kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l,
                             kvs[i, 0], kvs[i, 1], seq0 + i, key_l, 0, drop_h, sinks, 0, True, victims, shift,
-                            0, inv_freq, 1.0, 2 * inv_freq.shape[0], angles, angle_tag, tmp)
+                            0, inv_freq, 1.0, 2 * inv_freq.shape[0], angles, angle_tag, tmp, ksum)
     return run
 
 
@@ -123,7 +123,7 @@ def update_table(spec, caches, evict, repeats, policies=("streaming", "h2o")):
                         run(st.k[il], st.v[il], st.seq[il], st.rank[il], st.pos[il], st.kbase[il], st.score[il],
                             st.aux[il], st.hist[il], st.count[il], st.evicted[il], kvs, cap + evict - 1, st.key, drop,
                             4, pol == "h2o", st.victims, mode == "shift", st.layer_inv_freq[il], st.layer_angles[il],
-                            st.layer_angle_tag[il], st.ktmp)
+                            st.layer_angle_tag[il], st.ktmp, st.ksum[il])
                     if rep:
                         times[mode].append(time.perf_counter() - t0)
                     assert int(st.evicted[0].sum()) == evict * nkv and int(st.count[0][0]) == cap + evict - 1

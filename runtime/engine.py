@@ -438,7 +438,7 @@ class CPUEngine:
         args = (store.k[il], store.v[il], store.seq[il], store.rank[il], store.pos[il], store.kbase[il],
                 store.score[il], store.aux[il], store.hist[il], store.count[il], store.evicted[il])
         rope = (store.layer_inv_freq[il], store.layer_inv_scale[il], self.spec.rotary_dim, store.layer_angles[il],
-                store.layer_angle_tag[il], store.ktmp)
+                store.layer_angle_tag[il], store.ktmp, store.ksum[il])
         sinks, shift = store.layer_sinks[il], store.update == "shift"
         inserts = type(policy).on_insert is not Policy.on_insert
         for t in range(t0, t0 + T):

@@ -10,7 +10,7 @@ k tokens enter, k tokens leave, one call per layer:
     older than it: O(n log m) instead of m passes of O(n)).
   * KVJournal (KVStore.begin_journal / rollback / commit): before every write of a journaled
     token, the store's small per-slot arrays of that layer (seq, rank, kbase, pos, count, evicted,
-    score, aux, hist, extra: a few KB) are snapshot and the K/V/RK rows the write will overwrite (the
+    score, aux, hist, extra, ksum: a few KB) are snapshot and the K/V/RK rows the write will overwrite (the
     ring's slot, or the policy's victims, the new token's slot and the keys a "rebased" layer will
     re-rotate) are saved. rollback(n_keep)
     puts the saved rows back in reverse order (one kv_put_rows call per layer: the rejected tokens
@@ -151,7 +151,7 @@ class KVJournal:
     None): the rows that write overwrites, as they were.
     """
 
-    SNAP_FIELDS = ("seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra")
+    SNAP_FIELDS = ("seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra", "ksum")
 
     def __init__(self, store, max_tokens: int):
         if max_tokens < 1:

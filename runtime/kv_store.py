@@ -15,6 +15,10 @@ Arrays per layer il (allocated once, never resized, never shifted; P = physical 
     aux[il]        (n_kv_head, P) int64   policy bits per slot (LSH code, Scissorhands history)
     hist[il]       (n_kv_head, w, P) float32  last w attention masses per slot, window-major: column c of
                                               every slot contiguous (windowed policies only)
+    ksum[il]       (n_kv_head, head_dim) int64  per head, the sum over held slots of the unit key
+                                              k/|k| (before RoPE) in units of 2^-40, kept by the write
+                                              kernel for policies with keeps_key_sum (rkv; score then
+                                              holds 1/|k|); (0, head_dim) for the others
 
 Positions (DESIGN.md):
     reindexed: a token's position is its rank, by sequence index, among the tokens its head holds;
@@ -42,6 +46,7 @@ from numba import njit
 
 from ringllm.runtime.attention import _angles_at, _rotate_with
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.key_sum import key_inv_norm, key_sum_move, key_sums
 from ringllm.runtime.kv_config import KVConfig, keep_after
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies.base import GRID_NONE, grid_cell_bound, grid_value
@@ -53,7 +58,6 @@ from ringllm.runtime.policies.base import GRID_NONE, grid_cell_bound, grid_value
 # "rebased" policy layers: the largest offset (kbase - pos) a stored key may have before it is
 # re-rotated to its position; the attention kernel rotates the query once per offset in use
 REBASE_LIMIT = 16
-
 
 @njit(cache=True, nogil=True, inline="always")
 def _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new):
@@ -326,7 +330,7 @@ def rotate_keys_to(k_l, kbase_l, target_l, count_l, inv_freq, inv_scale, rotary_
 @njit(cache=True, nogil=True)
 def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
                     seq_new, key_l, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase, inv_freq,
-                    inv_scale, rotary_dim, angles, angle_tag, tmp):
+                    inv_scale, rotary_dim, angles, angle_tag, tmp, ksum):
     """Evict drop_h[h] tokens of each head h (lowest key_l among unprotected slots) and write the new token.
 
     drop_h (n_kv,) i64: equal for every head but under adakv; key_l (n_kv, P) f64 filled by the
@@ -342,7 +346,9 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
     (rotary_dim/2,) f64, inv_scale = 1/rope scale; angles (2, rotary_dim/2) f32 and angle_tag (1,) i64:
     the layer's cache of the last new key's rotation (cos, sin and the position they are for; in
     reindexed mode a full store writes at the same position every step, so no cos/sin is
-    computed), tmp (hd,) f32 scratch. Returns None.
+    computed), tmp (hd,) f32 scratch. ksum (n_kv, hd) i64: when it has rows (keeps_key_sum
+    policies, "fused" layers), the victims' unit keys leave it and the new key's enters, and the new
+    slot's score is its 1/|k| (key_sum_move). Returns None.
     """
     n_kv = seq_l.shape[0]
     w = hist_l.shape[1]
@@ -357,6 +363,9 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
                     for j in range(count_l[h]):
                         key_l[h, j] = grid_value(key_l[h, j], grid)
                 got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], drop_h[h], sinks, recent, victims)
+            if ksum.shape[0] > 0:
+                for m in range(got):
+                    key_sum_move(ksum, k_l, h, victims[m], score_l[h, victims[m]], -1)
             if shift:
                 evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l,
                                   evicted_l, h, victims, got, reindexed)
@@ -373,6 +382,9 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
         for i in range(w):
             hist_l[h, i, slot] = 0.0
         count_l[h] = slot + 1
+        if ksum.shape[0] > 0:
+            score_l[h, slot] = key_inv_norm(k_l, h, slot)
+            key_sum_move(ksum, k_l, h, slot, score_l[h, slot], 1)
         if rebase != 0:
             kbase_l[h, slot] = pos_l[h, slot]
             _rotate_key_by(k_l, h, slot, pos_l[h, slot], angle_tag, angles, inv_freq, inv_scale, rotary_dim, tmp)
@@ -484,6 +496,8 @@ class KVStore:
         self.hist = [np.zeros((nkv, hw, p), np.float32) for p in phys]
         # per-layer policy state that is not per slot (GVote's recent queries), shape from the policy
         self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
+        ks_rows = nkv if self.policy_impl.keeps_key_sum else 0
+        self.ksum = [np.zeros((ks_rows, hd), np.int64) for _ in phys]     # rkv: sum of unit keys per head
         self.key = np.zeros((nkv, max(phys)), np.float64)      # victim keys, filled by the policy
         self.victims = np.zeros(max(phys) + 1, np.int64)
         self.drop_h = np.zeros(nkv, np.int64)                   # victims per head of the next policy write
@@ -547,7 +561,7 @@ class KVStore:
                         seq, self.key, grid, self.drop_h, self.layer_sinks[il], self.recent, self.reindexed,
                         self.victims, self.update == "shift", self.layer_rebase[il], self.layer_inv_freq[il],
                         self.layer_inv_scale[il], self.spec.rotary_dim, self.layer_angles[il],
-                        self.layer_angle_tag[il], self.ktmp)
+                        self.layer_angle_tag[il], self.ktmp, self.ksum[il])
 
     def prepare_policy_write(self, il: int, q: np.ndarray | None, seq: int) -> int:
         """Before a write into policy layer il: how many tokens each head drops (self.drop_h) and, when
@@ -641,7 +655,8 @@ class KVStore:
         slots (n_kv, m) ints (an occupied slot: its token leaves; a free one: count, count + 1, ...),
         k_rows, v_rows (m, n_kv, head_dim) float32, seqs (m,) increasing and newer than every held
         token (keys laid out as the layer's RoPE strategy stores them: on a "rebased" layer, rotated at
-        their logical position). Ranks/positions updated; the new slots' score/aux/hist zeroed."""
+        their logical position). Ranks/positions updated; the new slots' score/aux/hist zeroed (under
+        rkv, score = 1/|k| and ksum rebuilt)."""
         from ringllm.runtime.kv_multi import check_replace_many, kv_replace_many
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         seqs = np.ascontiguousarray(seqs, dtype=np.int64).reshape(-1)
@@ -655,6 +670,8 @@ class KVStore:
         kv_replace_many(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.kbase[il],
                         self.score[il], self.aux[il], self.hist[il], self.count[il], self.evicted[il], slots, k_rows,
                         v_rows, seqs, self.reindexed, self.rope_mode(il) == "rebased", np.empty(seqs.size, np.int64))
+        if self.ksum[il].shape[0] > 0:     # rkv's sum of unit keys: rebuilt (m new keys, m leaving)
+            key_sums(self.ksum[il], self.k[il], self.score[il], self.count[il])
 
     def begin_journal(self, max_tokens: int):
         """Journal the next (up to) max_tokens tokens fed, so that rollback(n_keep) can take the last
@@ -684,7 +701,7 @@ class KVStore:
 
     @property
     def array_fields(self) -> tuple[str, ...]:
-        base = ("k", "v", "seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra")
+        base = ("k", "v", "seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra", "ksum")
         return base + (() if self.reindexed else ("pos",)) + (("rk",) if self.rk is not None else ())
 
     def state(self) -> dict:
@@ -714,6 +731,8 @@ class KVStore:
         fresh = store.state()["arrays"]
         if not any(name.startswith("kbase.") for name in arrays):    # saved before "rebased" existed: no
             arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("kbase.")}}   # rebased layers
+        if not any(name.startswith("ksum.") for name in arrays):     # saved before ksum: rkv rebuilds it
+            arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("ksum.")}}    # (after_restore)
         if state.get("hist_layout") != "window_major":     # saved when hist was (n_kv, P, w): slot-major
             arrays = {n: (np.swapaxes(np.asarray(a), 1, 2) if n.startswith("hist.") else a) for n, a in arrays.items()}
         if set(arrays) != set(fresh):

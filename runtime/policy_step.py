@@ -21,9 +21,9 @@ from ringllm.runtime.kv_store import kv_write_policy
 @njit(cache=True, nogil=True)
 def policy_write_attend(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new,
                         v_new, seq_new, key_l, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase,
-                        inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp,
+                        inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp, ksum,
                         out, q, cos, sin, scale, scores, qvar, have, krot, qrot, q_pos, mass, offs):
-    """kv_write_policy (arguments k_l .. tmp as there, drop_h filled by KVStore.prepare_policy_write),
+    """kv_write_policy (arguments k_l .. ksum as there, drop_h filled by KVStore.prepare_policy_write),
     then the new token's attention over the layer: out (n_head, hd) f32, q (n_head, hd) f32 the
     query before RoPE, cos/sin (n_pos, rotary_dim/2) the RopeTable, scale the score multiplier;
     scratch scores (n_head, P), qvar (R, n_head, hd), have (R,) i64, krot (hd,), qrot (n_head, hd)
@@ -33,7 +33,7 @@ def policy_write_attend(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l,
     before RoPE (attend)."""
     kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new,
                     v_new, seq_new, key_l, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase, inv_freq,
-                    inv_scale, rotary_dim, angles, angle_tag, tmp)
+                    inv_scale, rotary_dim, angles, angle_tag, tmp, ksum)
     for h in range(count_l.shape[0]):
         q_pos[h] = count_l[h] - 1 if reindexed else seq_new
     if rebase != 0:

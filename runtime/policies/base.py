@@ -37,6 +37,7 @@ class Policy:
     ragged = False            # heads may hold different numbers of tokens (adakv: select, head_slots)
     key_grid = GRID_NONE      # fill_keys = fill_raw_keys, then the keys mapped onto this grid (see grid_value)
     plain_keys = False        # reads store.k expecting keys before RoPE: the layer keeps the "fused" layout
+    keeps_key_sum = False     # the write kernel keeps store.ksum (sum of unit keys per head), score = 1/|k|
 
     def __init__(self, kv, spec):
         self.kv, self.spec = kv, spec

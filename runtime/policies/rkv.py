@@ -4,9 +4,11 @@ Importance I_j: the attention mass token j received from the last w queries (sum
 group; the store's hist ring, as for SnapKV), divided by the largest I in the head (so I in [0, 1]).
 Redundancy R_j: the mean cosine similarity of key j (before RoPE) with the other keys the head
 holds, in [-1, 1], computed as (k_j/|k_j|) . S - 1 over n - 1 with S the sum of the normalised held
-keys (O(n d) per decision, not O(n^2 d)); the slot's score keeps 1/|k_j|, measured the first
-time the key is read. The slot's aux keeps its window total, in fixed point as for SnapKV
-(runtime/policies/snapkv.py), so I_j = T_j / max T. Score Z_j = lambda I_j - (1 - lambda) R_j
+keys (O(n d) per decision, not O(n^2 d)). S is kept by the store's write kernel as keys enter and
+leave (store.ksum, exact integers in units of 2^-40 per component: S differs from the float sum by
+at most n 2^-41 per component, R by < 1e-10, far below the key grid), and the slot's score keeps
+1/|k_j|, measured when the key is written: one pass over the keys per decision. The slot's aux
+keeps its window total, in fixed point as for SnapKV (runtime/policies/snapkv.py), so I_j = T_j / max T. Score Z_j = lambda I_j - (1 - lambda) R_j
 (lambda = rkv_lambda, default 0.1 as in the paper): the victim has the lowest Z, i.e. it is unimportant and
 repeats what other keys already say. Ties -> the older token. Default recent = w.
 """
@@ -15,32 +17,25 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ringllm.runtime.key_sum import KEY_SUM_FIXED, key_sums
 from ringllm.runtime.policies.base import GRID_ABS, Policy
 from ringllm.runtime.policies.snapkv import MASS_FIXED, check_window, record_window, window_totals
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _rkv_keys(key, k_l, tot_l, inv_l, count_l, lam, s):
+def _rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
     """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); tot_l (n_kv, P) i64 the slots'
     window totals in fixed point (snapkv.record_window, kept by observe); inv_l (n_kv, P) f64 the
-    slots' 1/|k_j| (the store's score: 0 for a slot not measured yet, computed here the first time
-    the key is read, then it moves with the slot); s (hd,) f64 scratch. fastmath: the dot products vectorize (float64, reassociated; far below
-    the key grid)."""
+    slots' 1/|k_j| and ksum (n_kv, hd) i64 the sum of the held unit keys in units of 2^-40 (both kept
+    by the store's write kernel, runtime/key_sum.py); s (hd,) f64 scratch. One pass over the keys.
+    fastmath: the dot products vectorize (float64, reassociated; far below the key grid)."""
     hd = k_l.shape[2]
     for h in range(k_l.shape[0]):
         n = count_l[h]
         for d in range(hd):
-            s[d] = 0.0
+            s[d] = ksum[h, d] / KEY_SUM_FIXED
         top = 0.0
         for j in range(n):
-            if inv_l[h, j] == 0.0:      # a key's norm is measured once (keys before RoPE never change)
-                nrm = 0.0
-                for d in range(hd):
-                    nrm += np.float64(k_l[h, j, d]) * k_l[h, j, d]
-                inv_l[h, j] = 1.0 / max(np.sqrt(nrm), 1e-30)
-            inv = inv_l[h, j]
-            for d in range(hd):
-                s[d] += k_l[h, j, d] * inv
             top = max(top, np.float64(tot_l[h, j]))
         top = 1.0 / top if top > 0 else 0.0
         for j in range(n):
@@ -55,6 +50,7 @@ class RKV(Policy):
     name = "rkv"
     needs_mass = True
     plain_keys = True        # redundancy is measured between keys before RoPE
+    keeps_key_sum = True     # the write kernel keeps the sum of unit keys (store.ksum) and 1/|k| (score)
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)
@@ -65,12 +61,13 @@ class RKV(Policy):
     key_grid = GRID_ABS
 
     def fill_raw_keys(self, store, il, q, seq):
-        _rkv_keys(store.key, store.k[il], store.aux[il], store.score[il], store.count[il], self.kv.rkv_lambda, self.s)
+        _rkv_keys(store.key, store.k[il], store.aux[il], store.score[il], store.count[il], store.ksum[il],
+                  self.kv.rkv_lambda, self.s)
 
     def observe(self, store, il, mass, seq):
         record_window(store.hist[il], store.aux[il], mass, store.count[il], seq % self.kv.window)
 
     def after_restore(self, store):
-        for il in range(store.spec.n_layer):     # a state saved before the window totals were kept in aux
-            window_totals(store.aux[il], store.hist[il], store.count[il])
-            store.score[il][...] = 0.0          # 1/|k| measured again on first read (older states kept totals there)
+        for il in range(store.spec.n_layer):     # states saved before the window totals were kept in aux,
+            window_totals(store.aux[il], store.hist[il], store.count[il])      # or before ksum: both rebuilt
+            key_sums(store.ksum[il], store.k[il], store.score[il], store.count[il])   # (equal to what was kept)
