@@ -122,6 +122,8 @@ def main():
     ap.add_argument("--name", default="kv_quality")
     ap.add_argument("--loss-tokens", type=int, default=2000, help="tokens for the attention-loss measure (0: skip)")
     ap.add_argument("--resume", action="store_true", help="keep the entries of bench/results/<name>.json, run the rest")
+    ap.add_argument("--ppl-from", default="", help="with --resume: start <name> from this result's needle and "
+                    "attention-loss entries (they do not depend on --tokens) and rerun only the perplexities")
     ap.add_argument("--merge", default="", help="comma list of result names whose models are merged into <name>")
     args = ap.parse_args()
     if args.merge:
@@ -142,6 +144,11 @@ def main():
     if args.resume and os.path.exists(path):
         with open(path) as fh:
             old = json.load(fh)["models"]
+    elif args.resume and args.ppl_from:
+        with open(os.path.join(RESULTS, args.ppl_from + ".json")) as fh:
+            old = {name: {"ceiling": None, "needle_ceiling": m["needle_ceiling"], "tokens": args.tokens, "ppl": {},
+                          "needle": m["needle"], "attention_loss": m["attention_loss"], "seconds": {}, "stats": {}}
+                   for name, m in json.load(fh)["models"].items()}
     for name in args.models.split(","):
         model = load_model(paths[name]())
         eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads)
@@ -156,7 +163,8 @@ def main():
         if res["ceiling"] is None:
             ceiling_kv = KVConfig(capacity=model.spec.n_ctx, policy="streaming", sinks=4)
             res["ceiling"] = streaming_ppl(eng, ceiling_kv, ids)[0]
-            res["needle_ceiling"] = needle_hits(eng, model, ceiling_kv, text, args.needles)
+            if args.needles or "needle_ceiling" not in res:
+                res["needle_ceiling"] = needle_hits(eng, model, ceiling_kv, text, args.needles)
             print(name, "ceiling", res["ceiling"], res["needle_ceiling"], f"{time.time() - t0:.0f}s", flush=True)
         for pol in policies:
             for b in budgets:
@@ -168,7 +176,8 @@ def main():
                 res["ppl"][key], stats = streaming_ppl(eng, kv, ids)
                 res["stats"][key] = {k: v for k, v in stats.items() if k.startswith("gvote_budget_mean")
                                      or k in ("length", "evicted_total")}
-                res["needle"][key] = needle_hits(eng, model, kv, text, args.needles)
+                if args.needles or key not in res["needle"]:     # --needles 0 keeps probes resumed from a file
+                    res["needle"][key] = needle_hits(eng, model, kv, text, args.needles)
                 if args.loss_tokens:
                     res["attention_loss"][key] = attention_loss(eng, kv, ids[:args.loss_tokens])
                 res["seconds"][key] = time.time() - t0
