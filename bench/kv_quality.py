@@ -126,6 +126,8 @@ def main():
                     "attention-loss entries (they do not depend on --tokens) and rerun only the perplexities")
     ap.add_argument("--skip-ceiling", action="store_true", help="a shard without the ceiling run (another shard "
                     "has it; --merge that one first)")
+    ap.add_argument("--loss-only", action="store_true", help="with --resume: rerun only the attention loss, over "
+                    "--loss-tokens tokens, of the entries that have none or one over fewer tokens")
     ap.add_argument("--merge", default="", help="comma list of result names whose models are merged into <name>")
     args = ap.parse_args()
     if args.merge:
@@ -162,6 +164,9 @@ def main():
         res["tokens"] = args.tokens
         results["models"][name] = res
         t0 = time.time()
+        if args.loss_only:
+            loss_only(eng, res, policies, budgets, ids, args, results)
+            continue
         if res["ceiling"] is None and not args.skip_ceiling:
             ceiling_kv = KVConfig(capacity=model.spec.n_ctx, policy="streaming", sinks=4)
             res["ceiling"] = streaming_ppl(eng, ceiling_kv, ids)[0]
@@ -182,11 +187,31 @@ def main():
                     res["needle"][key] = needle_hits(eng, model, kv, text, args.needles)
                 if args.loss_tokens:
                     res["attention_loss"][key] = attention_loss(eng, kv, ids[:args.loss_tokens])
+                    res.setdefault("loss_tokens", {})[key] = args.loss_tokens
                 res["seconds"][key] = time.time() - t0
                 print(name, key, f"ppl {res['ppl'][key]:.3f}", "needle", sum(res["needle"][key]), "/", args.needles,
                       "loss", res["attention_loss"].get(key),
                       f"{res['seconds'][key]:.0f}s", flush=True)
                 write(results, args)
+    write(results, args)
+
+
+def loss_only(eng, res: dict, policies, budgets, ids, args, results) -> None:
+    """--loss-only: the attention loss of each (policy, budget) over the first --loss-tokens tokens,
+    where the entry has none or one measured over fewer tokens; perplexities and needles are kept."""
+    from ringllm.runtime.kv_config import KVConfig
+    done = res.setdefault("loss_tokens", {})
+    for pol in policies:
+        for b in budgets:
+            key = f"{pol}@{b}"
+            if done.get(key, 0) >= args.loss_tokens:
+                continue
+            t0 = time.time()
+            res["attention_loss"][key] = attention_loss(eng, KVConfig(capacity=b, policy=pol, sinks=4),
+                                                        ids[:args.loss_tokens])
+            done[key] = args.loss_tokens
+            print(key, "loss", f"{res['attention_loss'][key]:.4f}", f"{time.time() - t0:.0f}s", flush=True)
+            write(results, args)
     write(results, args)
 
 
@@ -202,7 +227,7 @@ def merge(args) -> None:
         for name, model in res["models"].items():      # the same model from several shards: union of entries
             have = out["models"].setdefault(name, model)
             if have is not model:
-                for field in ("ppl", "needle", "attention_loss", "seconds", "stats"):
+                for field in ("ppl", "needle", "attention_loss", "loss_tokens", "seconds", "stats"):
                     have.setdefault(field, {}).update(model.get(field, {}))
         out["policies"] += [p for p in res["policies"] if p not in out["policies"]]
     args.models = ",".join(out["models"])
@@ -235,6 +260,11 @@ def write(results: dict, args) -> None:
             cells += [f"{res['attention_loss'][f'{pol}@{b}']:.4f}" if f"{pol}@{b}" in res.get("attention_loss", {})
                       else "-" for b in results["budgets"]]
             md.append(f"| {pol} | " + " | ".join(cells) + " |")
+        spans = sorted(set(res.get("loss_tokens", {}).values()))
+        if spans:
+            md.append("\nAttention loss measured over the first " + " / ".join(f"{n:,}" for n in spans)
+                      + " tokens of the text (every token fed one at a time through the policy's store and a "
+                      "full one).")
         chosen = {k: v["gvote_budget_mean"] for k, v in res.get("stats", {}).items() if v.get("gvote_budget_mean")}
         if chosen:
             md.append("\nGVote's chosen budgets (mean over steps and layers of the nucleus size it kept, the "
