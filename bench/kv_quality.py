@@ -56,7 +56,8 @@ def attention_loss(eng, kv, ids: np.ndarray) -> float:
     The ids are fed one at a time through two stores of one engine: the policy's and a full one
     whose attention emits per-token mass (engine mass hook). At every step, layer and kv head, the
     full attention mass of the tokens missing from the policy's store is summed (over the GQA
-    group, / group: a share in [0, 1]); the mean over steps, layers and heads is returned.
+    group, / group: a share in [0, 1]); the mean over steps, layers and heads is returned. Tokens are
+    matched by sequence index; a sliding-window layer's full store holds the model's own window.
     """
     from ringllm.runtime.kv_config import KVConfig
 
@@ -72,9 +73,9 @@ def attention_loss(eng, kv, ids: np.ndarray) -> float:
             return
         for h in range(spec.n_head_kv):
             n = int(store.count[il][h])
-            keep = np.zeros(n, bool)
-            keep[held[il][h][held[il][h] < n]] = True        # full store: slot j holds token j
-            acc["loss"] += float(mass[h, :n][~keep].sum()) / group
+            # the full store's tokens by slot (a sliding-window layer is a ring: slot j is not token j)
+            gone = ~np.isin(store.seq[il][h, :n], held[il][h])
+            acc["loss"] += float(mass[h, :n][gone].sum()) / group
             acc["n"] += 1
 
     full.mass_hook = on_mass
