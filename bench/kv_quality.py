@@ -187,14 +187,19 @@ def main():
                 if args.needles or key not in res["needle"]:     # --needles 0 keeps probes resumed from a file
                     res["needle"][key] = needle_hits(eng, model, kv, text, args.needles)
                 if args.loss_tokens:
-                    res["attention_loss"][key] = attention_loss(eng, kv, ids[:args.loss_tokens])
-                    res.setdefault("loss_tokens", {})[key] = args.loss_tokens
+                    record_loss(eng, res, key, kv, ids, args.loss_tokens)
                 res["seconds"][key] = time.time() - t0
                 print(name, key, f"ppl {res['ppl'][key]:.3f}", "needle", sum(res["needle"][key]), "/", args.needles,
                       "loss", res["attention_loss"].get(key),
                       f"{res['seconds'][key]:.0f}s", flush=True)
                 write(results, args)
     write(results, args)
+
+
+def record_loss(eng, res: dict, key: str, kv, ids: np.ndarray, n: int) -> None:
+    """res's attention loss of entry `key` over the first n ids, and the span it was measured over."""
+    res["attention_loss"][key] = attention_loss(eng, kv, ids[:n])
+    res.setdefault("loss_tokens", {})[key] = n
 
 
 def loss_only(eng, res: dict, policies, budgets, ids, args, results) -> None:
@@ -208,9 +213,7 @@ def loss_only(eng, res: dict, policies, budgets, ids, args, results) -> None:
             if done.get(key, 0) >= args.loss_tokens:
                 continue
             t0 = time.time()
-            res["attention_loss"][key] = attention_loss(eng, KVConfig(capacity=b, policy=pol, sinks=4),
-                                                        ids[:args.loss_tokens])
-            done[key] = args.loss_tokens
+            record_loss(eng, res, key, KVConfig(capacity=b, policy=pol, sinks=4), ids, args.loss_tokens)
             print(key, "loss", f"{res['attention_loss'][key]:.4f}", f"{time.time() - t0:.0f}s", flush=True)
             write(results, args)
     write(results, args)
