@@ -29,8 +29,8 @@ from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import REBASE_LIMIT, KVStore, kv_write_kshift
 from ringllm.runtime.model_spec import ModelSpec
-from ringllm.runtime.policies.base import Policy
-from ringllm.runtime.policy_step import policy_write_attend
+from ringllm.runtime.policies.base import STEP_GENERIC, Policy
+from ringllm.runtime.policy_step import policy_layer_step, policy_write_attend
 from ringllm.runtime.ops import ACT_CODES, add_bias, act_inplace, gated_act, layer_norm_rows, rms_norm_rows, softcap
 from ringllm.runtime.qtensor import QTensor
 
@@ -425,12 +425,13 @@ class CPUEngine:
 
     def _attend_policy(self, il: int, b: _Buffers, store: KVStore, policy, seq0: int, t0: int, T: int, kk: np.ndarray,
                        v3: np.ndarray, table, scale: np.float32, mass: np.ndarray, hook) -> None:
-        """_attend_dense for a layer where the policy chooses victims: per token the policy's keys
-        (KVStore.prepare_policy_write; the rollback journal, when one runs, saves the rows the step
-        will change), then eviction, write and attention in one kernel call
-        (policy_step.policy_write_attend), then the policy's observe. Every policy layer takes this
-        one path, journaled or not: a rollback's replay and a plain feed run the same machine code,
-        so their stores agree bitwise."""
+        """_attend_dense for a layer where the policy chooses victims, per token: for a policy with a
+        compiled step (Policy.step_kind) and no rollback journal, policy_step.policy_layer_step (keys,
+        eviction, write, attention and observe in one call); otherwise, or when that step declines
+        (gvote evicting), the policy's keys (KVStore.prepare_policy_write; the journal, when one runs,
+        saves the rows the step will change), then eviction, write and attention in one kernel call
+        (policy_step.policy_write_attend), then the policy's on_insert and observe. Both paths run
+        the same kernels in the same order: a rollback's replay and a plain feed agree bitwise."""
         nh, hd = self.spec.n_head, self.spec.head_dim
         rebase = store.layer_rebase[il]
         if not store.reindexed and seq0 + T + REBASE_LIMIT >= table.cos.shape[0]:
@@ -441,9 +442,23 @@ class CPUEngine:
                 store.layer_angle_tag[il], store.ktmp, store.ksum[il])
         sinks, shift = store.layer_sinks[il], store.update == "shift"
         inserts = type(policy).on_insert is not Policy.on_insert
+        kind = policy.step_kind if store.journal is None else STEP_GENERIC
+        if kind != STEP_GENERIC:
+            kv = store.kv
+            stage = (store.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop)
+            params = policy.step_params(store, il)
         for t in range(t0, t0 + T):
             seq = seq0 + t - t0
             q_t = b.q[t].reshape(nh, hd)
+            if kind != STEP_GENERIC and policy_layer_step(
+                    kind, *args, kk[t], v3[t], seq, store.key, policy.key_grid, store.drop_h, *stage, sinks,
+                    store.recent, store.reindexed, store.victims, shift, rebase, *rope, self.out3, q_t, table.cos,
+                    table.sin, scale, self.scores, self.qvar, self.qvar_have, self.krot, self.qrot, self.qpos, mass,
+                    self.offs, *params):
+                if hook is not None:
+                    hook(il, mass, store)
+                b.att[t] = self.out3.reshape(-1)
+                continue
             grid = store.prepare_policy_write(il, q_t, seq)
             if store.journal is not None:
                 store.journal.before_policy(store, il)

@@ -1,4 +1,4 @@
-"""One token through one policy layer in a single kernel call: evict, write, attend.
+"""One token through one policy layer in a single kernel call: keys, evict, write, attend, observe.
 
 A decode step of a layer where an eviction policy chooses victims used to be five calls from
 Python (the store's write kernel, the query positions, the attention kernel, and the policy's
@@ -7,15 +7,34 @@ array) and the interpreter's glue: at 30 layers that glue cost as much as the po
 policy_write_attend runs the store's write kernel (kv_store.kv_write_policy), sets the query's
 logical position per kv head and runs the attention kernel of the layer's RoPE layout
 (attention.attend_rebased, or attention.attend for keys stored before RoPE) in one call. The
-policy's fill_keys (before) and observe (after) stay policy methods: they differ per policy.
-Same arithmetic as the separate calls, in the same order: results are bit-identical.
+policy's fill_keys (before) and observe (after) stay policy methods there: they differ per policy.
+
+policy_layer_step goes further for the policies whose per-step work is a fixed kernel (Policy.step_kind:
+h2o, tova, scissorhands, the SnapKV family, adakv, rkv, gvote's query history): the drop count
+(staged eviction, Algorithm 1), the policy's keys, policy_write_attend and the policy's observe in
+one call. Measured in a decode step at budget 256 (SmolLM2, 1 thread, hot caches), the Python
+between those calls (KVStore.prepare_policy_write, the policy's methods, their dispatch) was 3 to
+10 us per layer of the 40 to 65 a policy layer took; beside the matrix products split over two
+threads it is serial time. The engine takes the Python path (KVStore.prepare_policy_write, the
+policy's methods, policy_write_attend) when a rollback journal runs (it saves the rows a step
+changes between choosing and writing) and for gvote's eviction steps (its budget vote keeps
+statistics in Python); policy_layer_step then returns False before changing anything.
+Same kernels as the separate calls, in the same order: results are bit-identical.
 """
 from __future__ import annotations
 
 from numba import njit
 
 from ringllm.runtime.attention import attend, attend_rebased
+from ringllm.runtime.kv_config import keep_after
 from ringllm.runtime.kv_store import kv_write_policy
+from ringllm.runtime.policies.adakv import select_drops
+from ringllm.runtime.policies.base import (GRID_NONE, STEP_ADAKV, STEP_GVOTE, STEP_H2O, STEP_RKV, STEP_SCISSORHANDS,
+                                          STEP_SNAPKV, STEP_TOVA, accumulate_mass, copy_keys)
+from ringllm.runtime.policies.rkv import rkv_keys
+from ringllm.runtime.policies.scissorhands import unimportant_keys, update_history
+from ringllm.runtime.policies.snapkv import pooled_keys, record_window
+from ringllm.runtime.policies.tova import latest_mean
 
 
 @njit(cache=True, nogil=True)
@@ -41,3 +60,60 @@ def policy_write_attend(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l,
                        have, mass, offs)
     else:
         attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale, scores, krot, qrot, mass)
+
+
+@njit(cache=True, nogil=True)
+def policy_layer_step(kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l,
+                      k_new, v_new, seq_new, key_l, key_grid, drop_h, capacity, lazy, slack, max_drop, sinks, recent,
+                      reindexed, victims, shift, rebase, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp,
+                      ksum, out, q, cos, sin, scale, scores, qvar, have, krot, qrot, q_pos, mass, offs,
+                      pool, width, floor, lam, by_rank, s, low, order, ptr, qhist):
+    """One token through policy layer il in one call: what KVStore.prepare_policy_write, the
+    policy's fill_keys, policy_write_attend, on_insert and observe do, for the policy of step kind
+    `kind` (policies.base.STEP_*). Returns False, having changed nothing, when the step needs the
+    Python path (gvote evicting), else True.
+
+    kind .. key_l and sinks .. offs as policy_write_attend (key_grid: the policy's Policy.key_grid,
+    the grid its raw keys are compared on). capacity, lazy, slack, max_drop: the layer's capacity
+    and the staging (Algorithm 1; 0, 0, 0 for plain eviction); drop_h (n_kv,) i64 is set here.
+    pool .. qhist: Policy.step_params (policies.base.step_params). q (n_head, hd) f32 is the query
+    before RoPE (gvote's history row of the new token)."""
+    grid = key_grid
+    if kind == STEP_ADAKV:           # one layer-wide selection: drop_h per head, keys gridded
+        select_drops(key_l, aux_l, seq_l, rank_l, count_l, pool, by_rank, capacity, lazy, slack, max_drop, sinks,
+                     recent, floor, key_grid, low, order, ptr, drop_h)
+        grid = GRID_NONE
+    else:
+        held = count_l[0] + 1
+        n_drop = held - keep_after(held, capacity, lazy, slack, max_drop)
+        if n_drop > 0:
+            if kind == STEP_GVOTE:
+                return False
+            if kind == STEP_H2O or kind == STEP_TOVA:
+                copy_keys(key_l, score_l, count_l, 1.0)
+            elif kind == STEP_SCISSORHANDS:
+                unimportant_keys(key_l, aux_l, count_l)
+            elif kind == STEP_SNAPKV:
+                pooled_keys(key_l, aux_l, rank_l, count_l, pool, by_rank)
+            elif kind == STEP_RKV:
+                rkv_keys(key_l, k_l, aux_l, score_l, count_l, ksum, lam, s)
+        for h in range(drop_h.shape[0]):
+            drop_h[h] = max(n_drop, 0)
+    policy_write_attend(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new,
+                        v_new, seq_new, key_l, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase,
+                        inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp, ksum, out, q, cos, sin, scale,
+                        scores, qvar, have, krot, qrot, q_pos, mass, offs)
+    if kind == STEP_H2O:
+        accumulate_mass(score_l, mass, count_l)
+    elif kind == STEP_TOVA:
+        latest_mean(score_l, mass, count_l, q.shape[0])
+    elif kind == STEP_SCISSORHANDS:
+        update_history(aux_l, mass, count_l, q.shape[0] // count_l.shape[0], width)
+    elif kind == STEP_SNAPKV or kind == STEP_ADAKV or kind == STEP_RKV:
+        record_window(hist_l, aux_l, mass, count_l, seq_new % width)
+    elif kind == STEP_GVOTE:         # GVote.on_insert: the new token's query joins the history ring
+        col = seq_new % width
+        for hq in range(qhist.shape[0]):
+            for d in range(qhist.shape[2]):
+                qhist[hq, col, d] = q[hq, d]
+    return True

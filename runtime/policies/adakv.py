@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.kv_config import keep_after
-from ringllm.runtime.policies.base import grid_cell_bound, grid_value
+from ringllm.runtime.policies.base import STEP_ADAKV, grid_cell_bound, grid_value, step_params
 from ringllm.runtime.policies.snapkv import SnapKV, pooled_keys
 
 
@@ -132,6 +132,7 @@ def select_drops(key, tot_l, seq_l, rank_l, count_l, pool, by_rank, capacity, la
 class AdaKV(SnapKV):
     name = "adakv"
     ragged = True
+    step_kind = STEP_ADAKV
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)
@@ -149,17 +150,29 @@ class AdaKV(SnapKV):
         """Slots per head: the most one head can hold while the others sit at their floor."""
         return self.n_kv * physical - (self.n_kv - 1) * min(self.head_floor(capacity), physical)
 
-    def select(self, store, il: int) -> None:
-        """Before a write into layer il: store.drop_h (n_kv,) <- each head's victims of the
-        layer-wide selection, store.key <- keys that make choose_victims pick them (select_drops)."""
+    def layer_floor(self, store, il: int) -> int:
+        """head_floor of layer il's capacity (cached), with the selection's scratch sized for its slots."""
         P = store.seq[il].shape[1]
         if self.order.shape[1] < P:
             self.order = np.zeros((self.n_kv, P), np.int64)
             self.low = np.zeros(P, np.float64)
-        kv, cap = self.kv, store.layer_capacity[il]
+        cap = store.layer_capacity[il]
         floor = self.floors.get(cap)
         if floor is None:
             floor = self.floors[cap] = self.head_floor(cap)
+        return floor
+
+    def step_params(self, store, il):
+        floor = self.layer_floor(store, il)
+        return step_params(pool=self.kv.pool, width=self.kv.window, floor=floor, by_rank=self.rank_scratch(store, il),
+                           low=self.low, order=self.order, ptr=self.ptr)
+
+    def select(self, store, il: int) -> None:
+        """Before a write into layer il: store.drop_h (n_kv,) <- each head's victims of the
+        layer-wide selection, store.key <- keys that make choose_victims pick them (select_drops)."""
+        kv = self.kv
+        floor = self.layer_floor(store, il)
         select_drops(store.key, store.aux[il], store.seq[il], store.rank[il], store.count[il], kv.pool,
-                     self.rank_scratch(store, il), cap, kv.lazy, kv.slack, kv.max_drop, store.layer_sinks[il],
-                     store.recent, floor, self.key_grid, self.low, self.order, self.ptr, store.drop_h)
+                     self.rank_scratch(store, il), store.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop,
+                     store.layer_sinks[il], store.recent, floor, self.key_grid, self.low, self.order, self.ptr,
+                     store.drop_h)

@@ -27,6 +27,17 @@ from numba import njit
 KEY_GRID = 4096
 GRID_NONE, GRID_LOG, GRID_ABS = 0, 1, 2      # Policy.key_grid: how raw keys map onto the grid
 
+# Policy.step_kind: which branch of policy_step.policy_layer_step (one compiled call per layer and
+# token: keys, eviction, write, attention, observe) runs the policy; STEP_GENERIC: the policy's
+# Python methods around policy_step.policy_write_attend.
+(STEP_GENERIC, STEP_H2O, STEP_TOVA, STEP_SCISSORHANDS, STEP_SNAPKV, STEP_ADAKV, STEP_RKV,
+ STEP_GVOTE) = range(8)
+
+_NO_F64 = np.zeros(0, np.float64)
+_NO_I64 = np.zeros(0, np.int64)
+_NO_ORDER = np.zeros((0, 0), np.int64)
+_NO_QHIST = np.zeros((0, 0, 0), np.float32)
+
 
 class Policy:
     """Base: streaming order (oldest first), no attention needed, no per-slot state."""
@@ -38,6 +49,7 @@ class Policy:
     key_grid = GRID_NONE      # fill_keys = fill_raw_keys, then the keys mapped onto this grid (see grid_value)
     plain_keys = False        # reads store.k expecting keys before RoPE: the layer keeps the "fused" layout
     keeps_key_sum = False     # the write kernel keeps store.ksum (sum of unit keys per head), score = 1/|k|
+    step_kind = STEP_GENERIC  # the branch of policy_step.policy_layer_step that runs this policy, if any
 
     def __init__(self, kv, spec):
         self.kv, self.spec = kv, spec
@@ -75,7 +87,22 @@ class Policy:
     def after_restore(self, store) -> None:
         """Rebuild derived per-slot state after KVStore.restore (a state saved by an older version)."""
 
+    def step_params(self, store, il: int) -> tuple:
+        """The policy's arguments of policy_step.policy_layer_step for layer il, in its order:
+        (pool, width, floor, lam, by_rank, s, low, order, ptr, qhist); what a policy does not use is
+        0 or an empty array of the same type (one compiled signature for every policy)."""
+        return step_params()
 
+
+
+
+def step_params(pool: int = 0, width: int = 0, floor: int = 0, lam: float = 0.0, by_rank=_NO_F64, s=_NO_F64,
+                low=_NO_F64, order=_NO_ORDER, ptr=_NO_I64, qhist=_NO_QHIST) -> tuple:
+    """Policy.step_params' tuple: pool (snapkv family's pooling kernel), width (window w, or
+    scissorhands' history), floor (adakv's head floor), lam (rkv's lambda), scratch by_rank (2P,)
+    f64, s (hd,) f64, low (P,) f64, order (n_kv, P) i64, ptr (n_kv,) i64, qhist (gvote's query
+    history, store.extra[il], (n_head, w, hd) f32)."""
+    return (int(pool), int(width), int(floor), float(lam), by_rank, s, low, order, ptr, qhist)
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.attention import _angles_at, _rotate_with
-from ringllm.runtime.policies.base import Policy
+from ringllm.runtime.policies.base import STEP_GVOTE, Policy, step_params
 from ringllm.runtime.policies.random_policy import splitmix64
 
 
@@ -118,6 +118,7 @@ def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, 
 class GVote(Policy):
     name = "gvote"
     plain_keys = True         # the synthetic queries vote over keys rotated from before RoPE
+    step_kind = STEP_GVOTE      # the compiled step writes the query history; eviction steps take fill_keys
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)
@@ -133,6 +134,9 @@ class GVote(Policy):
 
     def extra_shape(self):
         return (self.spec.n_head, self.kv.window, self.spec.head_dim)
+
+    def step_params(self, store, il):
+        return step_params(width=self.kv.window, qhist=store.extra[il])
 
     def fill_keys(self, store, il, q, seq):
         s, kv = self.spec, self.kv

@@ -9,12 +9,13 @@ split between heavy hitters and the recent window.
 """
 from __future__ import annotations
 
-from ringllm.runtime.policies.base import GRID_LOG, Policy, accumulate_mass, score_keys
+from ringllm.runtime.policies.base import GRID_LOG, STEP_H2O, Policy, accumulate_mass, score_keys
 
 
 class H2O(Policy):
     name = "h2o"
     needs_mass = True
+    step_kind = STEP_H2O
 
     key_grid = GRID_LOG
 

@@ -18,12 +18,12 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.key_sum import KEY_SUM_FIXED, key_sums
-from ringllm.runtime.policies.base import GRID_ABS, Policy
+from ringllm.runtime.policies.base import GRID_ABS, STEP_RKV, Policy, step_params
 from ringllm.runtime.policies.snapkv import MASS_FIXED, check_window, record_window, window_totals
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
+def rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
     """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); tot_l (n_kv, P) i64 the slots'
     window totals in fixed point (snapkv.record_window, kept by observe); inv_l (n_kv, P) f64 the
     slots' 1/|k_j| and ksum (n_kv, hd) i64 the sum of the held unit keys in units of 2^-40 (both kept
@@ -49,6 +49,7 @@ def _rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
 class RKV(Policy):
     name = "rkv"
     needs_mass = True
+    step_kind = STEP_RKV
     plain_keys = True        # redundancy is measured between keys before RoPE
     keeps_key_sum = True     # the write kernel keeps the sum of unit keys (store.ksum) and 1/|k| (score)
 
@@ -60,8 +61,11 @@ class RKV(Policy):
 
     key_grid = GRID_ABS
 
+    def step_params(self, store, il):
+        return step_params(width=self.kv.window, lam=self.kv.rkv_lambda, s=self.s)
+
     def fill_raw_keys(self, store, il, q, seq):
-        _rkv_keys(store.key, store.k[il], store.aux[il], store.score[il], store.count[il], store.ksum[il],
+        rkv_keys(store.key, store.k[il], store.aux[il], store.score[il], store.count[il], store.ksum[il],
                   self.kv.rkv_lambda, self.s)
 
     def observe(self, store, il, mass, seq):

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from numba import njit
 
-from ringllm.runtime.policies.base import Policy, popcount
+from ringllm.runtime.policies.base import STEP_SCISSORHANDS, Policy, popcount, step_params
 
 
 @njit(cache=True, nogil=True)
-def _update_history(aux_l, mass, count_l, group, history):
+def update_history(aux_l, mass, count_l, group, history):
     mask = (1 << history) - 1 if history < 64 else -1
     for h in range(aux_l.shape[0]):
         n = count_l[h]
@@ -27,7 +27,7 @@ def _update_history(aux_l, mass, count_l, group, history):
 
 
 @njit(cache=True, nogil=True)
-def _unimportant_keys(key, aux_l, count_l):
+def unimportant_keys(key, aux_l, count_l):
     for h in range(aux_l.shape[0]):
         for j in range(count_l[h]):
             key[h, j] = -popcount(aux_l[h, j])
@@ -36,10 +36,14 @@ def _unimportant_keys(key, aux_l, count_l):
 class Scissorhands(Policy):
     name = "scissorhands"
     needs_mass = True
+    step_kind = STEP_SCISSORHANDS
+
+    def step_params(self, store, il):
+        return step_params(width=self.kv.history)
 
     def fill_keys(self, store, il, q, seq):
-        _unimportant_keys(store.key, store.aux[il], store.count[il])
+        unimportant_keys(store.key, store.aux[il], store.count[il])
 
     def observe(self, store, il, mass, seq):
-        _update_history(store.aux[il], mass, store.count[il], self.spec.n_head // self.spec.n_head_kv,
+        update_history(store.aux[il], mass, store.count[il], self.spec.n_head // self.spec.n_head_kv,
                         self.kv.history)

@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.policies.base import GRID_LOG, Policy
+from ringllm.runtime.policies.base import GRID_LOG, STEP_SNAPKV, Policy, step_params
 
 
 MASS_FIXED = 2.0 ** 48     # window totals are kept in fixed point, units of 2^-48 (module docstring)
@@ -98,6 +98,7 @@ def pooled_keys(key, tot_l, rank_l, count_l, pool, by_rank):
 class SnapKV(Policy):
     name = "snapkv"
     needs_mass = True
+    step_kind = STEP_SNAPKV
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)
@@ -112,6 +113,9 @@ class SnapKV(Policy):
         if self.by_rank.shape[0] < 2 * store.seq[il].shape[1]:
             self.by_rank = np.zeros(2 * store.seq[il].shape[1], np.float64)
         return self.by_rank
+
+    def step_params(self, store, il):
+        return step_params(pool=self.kv.pool, width=self.kv.window, by_rank=self.rank_scratch(store, il))
 
     def fill_raw_keys(self, store, il, q, seq):
         pooled_keys(store.key, store.aux[il], store.rank[il], store.count[il], self.kv.pool,

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from numba import njit
 
-from ringllm.runtime.policies.base import GRID_LOG, Policy, score_keys
+from ringllm.runtime.policies.base import GRID_LOG, STEP_TOVA, Policy, score_keys
 
 
 @njit(cache=True, nogil=True)
-def _latest_mean(score_l, mass, count_l, n_head):
+def latest_mean(score_l, mass, count_l, n_head):
     n_kv = score_l.shape[0]
     n = count_l[0]
     for j in range(n):
@@ -29,6 +29,7 @@ def _latest_mean(score_l, mass, count_l, n_head):
 class TOVA(Policy):
     name = "tova"
     needs_mass = True
+    step_kind = STEP_TOVA
 
     key_grid = GRID_LOG
 
@@ -36,4 +37,4 @@ class TOVA(Policy):
         score_keys(store, il)
 
     def observe(self, store, il, mass, seq):
-        _latest_mean(store.score[il], mass, store.count[il], self.spec.n_head)
+        latest_mean(store.score[il], mass, store.count[il], self.spec.n_head)
