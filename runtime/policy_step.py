@@ -12,10 +12,12 @@ policy's fill_keys (before) and observe (after) stay policy methods there: they 
 policy_layer_step goes further for the policies whose per-step work is a fixed kernel (Policy.step_kind:
 h2o, tova, scissorhands, the SnapKV family, adakv, rkv, gvote's query history): the drop count
 (staged eviction, Algorithm 1), the policy's keys, policy_write_attend and the policy's observe in
-one call. Measured in a decode step at budget 256 (SmolLM2, 1 thread, hot caches), the Python
-between those calls (KVStore.prepare_policy_write, the policy's methods, their dispatch) was 3 to
-10 us per layer of the 40 to 65 a policy layer took; beside the matrix products split over two
-threads it is serial time. The engine takes the Python path (KVStore.prepare_policy_write, the
+one call. Measured per layer at budget 256 (SmolLM2 layer 5, 1 thread): with hot caches the
+Python between those calls (KVStore.prepare_policy_write, the policy's methods, their dispatch)
+was 1.5 to 5 us of the 50 to 75 a policy layer took; with the caches flushed before the call
+(a decode's matrix products evict them between layers) prepare_policy_write alone took 27 to 30
+us, and the layer step went from 196 to 173 us for h2o. Beside the matrix products split over
+two threads this is serial time. The engine takes the Python path (KVStore.prepare_policy_write, the
 policy's methods, policy_write_attend) when a rollback journal runs (it saves the rows a step
 changes between choosing and writing) and for gvote's eviction steps (its budget vote keeps
 statistics in Python); policy_layer_step then returns False before changing anything.

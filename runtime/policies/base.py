@@ -94,8 +94,6 @@ class Policy:
         return step_params()
 
 
-
-
 def step_params(pool: int = 0, width: int = 0, floor: int = 0, lam: float = 0.0, by_rank=_NO_F64, s=_NO_F64,
                 low=_NO_F64, order=_NO_ORDER, ptr=_NO_I64, qhist=_NO_QHIST) -> tuple:
     """Policy.step_params' tuple: pool (snapkv family's pooling kernel), width (window w, or

@@ -66,7 +66,7 @@ class RKV(Policy):
 
     def fill_raw_keys(self, store, il, q, seq):
         rkv_keys(store.key, store.k[il], store.aux[il], store.score[il], store.count[il], store.ksum[il],
-                  self.kv.rkv_lambda, self.s)
+                 self.kv.rkv_lambda, self.s)
 
     def observe(self, store, il, mass, seq):
         record_window(store.hist[il], store.aux[il], mass, store.count[il], seq % self.kv.window)

@@ -46,4 +46,4 @@ class Scissorhands(Policy):
 
     def observe(self, store, il, mass, seq):
         update_history(store.aux[il], mass, store.count[il], self.spec.n_head // self.spec.n_head_kv,
-                        self.kv.history)
+                       self.kv.history)
