@@ -195,7 +195,10 @@ class KVJournal:
         for h in range(store.seq[il].shape[0]):
             n, d = int(store.count[il][h]), int(store.drop_h[h])
             got = 0
-            if d > 0:
+            if d > 0 and store.policy_impl.ragged:     # adakv's select gave the victims' slots (GRID_GIVEN)
+                got = d
+                slots.extend(store.key[h, :d].astype(np.int64).tolist())
+            elif d > 0:
                 got = int(choose_victims(store.key[h], store.seq[il][h], store.rank[il][h], n, d,
                                          store.layer_sinks[il], store.recent, self.victims))
                 slots.extend(self.victims[:got].tolist())

@@ -49,7 +49,7 @@ from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.key_sum import key_inv_norm, key_sum_move, key_sums
 from ringllm.runtime.kv_config import KVConfig, keep_after
 from ringllm.runtime.model_spec import ModelSpec
-from ringllm.runtime.policies.base import GRID_NONE, grid_cell_bound, grid_value
+from ringllm.runtime.policies.base import GRID_GIVEN, GRID_NONE, grid_cell_bound, grid_value
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -335,7 +335,8 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
 
     drop_h (n_kv,) i64: equal for every head but under adakv; key_l (n_kv, P) f64 filled by the
     policy for occupied slots when any drop_h > 0, raw keys compared on grid `grid` (GRID_NONE:
-    compared as they are; see policies.base.grid_value); victims (>= max drop_h,) i64 scratch; shift: the
+    compared as they are; see policies.base.grid_value; GRID_GIVEN: key_l[h, :drop_h[h]] are the
+    victims' slots, chosen already); victims (>= max drop_h,) i64 scratch; shift: the
     shift-and-append baseline removes victims by copying survivors down (evict_slots_shift). The new
     token goes to slot count with rank count, zero score/aux/hist (the policy
     initialises them afterwards).
@@ -355,7 +356,11 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
     for h in range(n_kv):
         if drop_h[h] > 0:
             victims[0] = -1
-            if drop_h[h] == 1 and grid != GRID_NONE:
+            if grid == GRID_GIVEN:   # chosen already (adakv's layer-wide select): the slots are in key_l
+                got = drop_h[h]
+                for m in range(got):
+                    victims[m] = np.int64(key_l[h, m])
+            elif drop_h[h] == 1 and grid != GRID_NONE:
                 victims[0] = choose_one(key_l[h], seq_l[h], rank_l[h], count_l[h], sinks, recent, grid)
                 got = 1
             if victims[0] < 0:       # several victims, no grid, or no key below inf (NaN keys): the general path
@@ -567,12 +572,12 @@ class KVStore:
         """Before a write into policy layer il: how many tokens each head drops (self.drop_h) and, when
         any, the policy's keys (self.key). Returns the grid the write kernel compares the keys on:
         the policy's own when the keys were left raw (kv_store.choose_one grids only the few it
-        needs), GRID_NONE when the keys were gridded (the journal and adakv's select choose from
-        the keys themselves)."""
+        needs), GRID_NONE when the keys were gridded (the journal chooses from the keys themselves),
+        GRID_GIVEN when the policy chose the victims (adakv's layer-wide select: their slots in key)."""
         policy = self.policy_impl
-        if policy.ragged:                 # adakv: one selection over all heads, keys left gridded
+        if policy.ragged:                 # adakv: one selection over all heads, the victims given
             policy.select(self, il)
-            return GRID_NONE
+            return GRID_GIVEN
         n_drop = self.drops(il)
         grid = policy.key_grid if self.journal is None else GRID_NONE
         if n_drop <= 0:

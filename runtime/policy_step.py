@@ -31,7 +31,7 @@ from ringllm.runtime.attention import attend, attend_rebased
 from ringllm.runtime.kv_config import keep_after
 from ringllm.runtime.kv_store import kv_write_policy
 from ringllm.runtime.policies.adakv import select_drops
-from ringllm.runtime.policies.base import (GRID_NONE, STEP_ADAKV, STEP_GVOTE, STEP_H2O, STEP_RKV, STEP_SCISSORHANDS,
+from ringllm.runtime.policies.base import (GRID_GIVEN, STEP_ADAKV, STEP_GVOTE, STEP_H2O, STEP_RKV, STEP_SCISSORHANDS,
                                           STEP_SNAPKV, STEP_TOVA, accumulate_mass, copy_keys)
 from ringllm.runtime.policies.rkv import rkv_keys
 from ringllm.runtime.policies.scissorhands import unimportant_keys, update_history
@@ -81,10 +81,10 @@ def policy_layer_step(kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, au
     pool .. qhist: Policy.step_params (policies.base.step_params). q (n_head, hd) f32 is the query
     before RoPE (gvote's history row of the new token)."""
     grid = key_grid
-    if kind == STEP_ADAKV:           # one layer-wide selection: drop_h per head, keys gridded
+    if kind == STEP_ADAKV:           # one layer-wide selection: drop_h per head, the victims' slots in key_l
         select_drops(key_l, aux_l, seq_l, rank_l, count_l, pool, by_rank, capacity, lazy, slack, max_drop, sinks,
                      recent, floor, key_grid, low, order, ptr, drop_h)
-        grid = GRID_NONE
+        grid = GRID_GIVEN
     else:
         held = count_l[0] + 1
         n_drop = held - keep_after(held, capacity, lazy, slack, max_drop)

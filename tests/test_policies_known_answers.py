@@ -276,12 +276,11 @@ def test_choose_victims_equals_sorting_by_key_then_seq():
 
 
 def test_adakv_select_equals_sorting_every_gridded_key():
-    """adakv.select_drops (pooled keys, grid near each head's minimum, per-head insertion lists,
-    merge) against a brute force: every key gridded, the layer's candidates sorted by (grid key,
-    seq, head), taken in order while the head stays above its floor; then choose_victims on the
-    keys it leaves picks those victims. Keys built to tie, heads of different lengths, pool 1 and 3,
-    none to 14 victims (as staged eviction drops)."""
-    from ringllm.runtime.kv_store import choose_victims
+    """adakv.select_drops (pooled keys in rank order, grid near each head's minimum, per-head
+    insertion lists, merge) against a brute force: snapkv.pooled_keys per slot, every key gridded,
+    the layer's candidates sorted by (grid key, seq, head), taken in order while the head stays
+    above its floor; the victims' slots it leaves in key, per head in that order. Keys built to tie,
+    heads of different lengths, pool 1 and 3, none to 14 victims (as staged eviction drops)."""
     from ringllm.runtime.policies.adakv import select_drops
     from ringllm.runtime.policies.base import GRID_LOG, grid_value
     from ringllm.runtime.policies.snapkv import pooled_keys
@@ -317,10 +316,8 @@ def test_adakv_select_equals_sorting_every_gridded_key():
         got = select_drops(key, tot, seq, rank, count, pool, by_rank, cap, 0, 0, 0, sinks, recent, floor, GRID_LOG,
                            np.zeros(P), np.zeros((n_kv, P), np.int64), np.zeros(n_kv, np.int64), drop_h)
         assert got == sum(map(len, want)) and drop_h.tolist() == [len(w) for w in want], trial
-        for h in range(n_kv):
-            out = np.zeros(P, np.int64)
-            assert choose_victims(key[h], seq[h], rank[h], count[h], drop_h[h], sinks, recent, out) == drop_h[h]
-            assert out[:drop_h[h]].tolist() == want[h], (trial, h)
+        for h in range(n_kv):            # the victims' slots, lowest key first (GRID_GIVEN)
+            assert key[h, :drop_h[h]].astype(np.int64).tolist() == want[h], (trial, h)
 
 
 def _adakv_evicts(masses, ada_floor=0.0):

@@ -26,6 +26,7 @@ from numba import njit
 
 KEY_GRID = 4096
 GRID_NONE, GRID_LOG, GRID_ABS = 0, 1, 2      # Policy.key_grid: how raw keys map onto the grid
+GRID_GIVEN = 3    # not a grid: key[h, :drop_h[h]] already hold head h's victim slots (adakv.select_drops)
 
 # Policy.step_kind: which branch of policy_step.policy_layer_step (one compiled call per layer and
 # token: keys, eviction, write, attention, observe) runs the policy; STEP_GENERIC: the policy's
