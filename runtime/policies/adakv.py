@@ -29,7 +29,7 @@ from numba import njit
 
 from ringllm.runtime.kv_config import keep_after
 from ringllm.runtime.policies.base import STEP_ADAKV, grid_cell_bound, grid_value, step_params
-from ringllm.runtime.policies.snapkv import MASS_FIXED, SnapKV
+from ringllm.runtime.policies.snapkv import MASS_FIXED, SnapKV, pool_ranks
 
 
 @njit(cache=True, nogil=True)
@@ -78,13 +78,7 @@ def select_drops(key, tot_l, seq_l, rank_l, count_l, pool, by_rank, capacity, la
             r = rank_l[h, j]
             by_rank[r] = np.float64(tot_l[h, j]) * (1.0 / MASS_FIXED)
             key[h, r] = j
-        for r in range(n):                      # max-pooled over the ranks within pool // 2
-            by_rank[P + r] = by_rank[r]
-        for o in range(1, half + 1):
-            for r in range(n - o):
-                by_rank[P + r] = max(by_rank[P + r], by_rank[r + o])
-            for r in range(o, n):
-                by_rank[P + r] = max(by_rank[P + r], by_rank[r - o])
+        pool_ranks(by_rank, n, P, half)        # max-pooled over the ranks within pool // 2
         lo, hi = sinks, n - recent
         m = 0                                   # the m <= n_total lowest pooled values, ascending
         for r in range(lo, hi):

@@ -72,6 +72,19 @@ def window_totals(tot_l, hist_l, count_l):
                 tot_l[h, j] += mass_fixed(hist_l[h, i, j])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def pool_ranks(by_rank, n, P, half):
+    """by_rank[P + r] = max of by_rank[r - half .. r + half] (clipped to [0, n)) for r < n: the
+    window masses of one head in rank order, max-pooled over neighbouring tokens."""
+    for r in range(n):
+        by_rank[P + r] = by_rank[r]
+    for o in range(1, half + 1):            # neighbours o ranks away on either side
+        for r in range(n - o):
+            by_rank[P + r] = max(by_rank[P + r], by_rank[r + o])
+        for r in range(o, n):
+            by_rank[P + r] = max(by_rank[P + r], by_rank[r - o])
+
+
 @njit(cache=True, nogil=True, fastmath=True)
 def pooled_keys(key, tot_l, rank_l, count_l, pool, by_rank):
     """key[h, j] = max over tokens within pool//2 ranks of j of their window mass totals, tot_l
@@ -84,13 +97,7 @@ def pooled_keys(key, tot_l, rank_l, count_l, pool, by_rank):
         n = count_l[h]
         for j in range(n):
             by_rank[rank_l[h, j]] = np.float64(tot_l[h, j]) * (1.0 / MASS_FIXED)
-        for r in range(n):
-            by_rank[P + r] = by_rank[r]
-        for o in range(1, half + 1):            # neighbours o ranks away on either side
-            for r in range(n - o):
-                by_rank[P + r] = max(by_rank[P + r], by_rank[r + o])
-            for r in range(o, n):
-                by_rank[P + r] = max(by_rank[P + r], by_rank[r - o])
+        pool_ranks(by_rank, n, P, half)
         for j in range(n):
             key[h, j] = by_rank[P + rank_l[h, j]]
 
