@@ -461,7 +461,7 @@ class CPUEngine:
                 continue
             grid = store.prepare_policy_write(il, q_t, seq)
             if store.journal is not None:
-                store.journal.before_policy(store, il)
+                store.journal.before_policy(store, il, grid)
             policy_write_attend(*args, kk[t], v3[t], seq, store.key, grid, store.drop_h, sinks, store.recent,
                                 store.reindexed, store.victims, shift, rebase, *rope, self.out3, q_t, table.cos,
                                 table.sin, scale, self.scores, self.qvar, self.qvar_have, self.krot, self.qrot,

@@ -31,6 +31,7 @@ from numba import njit
 
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_store import REBASE_LIMIT, count_below
+from ringllm.runtime.policies.base import GRID_GIVEN
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -187,15 +188,16 @@ class KVJournal:
         slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1)).astype(np.int64)
         self._record(store, il, np.arange(cnt.shape[0], dtype=np.int64), slots)
 
-    def before_policy(self, store, il: int) -> None:
-        """kv_write_policy is about to evict drop_h[h] tokens of each head (store.key filled) and write
-        the new token into slot count - dropped: the victims are chosen here by the same function."""
+    def before_policy(self, store, il: int, grid: int) -> None:
+        """kv_write_policy is about to evict drop_h[h] tokens of each head (store.key filled, `grid` as
+        KVStore.prepare_policy_write returned it) and write the new token into slot count - dropped:
+        the victims are chosen here by the same function, or read from store.key under GRID_GIVEN."""
         from ringllm.runtime.kv_store import choose_victims   # called from Python: no cross-file Numba cache
         heads, slots = [], []
         for h in range(store.seq[il].shape[0]):
             n, d = int(store.count[il][h]), int(store.drop_h[h])
             got = 0
-            if d > 0 and store.policy_impl.ragged:     # adakv's select gave the victims' slots (GRID_GIVEN)
+            if d > 0 and grid == GRID_GIVEN:           # the victims' slots, chosen by the policy (adakv)
                 got = d
                 slots.extend(store.key[h, :d].astype(np.int64).tolist())
             elif d > 0:

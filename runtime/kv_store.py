@@ -560,7 +560,7 @@ class KVStore:
             return
         grid = self.prepare_policy_write(il, q, seq)
         if self.journal is not None:          # journal hook (kv_multi.py): victims chosen, rows saved
-            self.journal.before_policy(self, il)
+            self.journal.before_policy(self, il, grid)
         kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.kbase[il],
                         self.score[il], self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new,
                         seq, self.key, grid, self.drop_h, self.layer_sinks[il], self.recent, self.reindexed,
