@@ -454,7 +454,7 @@ class CPUEngine:
                     kind, *args, kk[t], v3[t], seq, store.key, policy.key_grid, store.drop_h, *stage, sinks,
                     store.recent, store.reindexed, store.victims, shift, rebase, *rope, self.out3, q_t, table.cos,
                     table.sin, scale, self.scores, self.qvar, self.qvar_have, self.krot, self.qrot, self.qpos, mass,
-                    self.offs, *params):
+                    self.offs, store.pend[il], store.pend_drop[il], store.pend_tag[il], *params):
                 if hook is not None:
                     hook(il, mass, store)
                 b.att[t] = self.out3.reshape(-1)

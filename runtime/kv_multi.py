@@ -274,4 +274,5 @@ class KVJournal:
                     dst[...] = snap[f][n_keep]
             del self.rows[il][n_keep:]
             self.n[il] = n_keep
+        store.forget_pending()
         store.n_seen = self.base_n_seen + n_keep

@@ -33,7 +33,11 @@ Slot choice, one kernel call per layer per token:
     keys among unprotected slots (not among the `sinks` oldest or `recent` newest; ties -> oldest)
     are evicted; each hole is filled by moving the last occupied slot into it (one slot copy, safe
     because every slot carries its own position), ranks are updated, and the new token takes slot
-    `count`. Nothing is shifted.
+    `count`. Nothing is shifted. The compiled policy step (policy_step.policy_layer_step) chooses
+    the victims of a layer's next write at the end of its current step, while the scores are in
+    cache, and keeps them in pend/pend_drop tagged with the next sequence index (pend_tag); any
+    other change to the layer clears the tag (forget_pending), so they are always the victims the
+    state would give.
 `capacity` counts the new token: victims are removed before the new token's attention.
 
 Gemma 3's sliding-window layers get capacity = window and no sinks when the window fits the
@@ -200,6 +204,25 @@ def choose_one(key_h, seq_h, rank_h, n, sinks, recent, grid):
     return best
 
 
+@njit(cache=True, nogil=True)
+def pick_victims(key_l, grid, h, n_drop, seq_l, rank_l, count_l, sinks, recent, victims):
+    """The n_drop victims of head h by the keys key_l[h] (raw, compared on `grid`; GRID_NONE: as
+    they are) into victims[:got]; returns got (fewer only when too few slots are unprotected). One
+    victim on a grid: choose_one; else, or when no key is below inf (NaN keys), the keys are
+    gridded in place and choose_victims picks them."""
+    victims[0] = -1
+    got = 0
+    if n_drop == 1 and grid != GRID_NONE:
+        victims[0] = choose_one(key_l[h], seq_l[h], rank_l[h], count_l[h], sinks, recent, grid)
+        got = 1
+    if victims[0] < 0:
+        if grid != GRID_NONE:
+            for j in range(count_l[h]):
+                key_l[h, j] = grid_value(key_l[h, j], grid)
+        got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], n_drop, sinks, recent, victims)
+    return got
+
+
 @njit(cache=True, nogil=True, inline="always")
 def count_below(sorted_a, n, x):
     """Number of the first n entries of the ascending array sorted_a below x (binary search)."""
@@ -355,19 +378,12 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
     w = hist_l.shape[1]
     for h in range(n_kv):
         if drop_h[h] > 0:
-            victims[0] = -1
-            if grid == GRID_GIVEN:   # chosen already (adakv's layer-wide select): the slots are in key_l
+            if grid == GRID_GIVEN:   # chosen already (policy_step.choose_next): the slots are in key_l
                 got = drop_h[h]
                 for m in range(got):
                     victims[m] = np.int64(key_l[h, m])
-            elif drop_h[h] == 1 and grid != GRID_NONE:
-                victims[0] = choose_one(key_l[h], seq_l[h], rank_l[h], count_l[h], sinks, recent, grid)
-                got = 1
-            if victims[0] < 0:       # several victims, no grid, or no key below inf (NaN keys): the general path
-                if grid != GRID_NONE:
-                    for j in range(count_l[h]):
-                        key_l[h, j] = grid_value(key_l[h, j], grid)
-                got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], drop_h[h], sinks, recent, victims)
+            else:
+                got = pick_victims(key_l, grid, h, drop_h[h], seq_l, rank_l, count_l, sinks, recent, victims)
             if ksum.shape[0] > 0:
                 for m in range(got):
                     key_sum_move(ksum, k_l, h, victims[m], score_l[h, victims[m]], -1)
@@ -504,6 +520,12 @@ class KVStore:
         ks_rows = nkv if self.policy_impl.keeps_key_sum else 0
         self.ksum = [np.zeros((ks_rows, hd), np.int64) for _ in phys]     # rkv: sum of unit keys per head
         self.key = np.zeros((nkv, max(phys)), np.float64)      # victim keys, filled by the policy
+        # victims of the next write into each layer, chosen by the compiled step at the end of the one
+        # before (policy_step.choose_next): per layer (n_kv, P) f64 slots, (n_kv,) counts, and the
+        # sequence index of the write they are for (-1: none; any other change to the layer clears it)
+        self.pend = [np.zeros((nkv, p), np.float64) for p in phys]
+        self.pend_drop = [np.zeros(nkv, np.int64) for _ in phys]
+        self.pend_tag = [np.full(1, -1, np.int64) for _ in phys]
         self.victims = np.zeros(max(phys) + 1, np.int64)
         self.drop_h = np.zeros(nkv, np.int64)                   # victims per head of the next policy write
         self.needs_mass = self.policy_impl.needs_mass
@@ -575,6 +597,7 @@ class KVStore:
         needs), GRID_NONE when the keys were gridded (the journal chooses from the keys themselves),
         GRID_GIVEN when the policy chose the victims (adakv's layer-wide select: their slots in key)."""
         policy = self.policy_impl
+        self.pend_tag[il][0] = -1         # this write changes the layer: victims chosen before it are stale
         if policy.ragged:                 # adakv: one selection over all heads, the victims given
             policy.select(self, il)
             return GRID_GIVEN
@@ -627,6 +650,7 @@ class KVStore:
         rope "fused") or rotated at kbase. Exact up to float32 rounding of one rotation."""
         if old == new:
             return
+        self.forget_pending(il)
         if {old, new} != {"fused", "rebased"}:
             raise ConfigError(f"cannot convert layer {il}'s keys from RoPE strategy {old!r} to {new!r}")
         if old == "fused":
@@ -637,6 +661,12 @@ class KVStore:
                        self.layer_angle_tag[il], self.ktmp)
         if new == "fused":
             self.kbase[il][...] = 0
+
+    def forget_pending(self, il: int | None = None) -> None:
+        """Drop the victims the compiled step chose ahead for layer il (every layer when None): a change
+        to the layer other than a step (rollback, replace_many, a RoPE re-layout) makes them stale."""
+        for tag in (self.pend_tag if il is None else [self.pend_tag[il]]):
+            tag[0] = -1
 
     def uses_policy(self, il: int) -> bool:
         """Whether layer il runs the policy (False: the plain ring of streaming/full or a sliding window)."""
@@ -672,6 +702,7 @@ class KVStore:
             raise ConfigError(f"replace_many: k_rows and v_rows must be ({seqs.size}, {nkv}, {hd}); got "
                               f"{k_rows.shape}, {v_rows.shape}")
         check_replace_many(self, il, slots, seqs)
+        self.forget_pending(il)
         kv_replace_many(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.kbase[il],
                         self.score[il], self.aux[il], self.hist[il], self.count[il], self.evicted[il], slots, k_rows,
                         v_rows, seqs, self.reindexed, self.rope_mode(il) == "rebased", np.empty(seqs.size, np.int64))

@@ -29,7 +29,7 @@ from numba import njit
 
 from ringllm.runtime.attention import attend, attend_rebased
 from ringllm.runtime.kv_config import keep_after
-from ringllm.runtime.kv_store import kv_write_policy
+from ringllm.runtime.kv_store import kv_write_policy, pick_victims
 from ringllm.runtime.policies.adakv import select_drops
 from ringllm.runtime.policies.base import (GRID_GIVEN, STEP_ADAKV, STEP_GVOTE, STEP_H2O, STEP_RKV, STEP_SCISSORHANDS,
                                           STEP_SNAPKV, STEP_TOVA, accumulate_mass, copy_keys)
@@ -65,46 +65,88 @@ def policy_write_attend(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l,
 
 
 @njit(cache=True, nogil=True)
+def choose_next(kind, k_l, seq_l, rank_l, score_l, aux_l, count_l, key_l, key_grid, capacity, lazy, slack, max_drop,
+                sinks, recent, ksum, pool, floor, lam, by_rank, s, low, order, ptr, victims, pend, pend_drop):
+    """The victims of the next write into the layer as its state stands, for the policy of step kind
+    `kind` (not gvote, whose budget needs the next query): pend_drop (n_kv,) i64 how many each head
+    gives, pend[h, :pend_drop[h]] (n_kv, P) f64 their slots, as kv_store.kv_write_policy takes them
+    under GRID_GIVEN. The same victims as KVStore.prepare_policy_write's keys and the write kernel's
+    pick: staged eviction (capacity, lazy, slack, max_drop) on the held tokens plus the new one, the
+    policy's keys into key_l (scratch), kv_store.pick_victims per head (adakv: its layer-wide
+    select_drops). Other arguments as policy_layer_step; victims (>= P + 1,) i64 scratch."""
+    if kind == STEP_ADAKV:           # one layer-wide selection: counts per head, the slots in pend
+        select_drops(pend, aux_l, seq_l, rank_l, count_l, pool, by_rank, capacity, lazy, slack, max_drop, sinks,
+                     recent, floor, key_grid, low, order, ptr, pend_drop)
+        return
+    held = count_l[0] + 1
+    n_drop = held - keep_after(held, capacity, lazy, slack, max_drop)
+    for h in range(pend_drop.shape[0]):
+        pend_drop[h] = 0
+    if n_drop <= 0:
+        return
+    if kind == STEP_H2O or kind == STEP_TOVA:
+        copy_keys(key_l, score_l, count_l, 1.0)
+    elif kind == STEP_SCISSORHANDS:
+        unimportant_keys(key_l, aux_l, count_l)
+    elif kind == STEP_SNAPKV:
+        pooled_keys(key_l, aux_l, rank_l, count_l, pool, by_rank)
+    elif kind == STEP_RKV:
+        rkv_keys(key_l, k_l, aux_l, score_l, count_l, ksum, lam, s)
+    for h in range(pend_drop.shape[0]):
+        got = pick_victims(key_l, key_grid, h, n_drop, seq_l, rank_l, count_l, sinks, recent, victims)
+        for m in range(got):
+            pend[h, m] = victims[m]
+        pend_drop[h] = got
+
+
+@njit(cache=True, nogil=True)
 def policy_layer_step(kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l,
                       k_new, v_new, seq_new, key_l, key_grid, drop_h, capacity, lazy, slack, max_drop, sinks, recent,
                       reindexed, victims, shift, rebase, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp,
                       ksum, out, q, cos, sin, scale, scores, qvar, have, krot, qrot, q_pos, mass, offs,
-                      pool, width, floor, lam, by_rank, s, low, order, ptr, qhist):
+                      pend, pend_drop, pend_tag, pool, width, floor, lam, by_rank, s, low, order, ptr, qhist):
     """One token through policy layer il in one call: what KVStore.prepare_policy_write, the
     policy's fill_keys, policy_write_attend, on_insert and observe do, for the policy of step kind
     `kind` (policies.base.STEP_*). Returns False, having changed nothing, when the step needs the
     Python path (gvote evicting), else True.
 
+    The victims are chosen at the end of the step before (choose_next, right after observe, while
+    the scores it just updated and the ranks the attention read are in cache) for this token, and
+    taken from pend/pend_drop when pend_tag[0] == seq_new; when not (the first step, or the layer
+    changed otherwise since: the store's own paths clear the tag) they are chosen here first, from
+    the same state. Either way the same victims: a saved or rolled-back store decodes bitwise alike.
+    Scratch profiling in a decode (SmolLM2, budget 256, 2 threads, 96 steps x 30 layers): choose_next
+    took 15-20 us (median per layer; snapkv, adakv, pyramidkv, h2o) at the start of a step, after the
+    other layers' matrix products, and about 9 us called again right after it. End to end
+    (bench/policy_cost.py, two A/B pairs) the cost over streaming moved by -1 to -4 points, within
+    this VM's run-to-run noise for one pair.
+
     kind .. key_l and sinks .. offs as policy_write_attend (key_grid: the policy's Policy.key_grid,
     the grid its raw keys are compared on). capacity, lazy, slack, max_drop: the layer's capacity
     and the staging (Algorithm 1; 0, 0, 0 for plain eviction); drop_h (n_kv,) i64 is set here.
-    pool .. qhist: Policy.step_params (policies.base.step_params). q (n_head, hd) f32 is the query
-    before RoPE (gvote's history row of the new token)."""
-    grid = key_grid
-    if kind == STEP_ADAKV:           # one layer-wide selection: drop_h per head, the victims' slots in key_l
-        select_drops(key_l, aux_l, seq_l, rank_l, count_l, pool, by_rank, capacity, lazy, slack, max_drop, sinks,
-                     recent, floor, key_grid, low, order, ptr, drop_h)
-        grid = GRID_GIVEN
-    else:
+    pend (n_kv, P) f64, pend_drop (n_kv,) i64, pend_tag (1,) i64: the layer's victims chosen ahead
+    (KVStore.pend*). pool .. qhist: Policy.step_params (policies.base.step_params). q (n_head, hd)
+    f32 is the query before RoPE (gvote's history row of the new token)."""
+    grid = GRID_GIVEN
+    if kind == STEP_GVOTE:           # its budget needs this query: only when no token leaves
+        grid = key_grid
         held = count_l[0] + 1
-        n_drop = held - keep_after(held, capacity, lazy, slack, max_drop)
-        if n_drop > 0:
-            if kind == STEP_GVOTE:
-                return False
-            if kind == STEP_H2O or kind == STEP_TOVA:
-                copy_keys(key_l, score_l, count_l, 1.0)
-            elif kind == STEP_SCISSORHANDS:
-                unimportant_keys(key_l, aux_l, count_l)
-            elif kind == STEP_SNAPKV:
-                pooled_keys(key_l, aux_l, rank_l, count_l, pool, by_rank)
-            elif kind == STEP_RKV:
-                rkv_keys(key_l, k_l, aux_l, score_l, count_l, ksum, lam, s)
+        if held - keep_after(held, capacity, lazy, slack, max_drop) > 0:
+            return False
         for h in range(drop_h.shape[0]):
-            drop_h[h] = max(n_drop, 0)
+            drop_h[h] = 0
+    else:
+        if pend_tag[0] != seq_new:
+            choose_next(kind, k_l, seq_l, rank_l, score_l, aux_l, count_l, key_l, key_grid, capacity, lazy, slack,
+                        max_drop, sinks, recent, ksum, pool, floor, lam, by_rank, s, low, order, ptr, victims, pend,
+                        pend_drop)
+        for h in range(drop_h.shape[0]):
+            drop_h[h] = pend_drop[h]
+    pend_tag[0] = -1
     policy_write_attend(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new,
-                        v_new, seq_new, key_l, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase,
-                        inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp, ksum, out, q, cos, sin, scale,
-                        scores, qvar, have, krot, qrot, q_pos, mass, offs)
+                        v_new, seq_new, pend, grid, drop_h, sinks, recent,
+                        reindexed, victims, shift, rebase, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp,
+                        ksum, out, q, cos, sin, scale, scores, qvar, have, krot, qrot, q_pos, mass, offs)
     if kind == STEP_H2O:
         accumulate_mass(score_l, mass, count_l)
     elif kind == STEP_TOVA:
@@ -118,4 +160,8 @@ def policy_layer_step(kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, au
         for hq in range(qhist.shape[0]):
             for d in range(qhist.shape[2]):
                 qhist[hq, col, d] = q[hq, d]
+        return True
+    choose_next(kind, k_l, seq_l, rank_l, score_l, aux_l, count_l, key_l, key_grid, capacity, lazy, slack, max_drop,
+                sinks, recent, ksum, pool, floor, lam, by_rank, s, low, order, ptr, victims, pend, pend_drop)
+    pend_tag[0] = seq_new + 1
     return True

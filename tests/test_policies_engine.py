@@ -163,3 +163,54 @@ def test_shift_baseline_equals_inplace(tiny, policy):
             n = int(b.count[il][h])
             assert n == int(a.count[il][h])
             assert b.seq[il][h, :n].tolist() == sorted(a.seq[il][h, :n].tolist())   # shift: ordered slots
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "scissorhands", "snapkv", "pyramidkv", "adakv", "rkv"])
+def test_victims_chosen_ahead_are_the_fresh_choice(tiny, policy):
+    """The compiled step chooses a layer's next victims at the end of its step (KVStore.pend,
+    policy_step.choose_next): after every step they are exactly what the store's Python path
+    (prepare_policy_write + the write kernel's pick) chooses from the same state, tagged for the next
+    token; a rollback clears the tags, and decoding after it matches a store never rolled back."""
+    from ringllm.runtime.kv_store import pick_victims
+    from ringllm.runtime.policies.base import GRID_GIVEN
+
+    ids = np.random.default_rng(3).permutation(256)[:60].tolist()
+    kv = KVConfig(capacity=16, policy=policy, sinks=2, window=4, pool=3, history=8)
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_threads=1)
+    st = eng.new_store(kv)
+    eng.prefill(ids[:30], st)
+    checked = 0
+    for t in ids[30:40]:
+        eng.step(t, st)
+        seq = st.n_seen
+        for il in range(tiny.spec.n_layer):
+            if not st.uses_policy(il):
+                continue
+            assert st.pend_tag[il][0] == seq, f"layer {il}: victims tagged for {st.pend_tag[il][0]}, next token {seq}"
+            ahead = [sorted(st.pend[il][h, :st.pend_drop[il][h]].astype(np.int64).tolist())
+                     for h in range(tiny.spec.n_head_kv)]
+            grid = st.prepare_policy_write(il, None, seq)           # the Python path, from the same state
+            assert st.pend_tag[il][0] == -1
+            fresh = []
+            for h in range(tiny.spec.n_head_kv):
+                if grid == GRID_GIVEN:
+                    fresh.append(sorted(st.key[h, :st.drop_h[h]].astype(np.int64).tolist()))
+                else:
+                    out = np.zeros(st.victims.size, np.int64)
+                    got = pick_victims(st.key, grid, h, int(st.drop_h[h]), st.seq[il], st.rank[il], st.count[il],
+                                       st.layer_sinks[il], st.recent, out) if st.drop_h[h] > 0 else 0
+                    fresh.append(sorted(out[:got].tolist()))
+            assert ahead == fresh, f"layer {il}: chosen ahead {ahead}, fresh {fresh}"
+            checked += sum(map(len, fresh))
+    assert checked > 0
+    # a journaled feed rolled back: tags cleared, then the same logits as a store fed straight on
+    other = eng.new_store(kv)
+    eng.prefill(ids[:40], other)
+    st.begin_journal(4)
+    for t in ids[40:44]:
+        eng.step(t, st)
+    st.rollback(0)
+    st.commit()
+    assert all(tag[0] == -1 for tag in st.pend_tag)
+    for t in ids[40:50]:
+        np.testing.assert_array_equal(eng.step(t, st), eng.step(t, other))
