@@ -597,7 +597,7 @@ class KVStore:
         needs), GRID_NONE when the keys were gridded (the journal chooses from the keys themselves),
         GRID_GIVEN when the policy chose the victims (adakv's layer-wide select: their slots in key)."""
         policy = self.policy_impl
-        self.pend_tag[il][0] = -1         # this write changes the layer: victims chosen before it are stale
+        self.forget_pending(il)           # this write changes the layer: victims chosen before it are stale
         if policy.ragged:                 # adakv: one selection over all heads, the victims given
             policy.select(self, il)
             return GRID_GIVEN
@@ -664,7 +664,8 @@ class KVStore:
 
     def forget_pending(self, il: int | None = None) -> None:
         """Drop the victims the compiled step chose ahead for layer il (every layer when None): a change
-        to the layer other than a step (rollback, replace_many, a RoPE re-layout) makes them stale."""
+        to the layer other than a compiled step (a write by the Python path, rollback, replace_many, a
+        RoPE re-layout) makes them stale."""
         for tag in (self.pend_tag if il is None else [self.pend_tag[il]]):
             tag[0] = -1
 

@@ -115,11 +115,9 @@ def policy_layer_step(kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, au
     taken from pend/pend_drop when pend_tag[0] == seq_new; when not (the first step, or the layer
     changed otherwise since: the store's own paths clear the tag) they are chosen here first, from
     the same state. Either way the same victims: a saved or rolled-back store decodes bitwise alike.
-    Scratch profiling in a decode (SmolLM2, budget 256, 2 threads, 96 steps x 30 layers): choose_next
-    took 15-20 us (median per layer; snapkv, adakv, pyramidkv, h2o) at the start of a step, after the
-    other layers' matrix products, and about 9 us called again right after it. End to end
-    (bench/policy_cost.py, two A/B pairs) the cost over streaming moved by -1 to -4 points, within
-    this VM's run-to-run noise for one pair.
+    End to end (bench/policy_cost.py at 2 threads, two A/B pairs against the previous form), the mean
+    cost over streaming moved by 0 to -4 points per policy (adakv most), within this VM's run-to-run
+    noise for a single pair.
 
     kind .. key_l and sinks .. offs as policy_write_attend (key_grid: the policy's Policy.key_grid,
     the grid its raw keys are compared on). capacity, lazy, slack, max_drop: the layer's capacity
@@ -144,9 +142,9 @@ def policy_layer_step(kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, au
             drop_h[h] = pend_drop[h]
     pend_tag[0] = -1
     policy_write_attend(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new,
-                        v_new, seq_new, pend, grid, drop_h, sinks, recent,
-                        reindexed, victims, shift, rebase, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp,
-                        ksum, out, q, cos, sin, scale, scores, qvar, have, krot, qrot, q_pos, mass, offs)
+                        v_new, seq_new, pend, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase,
+                        inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp, ksum, out, q, cos, sin, scale,
+                        scores, qvar, have, krot, qrot, q_pos, mass, offs)
     if kind == STEP_H2O:
         accumulate_mass(score_l, mass, count_l)
     elif kind == STEP_TOVA:
