@@ -122,8 +122,8 @@ def update_table(spec, caches, evict, repeats, policies=("streaming", "h2o")):
                         drop[:] = evict
                         run(st.k[il], st.v[il], st.seq[il], st.rank[il], st.pos[il], st.kbase[il], st.score[il],
                             st.aux[il], st.hist[il], st.count[il], st.evicted[il], kvs, cap + evict - 1, st.key, drop,
-                            4, pol == "h2o", st.victims, mode == "shift", st.layer_inv_freq[il], st.layer_angles[il],
-                            st.layer_angle_tag[il], st.ktmp, st.ksum[il])
+                            4, pol == "h2o", st.victims[0], mode == "shift", st.layer_inv_freq[il],
+                            *st.rotation_cache(il), st.ksum[il])
                     if rep:
                         times[mode].append(time.perf_counter() - t0)
                     assert int(st.evicted[0].sum()) == evict * nkv and int(st.count[0][0]) == cap + evict - 1

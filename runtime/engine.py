@@ -113,6 +113,11 @@ class CPUEngine:
         self.qpos = np.zeros(spec.n_head_kv, np.int64)
         self.qvar = np.zeros((REBASE_LIMIT, nh, hd), np.float32)     # attend_rebased: query per offset
         self.qvar_have = np.zeros(REBASE_LIMIT, np.int64)
+        # the same per kv head, for policy_step.policy_layer_step (heads on separate threads)
+        nkv = spec.n_head_kv
+        self.head_qvar = np.zeros((nkv, REBASE_LIMIT, nh // nkv, hd), np.float32)
+        self.head_have = np.zeros((nkv, REBASE_LIMIT), np.int64)
+        self.head_krot = np.zeros((nkv, hd), np.float32)
         self.ropes: dict[tuple[float, float], RopeTable] = {}
         self.layer_rope = []
         for il in range(spec.n_layer):
@@ -130,6 +135,7 @@ class CPUEngine:
         self.angles = np.zeros((2, spec.rotary_dim // 2), np.float32)
         self.scores = np.zeros((nh, 0), np.float32)
         self.offs = np.zeros(0, np.int64)          # attend_rebased: each slot's offset
+        self.head_offs = np.zeros((spec.n_head_kv, 0), np.int64)
 
     def _pack_matrices(self, tensors: dict[str, QTensor]) -> dict:
         """Repack every matrix once. Projections that read the same input and share a GGML type are
@@ -166,6 +172,7 @@ class CPUEngine:
         if self.scores.shape[1] < cap:
             self.scores = np.zeros((self.spec.n_head, cap), np.float32)
             self.offs = np.zeros(cap, np.int64)
+            self.head_offs = np.zeros((self.spec.n_head_kv, cap), np.int64)
         if store.needs_mass and getattr(store, "mass", None) is None:
             store.mass = np.zeros((self.spec.n_head_kv, cap), np.float32)
         policy_mode = "fused" if self.rope == "fused" or store.policy_impl.plain_keys else "rebased"
@@ -438,8 +445,7 @@ class CPUEngine:
             table.ensure(seq0 + T + REBASE_LIMIT + 1)     # original positions grow with the stream
         args = (store.k[il], store.v[il], store.seq[il], store.rank[il], store.pos[il], store.kbase[il],
                 store.score[il], store.aux[il], store.hist[il], store.count[il], store.evicted[il])
-        rope = (store.layer_inv_freq[il], store.layer_inv_scale[il], self.spec.rotary_dim, store.layer_angles[il],
-                store.layer_angle_tag[il], store.ktmp, store.ksum[il])
+        rope = (store.layer_inv_freq[il], store.layer_inv_scale[il], self.spec.rotary_dim)
         sinks, shift = store.layer_sinks[il], store.update == "shift"
         inserts = type(policy).on_insert is not Policy.on_insert
         kind = policy.step_kind if store.journal is None else STEP_GENERIC
@@ -452,9 +458,10 @@ class CPUEngine:
             q_t = b.q[t].reshape(nh, hd)
             if kind != STEP_GENERIC and policy_layer_step(
                     kind, *args, kk[t], v3[t], seq, store.key, policy.key_grid, store.drop_h, *stage, sinks,
-                    store.recent, store.reindexed, store.victims, shift, rebase, *rope, self.out3, q_t, table.cos,
-                    table.sin, scale, self.scores, self.qvar, self.qvar_have, self.krot, self.qrot, self.qpos, mass,
-                    self.offs, store.pend[il], store.pend_drop[il], store.pend_tag[il], *params):
+                    store.recent, store.reindexed, store.victims, shift, rebase, *rope, store.layer_angles[il],
+                    store.layer_angle_tag[il], store.ktmp, store.ksum[il], self.out3, q_t, table.cos, table.sin,
+                    scale, self.scores, self.head_qvar, self.head_have, self.head_krot, self.qrot, self.qpos, mass,
+                    self.head_offs, store.pend[il], store.pend_drop[il], store.pend_tag[il], *params):
                 if hook is not None:
                     hook(il, mass, store)
                 b.att[t] = self.out3.reshape(-1)
@@ -463,9 +470,9 @@ class CPUEngine:
             if store.journal is not None:
                 store.journal.before_policy(store, il, grid)
             policy_write_attend(*args, kk[t], v3[t], seq, store.key, grid, store.drop_h, sinks, store.recent,
-                                store.reindexed, store.victims, shift, rebase, *rope, self.out3, q_t, table.cos,
-                                table.sin, scale, self.scores, self.qvar, self.qvar_have, self.krot, self.qrot,
-                                self.qpos, mass, self.offs)
+                                store.reindexed, store.victims[0], shift, rebase, *rope, *store.rotation_cache(il),
+                                store.ksum[il], self.out3, q_t, table.cos, table.sin, scale, self.scores, self.qvar,
+                                self.qvar_have, self.krot, self.qrot, self.qpos, mass, self.offs)
             if inserts:          # the policy's per-token state of the new slot (reads neither attention nor out3)
                 policy.on_insert(store, il, kk[t], q_t)
             policy.observe(store, il, mass, seq)

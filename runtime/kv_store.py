@@ -526,7 +526,9 @@ class KVStore:
         self.pend = [np.zeros((nkv, p), np.float64) for p in phys]
         self.pend_drop = [np.zeros(nkv, np.int64) for _ in phys]
         self.pend_tag = [np.full(1, -1, np.int64) for _ in phys]
-        self.victims = np.zeros(max(phys) + 1, np.int64)
+        # write-kernel scratch per kv head (the compiled policy step runs the heads on separate threads;
+        # single-threaded paths use row 0): victims' slots, and the new key's rotated row
+        self.victims = np.zeros((nkv, max(phys) + 1), np.int64)
         self.drop_h = np.zeros(nkv, np.int64)                   # victims per head of the next policy write
         self.needs_mass = self.policy_impl.needs_mass
         self.mass = None                  # (n_kv, P) float32 attention mass scratch, set by the engine
@@ -538,9 +540,11 @@ class KVStore:
         half = spec.rotary_dim // 2
         self.layer_inv_freq = [spec.rope_base[il] ** (-np.arange(half, dtype=np.float64) * 2.0 / spec.rotary_dim)
                                for il in range(spec.n_layer)]
-        self.layer_angles = [np.zeros((2, half), np.float32) for _ in phys]    # kv_write_policy's rotation cache
-        self.layer_angle_tag = [np.full(1, np.int64(-1) << 62, np.int64) for _ in phys]
-        self.ktmp = np.zeros(hd, np.float32)
+        # kv_write_policy's rotation cache per kv head: cos/sin (n_kv, 2, rotary_dim/2) and the rotation
+        # they are for (n_kv,); a pure cache (keyed by the rotation), so any row serves a serial path
+        self.layer_angles = [np.zeros((nkv, 2, half), np.float32) for _ in phys]
+        self.layer_angle_tag = [np.full(nkv, np.int64(-1) << 62, np.int64) for _ in phys]
+        self.ktmp = np.zeros((nkv, hd), np.float32)
         self.rk = None                    # RK cache, per layer (n_kv, P, rotary_dim) f32, rope "rk" only
         # optional callable(il, mass (n_kv, P) f32, store) run after each attention step with the per-slot
         # attention mass (group-summed); for measurements such as the attention loss of eviction
@@ -586,9 +590,8 @@ class KVStore:
         kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.kbase[il],
                         self.score[il], self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new,
                         seq, self.key, grid, self.drop_h, self.layer_sinks[il], self.recent, self.reindexed,
-                        self.victims, self.update == "shift", self.layer_rebase[il], self.layer_inv_freq[il],
-                        self.layer_inv_scale[il], self.spec.rotary_dim, self.layer_angles[il],
-                        self.layer_angle_tag[il], self.ktmp, self.ksum[il])
+                        self.victims[0], self.update == "shift", self.layer_rebase[il], self.layer_inv_freq[il],
+                        self.layer_inv_scale[il], self.spec.rotary_dim, *self.rotation_cache(il), self.ksum[il])
 
     def prepare_policy_write(self, il: int, q: np.ndarray | None, seq: int) -> int:
         """Before a write into policy layer il: how many tokens each head drops (self.drop_h) and, when
@@ -657,10 +660,14 @@ class KVStore:
             self.kbase[il][...] = 0
         target = self.pos[il] if new == "rebased" else np.zeros_like(self.kbase[il])
         rotate_keys_to(self.k[il], self.kbase[il], target, self.count[il], self.layer_inv_freq[il],
-                       1.0 / self.spec.rope_scale[il], self.spec.rotary_dim, self.layer_angles[il],
-                       self.layer_angle_tag[il], self.ktmp)
+                       1.0 / self.spec.rope_scale[il], self.spec.rotary_dim, *self.rotation_cache(il))
         if new == "fused":
             self.kbase[il][...] = 0
+
+    def rotation_cache(self, il: int) -> tuple:
+        """(angles (2, rotary_dim/2) f32, angle_tag (1,) i64, tmp (hd,) f32): head 0's rotation cache and
+        key-row scratch of layer il, for the write kernels called for the whole layer on one thread."""
+        return self.layer_angles[il][0], self.layer_angle_tag[il][:1], self.ktmp[0]
 
     def forget_pending(self, il: int | None = None) -> None:
         """Drop the victims the compiled step chose ahead for layer il (every layer when None): a change

@@ -21,15 +21,17 @@ two threads this is serial time. The engine takes the Python path (KVStore.prepa
 policy's methods, policy_write_attend) when a rollback journal runs (it saves the rows a step
 changes between choosing and writing) and for gvote's eviction steps (its budget vote keeps
 statistics in Python); policy_layer_step then returns False before changing anything.
-Same kernels as the separate calls, in the same order: results are bit-identical.
+Same kernels as the separate calls, in the same order: results are bit-identical. Within the step
+the kv heads run on separate threads (_head_step in prange) except where the policy couples them.
 """
 from __future__ import annotations
 
-from numba import njit
+from numba import njit, prange
 
 from ringllm.runtime.attention import attend, attend_rebased
 from ringllm.runtime.kv_config import keep_after
 from ringllm.runtime.kv_store import kv_write_policy, pick_victims
+from ringllm.runtime.matvec import _num_threads
 from ringllm.runtime.policies.adakv import select_drops
 from ringllm.runtime.policies.base import (GRID_GIVEN, STEP_ADAKV, STEP_GVOTE, STEP_H2O, STEP_RKV, STEP_SCISSORHANDS,
                                           STEP_SNAPKV, STEP_TOVA, accumulate_mass, copy_keys)
@@ -100,6 +102,49 @@ def choose_next(kind, k_l, seq_l, rank_l, score_l, aux_l, count_l, key_l, key_gr
 
 
 @njit(cache=True, nogil=True)
+def _head_step(h, args):
+    """kv head h's share of policy_layer_step; args: the tuple of policy_layer_step's arguments (as
+    there) with grid (the victims' grid of this write) and ahead (whether the head chooses its next
+    victims itself) added: its write (drop_h[h] victims, given in pend[h]), its query heads' attention, its part of
+    observe and, when `ahead`, the choice of its next victims. The layer kernels run on one-head
+    views (rows h of the layer, query heads h*group .. h*group + group - 1) with head h's scratch
+    rows, so heads run on separate threads with nothing shared but read-only tables."""
+    (kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new, seq_new,
+     key_l, key_grid, grid, drop_h, capacity, lazy, slack, max_drop, sinks, recent, reindexed, victims, shift, rebase,
+     inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp, ksum, out, q, cos, sin, scale, scores, qvar, have, krot,
+     qrot, q_pos, mass, offs, pend, pend_drop, pool, width, floor, lam, by_rank, s, low, order, ptr, qhist, ahead) = args
+    e = h + 1
+    g = q.shape[0] // count_l.shape[0]
+    a, b = h * g, h * g + g
+    kv_write_policy(k_l[h:e], v_l[h:e], seq_l[h:e], rank_l[h:e], pos_l[h:e], kbase_l[h:e], score_l[h:e], aux_l[h:e],
+                    hist_l[h:e], count_l[h:e], evicted_l[h:e], k_new[h:e], v_new[h:e], seq_new, pend[h:e], grid,
+                    drop_h[h:e], sinks, recent, reindexed, victims[h], shift, rebase, inv_freq, inv_scale, rotary_dim,
+                    angles[h], angle_tag[h:e], tmp[h], ksum[h:e])
+    q_pos[h] = count_l[h] - 1 if reindexed else seq_new
+    if rebase != 0:
+        attend_rebased(out[a:b], q[a:b], k_l[h:e], v_l[h:e], pos_l[h:e], kbase_l[h:e], count_l[h:e], q_pos[h:e], cos,
+                       sin, rotary_dim, scale, scores[a:b], qvar[h], have[h], mass[h:e], offs[h])
+    else:
+        attend(out[a:b], q[a:b], k_l[h:e], v_l[h:e], pos_l[h:e], count_l[h:e], q_pos[h:e], cos, sin, rotary_dim,
+               scale, scores[a:b], krot[h], qrot[a:b], mass[h:e])
+    if kind == STEP_H2O:
+        accumulate_mass(score_l[h:e], mass[h:e], count_l[h:e])
+    elif kind == STEP_SCISSORHANDS:
+        update_history(aux_l[h:e], mass[h:e], count_l[h:e], g, width)
+    elif kind == STEP_SNAPKV or kind == STEP_ADAKV or kind == STEP_RKV:
+        record_window(hist_l[h:e], aux_l[h:e], mass[h:e], count_l[h:e], seq_new % width)
+    elif kind == STEP_GVOTE:         # GVote.on_insert: the new token's query joins the history ring
+        col = seq_new % width
+        for hq in range(a, b):
+            for d in range(qhist.shape[2]):
+                qhist[hq, col, d] = q[hq, d]
+    if ahead:
+        choose_next(kind, k_l[h:e], seq_l[h:e], rank_l[h:e], score_l[h:e], aux_l[h:e], count_l[h:e], key_l[h:e],
+                    key_grid, capacity, lazy, slack, max_drop, sinks, recent, ksum[h:e], pool, floor, lam,
+                    by_rank[h], s[h], low, order, ptr, victims[h], pend[h:e], pend_drop[h:e])
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def policy_layer_step(kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l,
                       k_new, v_new, seq_new, key_l, key_grid, drop_h, capacity, lazy, slack, max_drop, sinks, recent,
                       reindexed, victims, shift, rebase, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp,
@@ -111,55 +156,67 @@ def policy_layer_step(kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, au
     Python path (gvote evicting), else True.
 
     The victims are chosen at the end of the step before (choose_next, right after observe, while
-    the scores it just updated and the ranks the attention read are in cache) for this token, and
-    taken from pend/pend_drop when pend_tag[0] == seq_new; when not (the first step, or the layer
+    the scores it just updated and the ranks the attention just read are in cache) for this token,
+    and taken from pend/pend_drop when pend_tag[0] == seq_new; when not (the first step, or the layer
     changed otherwise since: the store's own paths clear the tag) they are chosen here first, from
     the same state. Either way the same victims: a saved or rolled-back store decodes bitwise alike.
-    End to end (bench/policy_cost.py at 2 threads, two A/B pairs against the previous form), the mean
-    cost over streaming moved by 0 to -4 points per policy (adakv most), within this VM's run-to-run
-    noise for a single pair.
+
+    The kv heads are independent from the write to the choice of their next victims except where a
+    policy couples them (tova's score is the mean over all heads, adakv's selection spans the layer):
+    _head_step runs each head's part, over the heads in prange when Numba has more than one thread
+    and the layer more than one kv head (the matrix products around this step already use every
+    thread; here the second core would otherwise idle), and the coupled parts run after it on this
+    thread. Every head's arithmetic is the one-thread form's, so results are bitwise the same at any
+    thread count.
 
     kind .. key_l and sinks .. offs as policy_write_attend (key_grid: the policy's Policy.key_grid,
-    the grid its raw keys are compared on). capacity, lazy, slack, max_drop: the layer's capacity
-    and the staging (Algorithm 1; 0, 0, 0 for plain eviction); drop_h (n_kv,) i64 is set here.
-    pend (n_kv, P) f64, pend_drop (n_kv,) i64, pend_tag (1,) i64: the layer's victims chosen ahead
+    the grid its raw keys are compared on), except the scratch, a row per kv head: victims (n_kv,
+    >= P + 1) i64, angles (n_kv, 2, rotary_dim/2) f32 and angle_tag (n_kv,) i64 (KVStore.layer_angles,
+    layer_angle_tag), tmp (n_kv, hd) f32, qvar (n_kv, R, group, hd) f32, have (n_kv, R) i64, krot
+    (n_kv, hd) f32, offs (n_kv, P) i64. capacity, lazy, slack, max_drop: the layer's capacity and
+    the staging (Algorithm 1; 0, 0, 0 for plain eviction); drop_h (n_kv,) i64 is set here. pend
+    (n_kv, P) f64, pend_drop (n_kv,) i64, pend_tag (1,) i64: the layer's victims chosen ahead
     (KVStore.pend*). pool .. qhist: Policy.step_params (policies.base.step_params). q (n_head, hd)
     f32 is the query before RoPE (gvote's history row of the new token)."""
+    n_kv = count_l.shape[0]
     grid = GRID_GIVEN
     if kind == STEP_GVOTE:           # its budget needs this query: only when no token leaves
         grid = key_grid
         held = count_l[0] + 1
         if held - keep_after(held, capacity, lazy, slack, max_drop) > 0:
             return False
-        for h in range(drop_h.shape[0]):
+        for h in range(n_kv):
             drop_h[h] = 0
     else:
         if pend_tag[0] != seq_new:
             choose_next(kind, k_l, seq_l, rank_l, score_l, aux_l, count_l, key_l, key_grid, capacity, lazy, slack,
-                        max_drop, sinks, recent, ksum, pool, floor, lam, by_rank, s, low, order, ptr, victims, pend,
-                        pend_drop)
-        for h in range(drop_h.shape[0]):
+                        max_drop, sinks, recent, ksum, pool, floor, lam, by_rank[0], s[0], low, order, ptr,
+                        victims[0], pend, pend_drop)
+        for h in range(n_kv):
             drop_h[h] = pend_drop[h]
+    for h in range(n_kv):            # checked here, before the heads' threads start
+        if count_l[h] - drop_h[h] >= seq_l.shape[1]:
+            raise ValueError("policy_layer_step: no slot free after eviction (every held token is protected)")
     pend_tag[0] = -1
-    policy_write_attend(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new,
-                        v_new, seq_new, pend, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase,
-                        inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp, ksum, out, q, cos, sin, scale,
-                        scores, qvar, have, krot, qrot, q_pos, mass, offs)
-    if kind == STEP_H2O:
-        accumulate_mass(score_l, mass, count_l)
-    elif kind == STEP_TOVA:
-        latest_mean(score_l, mass, count_l, q.shape[0])
-    elif kind == STEP_SCISSORHANDS:
-        update_history(aux_l, mass, count_l, q.shape[0] // count_l.shape[0], width)
-    elif kind == STEP_SNAPKV or kind == STEP_ADAKV or kind == STEP_RKV:
-        record_window(hist_l, aux_l, mass, count_l, seq_new % width)
-    elif kind == STEP_GVOTE:         # GVote.on_insert: the new token's query joins the history ring
-        col = seq_new % width
-        for hq in range(qhist.shape[0]):
-            for d in range(qhist.shape[2]):
-                qhist[hq, col, d] = q[hq, d]
+    ahead = kind == STEP_H2O or kind == STEP_SCISSORHANDS or kind == STEP_SNAPKV or kind == STEP_RKV
+    args = (kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
+            seq_new, key_l, key_grid, grid, drop_h, capacity, lazy, slack, max_drop, sinks, recent, reindexed, victims,
+            shift, rebase, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp, ksum, out, q, cos, sin, scale,
+            scores, qvar, have, krot, qrot, q_pos, mass, offs, pend, pend_drop, pool, width, floor, lam, by_rank, s,
+            low, order, ptr, qhist, ahead)
+    if n_kv > 1 and _num_threads() > 1:
+        for h in prange(n_kv):
+            _head_step(h, args)
+    else:
+        for h in range(n_kv):
+            _head_step(h, args)
+    if kind == STEP_GVOTE:
         return True
-    choose_next(kind, k_l, seq_l, rank_l, score_l, aux_l, count_l, key_l, key_grid, capacity, lazy, slack, max_drop,
-                sinks, recent, ksum, pool, floor, lam, by_rank, s, low, order, ptr, victims, pend, pend_drop)
+    if kind == STEP_TOVA:            # the mean over every head's attention: after all heads
+        latest_mean(score_l, mass, count_l, q.shape[0])
+    if not ahead:                    # tova, adakv: the choice reads every head
+        choose_next(kind, k_l, seq_l, rank_l, score_l, aux_l, count_l, key_l, key_grid, capacity, lazy, slack,
+                    max_drop, sinks, recent, ksum, pool, floor, lam, by_rank[0], s[0], low, order, ptr, victims[0],
+                    pend, pend_drop)
     pend_tag[0] = seq_new + 1
     return True

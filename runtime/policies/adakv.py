@@ -185,6 +185,6 @@ class AdaKV(SnapKV):
         kv = self.kv
         floor = self.layer_floor(store, il)
         select_drops(store.key, store.aux[il], store.seq[il], store.rank[il], store.count[il], kv.pool,
-                     self.rank_scratch(store, il), store.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop,
+                     self.rank_scratch(store, il)[0], store.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop,
                      store.layer_sinks[il], store.recent, floor, self.key_grid, self.low, self.order, self.ptr,
                      store.drop_h)

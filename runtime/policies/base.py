@@ -36,6 +36,7 @@ GRID_GIVEN = 3    # not a grid: key[h, :drop_h[h]] already hold head h's victim 
 
 _NO_F64 = np.zeros(0, np.float64)
 _NO_I64 = np.zeros(0, np.int64)
+_NO_ROWS = np.zeros((0, 0), np.float64)
 _NO_ORDER = np.zeros((0, 0), np.int64)
 _NO_QHIST = np.zeros((0, 0, 0), np.float32)
 
@@ -95,12 +96,12 @@ class Policy:
         return step_params()
 
 
-def step_params(pool: int = 0, width: int = 0, floor: int = 0, lam: float = 0.0, by_rank=_NO_F64, s=_NO_F64,
+def step_params(pool: int = 0, width: int = 0, floor: int = 0, lam: float = 0.0, by_rank=_NO_ROWS, s=_NO_ROWS,
                 low=_NO_F64, order=_NO_ORDER, ptr=_NO_I64, qhist=_NO_QHIST) -> tuple:
     """Policy.step_params' tuple: pool (snapkv family's pooling kernel), width (window w, or
-    scissorhands' history), floor (adakv's head floor), lam (rkv's lambda), scratch by_rank (2P,)
-    f64, s (hd,) f64, low (P,) f64, order (n_kv, P) i64, ptr (n_kv,) i64, qhist (gvote's query
-    history, store.extra[il], (n_head, w, hd) f32)."""
+    scissorhands' history), floor (adakv's head floor), lam (rkv's lambda), scratch by_rank (n_kv, 2P)
+    f64, s (n_kv, hd) f64 (a row per kv head), low (P,) f64, order (n_kv, P) i64, ptr (n_kv,) i64,
+    qhist (gvote's query history, store.extra[il], (n_head, w, hd) f32)."""
     return (int(pool), int(width), int(floor), float(lam), by_rank, s, low, order, ptr, qhist)
 
 

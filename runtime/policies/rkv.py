@@ -57,7 +57,7 @@ class RKV(Policy):
         super().__init__(kv, spec)
         check_window(kv, spec)
         self.history_width = kv.window
-        self.s = np.zeros(spec.head_dim, np.float64)
+        self.s = np.zeros((spec.n_head_kv, spec.head_dim), np.float64)    # rkv_keys' scratch, a row per kv head
 
     key_grid = GRID_ABS
 
@@ -66,7 +66,7 @@ class RKV(Policy):
 
     def fill_raw_keys(self, store, il, q, seq):
         rkv_keys(store.key, store.k[il], store.aux[il], store.score[il], store.count[il], store.ksum[il],
-                 self.kv.rkv_lambda, self.s)
+                 self.kv.rkv_lambda, self.s[0])
 
     def observe(self, store, il, mass, seq):
         record_window(store.hist[il], store.aux[il], mass, store.count[il], seq % self.kv.window)

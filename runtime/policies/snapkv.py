@@ -111,14 +111,15 @@ class SnapKV(Policy):
         super().__init__(kv, spec)
         check_window(kv, spec)
         self.history_width = kv.window
-        self.by_rank = np.zeros(0, np.float64)
+        self.by_rank = np.zeros((spec.n_head_kv, 0), np.float64)
 
     key_grid = GRID_LOG
 
     def rank_scratch(self, store, il) -> np.ndarray:
-        """pooled_keys' by_rank scratch, (2P,) f64 for layer il's P slots per head."""
-        if self.by_rank.shape[0] < 2 * store.seq[il].shape[1]:
-            self.by_rank = np.zeros(2 * store.seq[il].shape[1], np.float64)
+        """pooled_keys' by_rank scratch, (n_kv, 2P) f64 for layer il's P slots per head: a row per kv
+        head (the compiled step runs heads on separate threads; one-thread callers use row 0)."""
+        if self.by_rank.shape[1] < 2 * store.seq[il].shape[1]:
+            self.by_rank = np.zeros((self.by_rank.shape[0], 2 * store.seq[il].shape[1]), np.float64)
         return self.by_rank
 
     def step_params(self, store, il):
@@ -126,7 +127,7 @@ class SnapKV(Policy):
 
     def fill_raw_keys(self, store, il, q, seq):
         pooled_keys(store.key, store.aux[il], store.rank[il], store.count[il], self.kv.pool,
-                    self.rank_scratch(store, il))
+                    self.rank_scratch(store, il)[0])
 
     def observe(self, store, il, mass, seq):
         record_window(store.hist[il], store.aux[il], mass, store.count[il], seq % self.kv.window)
