@@ -105,10 +105,11 @@ def choose_next(kind, k_l, seq_l, rank_l, score_l, aux_l, count_l, key_l, key_gr
 def _head_step(h, args):
     """kv head h's share of policy_layer_step; args: the tuple of policy_layer_step's arguments (as
     there) with grid (the victims' grid of this write) and ahead (whether the head chooses its next
-    victims itself) added: its write (drop_h[h] victims, given in pend[h]), its query heads' attention, its part of
-    observe and, when `ahead`, the choice of its next victims. The layer kernels run on one-head
-    views (rows h of the layer, query heads h*group .. h*group + group - 1) with head h's scratch
-    rows, so heads run on separate threads with nothing shared but read-only tables."""
+    victims itself) added: its write and its query heads' attention (policy_write_attend; drop_h[h]
+    victims, given in pend[h]), its part of observe and, when `ahead`, the choice of its next
+    victims. The layer kernels run on one-head views (rows h of the layer, query heads h*group ..
+    h*group + group - 1) with head h's scratch rows, so heads run on separate threads with nothing
+    shared but read-only tables."""
     (kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new, seq_new,
      key_l, key_grid, grid, drop_h, capacity, lazy, slack, max_drop, sinks, recent, reindexed, victims, shift, rebase,
      inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp, ksum, out, q, cos, sin, scale, scores, qvar, have, krot,
@@ -116,17 +117,11 @@ def _head_step(h, args):
     e = h + 1
     g = q.shape[0] // count_l.shape[0]
     a, b = h * g, h * g + g
-    kv_write_policy(k_l[h:e], v_l[h:e], seq_l[h:e], rank_l[h:e], pos_l[h:e], kbase_l[h:e], score_l[h:e], aux_l[h:e],
-                    hist_l[h:e], count_l[h:e], evicted_l[h:e], k_new[h:e], v_new[h:e], seq_new, pend[h:e], grid,
-                    drop_h[h:e], sinks, recent, reindexed, victims[h], shift, rebase, inv_freq, inv_scale, rotary_dim,
-                    angles[h], angle_tag[h:e], tmp[h], ksum[h:e])
-    q_pos[h] = count_l[h] - 1 if reindexed else seq_new
-    if rebase != 0:
-        attend_rebased(out[a:b], q[a:b], k_l[h:e], v_l[h:e], pos_l[h:e], kbase_l[h:e], count_l[h:e], q_pos[h:e], cos,
-                       sin, rotary_dim, scale, scores[a:b], qvar[h], have[h], mass[h:e], offs[h])
-    else:
-        attend(out[a:b], q[a:b], k_l[h:e], v_l[h:e], pos_l[h:e], count_l[h:e], q_pos[h:e], cos, sin, rotary_dim,
-               scale, scores[a:b], krot[h], qrot[a:b], mass[h:e])
+    policy_write_attend(k_l[h:e], v_l[h:e], seq_l[h:e], rank_l[h:e], pos_l[h:e], kbase_l[h:e], score_l[h:e],
+                        aux_l[h:e], hist_l[h:e], count_l[h:e], evicted_l[h:e], k_new[h:e], v_new[h:e], seq_new,
+                        pend[h:e], grid, drop_h[h:e], sinks, recent, reindexed, victims[h], shift, rebase, inv_freq,
+                        inv_scale, rotary_dim, angles[h], angle_tag[h:e], tmp[h], ksum[h:e], out[a:b], q[a:b], cos,
+                        sin, scale, scores[a:b], qvar[h], have[h], krot[h], qrot[a:b], q_pos[h:e], mass[h:e], offs[h])
     if kind == STEP_H2O:
         accumulate_mass(score_l[h:e], mass[h:e], count_l[h:e])
     elif kind == STEP_SCISSORHANDS:
