@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ringllm.runtime.errors import ModelFileError
+from ringllm.runtime.errors import ModelFileError, UnsupportedModelError
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_types import GGMLType
 
@@ -56,7 +56,6 @@ class GGUFHParams:
         if kind in (None, "none") or not factor:
             return 1.0
         if kind != "linear":
-            from ringllm.runtime.errors import UnsupportedModelError
             raise UnsupportedModelError(self.f.path, f"RoPE scaling type {kind!r} is not supported (only linear)")
         return float(factor)
 
@@ -103,7 +102,6 @@ def hf_rope_theta_scale(config: dict, path: str, layer_type: str | None = None,
         return theta, 1.0
     if kind == "linear":
         return theta, float(rp["factor"])
-    from ringllm.runtime.errors import UnsupportedModelError
     raise UnsupportedModelError(path, f"RoPE scaling type {kind!r} is not supported (default, linear)")
 
 

@@ -11,6 +11,7 @@ import math
 
 from ringllm.models.common import (GGUFHParams, f32_tensor, float_values, hf_get, hf_rope_theta_scale,
                                    layer_windows, llama_style_hf_names, rename)
+from ringllm.runtime.errors import UnsupportedModelError
 from ringllm.runtime.model_spec import ModelSpec
 
 ARCH = "gemma3"
@@ -59,7 +60,6 @@ def spec_from_hf(config: dict, path: str) -> ModelSpec:
         l_theta, l_scale = float(config["rope_local_base_freq"]), 1.0
     act = config.get("hidden_activation", config.get("hidden_act", "gelu_pytorch_tanh"))
     if act not in ("gelu_pytorch_tanh", "gelu_new"):
-        from ringllm.runtime.errors import UnsupportedModelError
         raise UnsupportedModelError(path, f"hidden_activation {act!r} is not supported for {ARCH}")
     return ModelSpec(
         arch=ARCH, n_vocab=hf_get(config, path, "vocab_size"), n_embd=n_embd, n_layer=n_layer,

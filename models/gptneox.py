@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringllm.models.common import GGUFHParams, f32_tensor, float_values, hf_get, hf_rope_theta_scale
+from ringllm.models.common import GGUFHParams, f32_tensor, float_values, hf_get, hf_rope_theta_scale, rename
 from ringllm.runtime.errors import ModelFileError, UnsupportedModelError
 from ringllm.runtime.model_spec import ModelSpec
 
@@ -94,8 +94,6 @@ def gguf_tensors(spec: ModelSpec, tensors: dict) -> dict:
 
 
 def hf_tensors(spec: ModelSpec, tensors: dict) -> dict:
-    from ringllm.models.common import rename
-
     names = {"gpt_neox.embed_in.weight": "token_embd.weight", "gpt_neox.final_layer_norm.weight": "output_norm.weight",
              "gpt_neox.final_layer_norm.bias": "output_norm.bias", "embed_out.weight": "output.weight"}
     for il in range(spec.n_layer):

@@ -6,6 +6,7 @@ permuted back to HF's rotate-half order at load (models.common.unpermute_rope_qk
 from __future__ import annotations
 
 from ringllm.models.common import GGUFHParams, hf_get, hf_rope_theta_scale, llama_style_hf_names, rename, unpermute_rope_qk
+from ringllm.runtime.errors import UnsupportedModelError
 from ringllm.runtime.model_spec import ModelSpec
 
 ARCH = "llama"
@@ -50,7 +51,6 @@ def spec_from_hf(config: dict, path: str) -> ModelSpec:
 def _hf_act(config: dict, path: str) -> str:
     act = config.get("hidden_act", "silu")
     if act != "silu":
-        from ringllm.runtime.errors import UnsupportedModelError
         raise UnsupportedModelError(path, f"hidden_act {act!r} is not supported for {ARCH} (silu)")
     return "silu"
 

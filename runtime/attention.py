@@ -1,12 +1,19 @@
-"""The attention step over the in-place KV store: RoPE by each slot's logical position, fused at read time.
+"""The attention step of one token over one layer of the in-place KV store, per RoPE layout.
 
-One call per layer per token. Keys are stored before RoPE; each key is rotated as it is read by
-the cos/sin of its slot's logical position (a table row), once per kv head and shared by the
-query heads of its GQA group (no repeated K/V is materialized). Softmax is two-pass over the
-scores of the occupied slots, in float32.
+One call per layer per token. GQA without repeated K/V: each key is read once per kv head and
+shared by the query heads of its group. Softmax is two-pass over the scores of the occupied slots,
+in float32; the per-slot attention mass (summed over the group) is written when a policy asks.
+Keys are laid out by the layer's RoPE strategy (runtime/rope.py), and each layout has its kernel:
 
-RoPE is rotate-half over the first `rotary_dim` dims: halves (a, b) -> (a cos - b sin, b cos + a sin)
-with angle pos/scale * base^(-2i/rotary_dim) (Su et al., RoFormer eq. 34, HF layout).
+    attend           keys before RoPE ("fused"): each rotated by its slot's logical position as read
+    attend_stored    keys rotated at a reference position (the sequence index, "stored"; or the
+                     position itself, "kshift"): the query is rotated by the slot's offset instead
+    attend_rebased   keys rotated at a per-slot base position kept near the slot's ("rebased",
+                     policy layers): the query is rotated once per offset in use
+    attend_rk        keys before RoPE with rotate_half(k) cached beside them ("rk", EQUIP)
+
+Argument order: destination first, then the query, the layer's store arrays, positions, tables,
+scale, scratch, and the mass output.
 """
 from __future__ import annotations
 
@@ -14,45 +21,10 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.fast_exp import exp_f32
+from ringllm.runtime.numba_flags import FASTMATH
+from ringllm.runtime.rope_kernels import angles_at, rotate_by_table, rotate_into, rotate_with
 
-
-class RopeTable:
-    """cos/sin of angle pos/scale * base^(-2i/rotary_dim) for pos in [0, n): cos, sin (n, rotary_dim/2) float32.
-
-    Grows (doubling) when a position past its end is asked for: in `original` mode positions are
-    sequence indices and a stream is unbounded.
-    """
-
-    def __init__(self, rotary_dim: int, base: float, scale: float, n: int = 4096):
-        self.rotary_dim, self.base, self.scale = rotary_dim, base, scale
-        self.cos = self.sin = np.zeros((0, rotary_dim // 2), np.float32)
-        self.ensure(n)
-
-    @property
-    def inv_freq(self) -> np.ndarray:
-        """(rotary_dim/2,) float64: base^(-2i/rotary_dim)."""
-        return self.base ** (-np.arange(self.rotary_dim // 2, dtype=np.float64) * 2.0 / self.rotary_dim)
-
-    def ensure(self, n: int) -> None:
-        if n <= self.cos.shape[0]:
-            return
-        size = max(n, 2 * self.cos.shape[0])
-        ang = (np.arange(size, dtype=np.float64) / self.scale)[:, None] * self.inv_freq[None, :]
-        self.cos = np.ascontiguousarray(np.cos(ang), dtype=np.float32)
-        self.sin = np.ascontiguousarray(np.sin(ang), dtype=np.float32)
-
-
-# Reassociation lets LLVM vectorize the float32 dot products and sums (a plain loop is a serial
-# chain); no approximate functions, so exp stays exact. Differences vs the reference are float32
-# rounding, well inside the engine's 1e-3 logit tolerance.
-FASTMATH = {"reassoc", "contract", "nsz"}
 _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _rotate_into(dst, src, p, cos, sin, rotary_dim):
-    """dst (hd,) = RoPE(src (hd,)) at table row p; dims past rotary_dim are copied."""
-    _rotate_with(dst, src, cos[p], sin[p], rotary_dim)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
@@ -73,7 +45,7 @@ def softmax_inplace(sc, n):
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _scale_group(qrot, h0, group, scale):
+def scale_group(qrot, h0, group, scale):
     """qrot[h0:h0+group] *= scale (the group's rotated queries take the score multiplier once)."""
     for g in range(group):
         for d in range(qrot.shape[1]):
@@ -146,10 +118,10 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
         n = count_l[h]
         h0 = h * group
         for g in range(group):
-            _rotate_into(qrot[h0 + g], q[h0 + g], q_pos[h], cos, sin, rotary_dim)
-        _scale_group(qrot, h0, group, scale)
+            rotate_into(qrot[h0 + g], q[h0 + g], q_pos[h], cos, sin, rotary_dim)
+        scale_group(qrot, h0, group, scale)
         for j in range(n):
-            _rotate_into(krot, k_l[h, j], pos_l[h, j], cos, sin, rotary_dim)
+            rotate_into(krot, k_l[h, j], pos_l[h, j], cos, sin, rotary_dim)
             group_scores(scores, qrot, krot, h0, group, j)
         _softmax_weighted_v(out, scores, v_l, mass, h, n, group)
 
@@ -164,46 +136,6 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
 # mode and, for streaming in `reindexed` mode, 0 for the sinks and the head's eviction count for
 # every other slot: the query is rotated at most twice per head and no key is rotated at read.
 # Any other slot layout stays exact (the query is re-rotated whenever the offset changes).
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _angles_at(cs, sn, p, inv_freq, inv_scale):
-    """cs, sn (rotary_dim/2,) f32 = cos, sin of p/scale * inv_freq, computed in float64 (any p, no table)."""
-    pf = p * inv_scale
-    for i in range(cs.shape[0]):
-        ang = pf * inv_freq[i]
-        cs[i] = np.cos(ang)
-        sn[i] = np.sin(ang)
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _rotate_with(dst, src, cs, sn, rotary_dim):
-    """dst (hd,) = src (hd,) rotated by the angles cs, sn (rotary_dim/2,); dims past rotary_dim are copied."""
-    half = rotary_dim // 2
-    for i in range(half):
-        a = src[i]
-        b = src[i + half]
-        dst[i] = a * cs[i] - b * sn[i]
-        dst[i + half] = b * cs[i] + a * sn[i]
-    for i in range(rotary_dim, src.shape[0]):
-        dst[i] = src[i]
-
-
-@njit(cache=True, nogil=True)
-def rope_rows_at(x, p, inv_freq, inv_scale, rotary_dim, tmp):
-    """x (R, hd) rotated in place at position p (the key of one token, all kv heads).
-
-    tmp (hd + rotary_dim,) f32 scratch: the rotated row, then cos and sin (computed once for all rows)."""
-    hd = x.shape[1]
-    half = rotary_dim // 2
-    cs = tmp[hd:hd + half]
-    sn = tmp[hd + half:hd + rotary_dim]
-    _angles_at(cs, sn, p, inv_freq, inv_scale)
-    row = tmp[:hd]
-    for r in range(x.shape[0]):
-        _rotate_with(row, x[r], cs, sn, rotary_dim)
-        for d in range(hd):
-            x[r, d] = row[d]
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -231,10 +163,10 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
                 cur = off
                 if off != have:
                     have = off
-                    _angles_at(angles[0], angles[1], q_pos + off, inv_freq, inv_scale)
+                    angles_at(angles[0], angles[1], q_pos + off, inv_freq, inv_scale)
                 for g in range(group):
-                    _rotate_with(qrot[h0 + g], q[h0 + g], angles[0], angles[1], rotary_dim)
-                _scale_group(qrot, h0, group, scale)
+                    rotate_with(qrot[h0 + g], q[h0 + g], angles[0], angles[1], rotary_dim)
+                scale_group(qrot, h0, group, scale)
             group_scores(scores, qrot, k_l[h, j], h0, group, j)
         _softmax_weighted_v(out, scores, v_l, mass, h, n, group)
 
@@ -270,7 +202,6 @@ def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, r
     n_kv = k_l.shape[0]
     group = n_head // n_kv
     n_var = qvar.shape[0]
-    half = rotary_dim // 2
     for h in range(n_kv):
         n = count_l[h]
         h0 = h * group
@@ -280,7 +211,7 @@ def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, r
         for j in range(n):
             off = kbase_l[h, j] - pos_l[h, j]
             if off < 0 or off >= n_var:
-                _rotate_by_table(k_l[h, j], k_l[h, j], -off, cos, sin, rotary_dim)
+                rotate_by_table(k_l[h, j], k_l[h, j], -off, cos, sin, rotary_dim)
                 kbase_l[h, j] = pos_l[h, j]
                 off = 0
             offs[j] = off
@@ -288,8 +219,8 @@ def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, r
         for o in range(n_var):
             if have[o]:
                 for g in range(group):
-                    _rotate_into(qvar[o, h0 + g], q[h0 + g], qp + o, cos, sin, rotary_dim)
-                _scale_group(qvar[o], h0, group, scale)
+                    rotate_into(qvar[o, h0 + g], q[h0 + g], qp + o, cos, sin, rotary_dim)
+                scale_group(qvar[o], h0, group, scale)
         for j in range(n):
             o = offs[j]
             for g in range(group):
@@ -298,22 +229,6 @@ def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, r
                     acc += qvar[o, h0 + g, d] * k_l[h, j, d]
                 scores[h0 + g, j] = acc
         _softmax_weighted_v(out, scores, v_l, mass, h, n, group)
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _rotate_by_table(dst, src, delta, cos, sin, rotary_dim):
-    """dst (hd,) = src rotated by `delta` positions (either sign) with table rows |delta|; dst may
-    be src. Dims past rotary_dim: copied."""
-    half = rotary_dim // 2
-    a = delta if delta >= 0 else -delta
-    sg = np.float32(1.0) if delta >= 0 else np.float32(-1.0)
-    for i in range(half):
-        c, sn = cos[a, i], sg * sin[a, i]
-        x, y = src[i], src[i + half]
-        dst[i] = x * c - y * sn
-        dst[i + half] = y * c + x * sn
-    for i in range(rotary_dim, src.shape[0]):
-        dst[i] = src[i]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,35 +241,6 @@ def _rotate_by_table(dst, src, delta, cos, sin, rotary_dim):
 # shuffle: the form EQUIP uses to make re-indexed RoPE cheap on the fly.
 
 
-class FullRopeTable:
-    """cos, sin (n, rotary_dim) float32: a RopeTable's rows repeated over both halves."""
-
-    def __init__(self, table: RopeTable):
-        self.table = table
-        self.cos = self.sin = np.zeros((0, table.rotary_dim), np.float32)
-        self.ensure(table.cos.shape[0])
-
-    def ensure(self, n: int) -> None:
-        if n <= self.cos.shape[0]:
-            return
-        self.table.ensure(n)
-        self.cos = np.ascontiguousarray(np.concatenate([self.table.cos, self.table.cos], axis=1))
-        self.sin = np.ascontiguousarray(np.concatenate([self.table.sin, self.table.sin], axis=1))
-
-
-@njit(cache=True, nogil=True)
-def rk_write(rk_l, k_l, seq_l, count_l, seq_new, rotary_dim):
-    """rk_l[h, slot] = rotate_half(k_l[h, slot]) over the rotary dims, for the slot holding seq_new."""
-    half = rotary_dim // 2
-    for h in range(seq_l.shape[0]):
-        for j in range(seq_l.shape[1]):
-            if seq_l[h, j] == seq_new:
-                for i in range(half):
-                    rk_l[h, j, i] = -k_l[h, j, i + half]
-                    rk_l[h, j, i + half] = k_l[h, j, i]
-                break
-
-
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def attend_rk(out, q, k_l, rk_l, v_l, pos_l, count_l, q_pos, cosf, sinf, cos, sin, rotary_dim, scale, scores,
               qrot, mass):
@@ -365,7 +251,7 @@ def attend_rk(out, q, k_l, rk_l, v_l, pos_l, count_l, q_pos, cosf, sinf, cos, si
     n_kv = k_l.shape[0]
     group = n_head // n_kv
     for hq in range(n_head):
-        _rotate_into(qrot[hq], q[hq], q_pos, cos, sin, rotary_dim)
+        rotate_into(qrot[hq], q[hq], q_pos, cos, sin, rotary_dim)
         for d in range(hd):
             qrot[hq, d] *= scale
     for h in range(n_kv):

@@ -22,17 +22,17 @@ import numba
 import numpy as np
 
 from ringllm.runtime import matvec as mv
-from ringllm.runtime.attention import (FullRopeTable, RopeTable, attend, attend_rk, attend_stored,
-                                      rk_write, rope_rows_at)
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
-from ringllm.runtime.kv_store import REBASE_LIMIT, KVStore, kv_write_kshift
+from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies.base import STEP_GENERIC, Policy
 from ringllm.runtime.policy_step import policy_layer_step, policy_write_attend
 from ringllm.runtime.ops import ACT_CODES, add_bias, act_inplace, gated_act, layer_norm_rows, rms_norm_rows, softcap
 from ringllm.runtime.qtensor import QTensor
+from ringllm.runtime.rope import STRATEGIES, AttendScratch, layer_ropes
+from ringllm.runtime.rope_kernels import REBASE_LIMIT
 
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -66,7 +66,8 @@ class CPUEngine:
         spec, tensors: a LoadedModel's fields (internal names, see ModelSpec).
         n_threads: Numba threads for the kernels (None = all cores).
         n_batch: rows per prefill chunk (matrix-matrix kernels); longer prompts go in chunks.
-        rope: where RoPE is applied (both exact, see runtime/attention.py):
+        rope: where RoPE is applied on the layers the store's ring serves (every one exact; the
+            strategies are in runtime/rope.py):
             "stored" (default): keys rotated once at write by their sequence index, the query rotated
                 by each slot's offset (sequence index - logical position) at read;
             "fused": keys stored plain, each rotated by its slot's logical position as it is read;
@@ -80,7 +81,7 @@ class CPUEngine:
         keys as they were before RoPE (rkv, gvote). bench/rope_strategies.py measures them.
     """
 
-    ROPE_MODES = ("stored", "fused", "rk", "kshift")
+    ROPE_MODES = tuple(STRATEGIES)
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, QTensor], n_threads: int | None = None, n_batch: int = 64,
                  rope: str = "stored"):
@@ -105,12 +106,8 @@ class CPUEngine:
         self.buf1 = self.buf.view(1)
         self.logits_buf = np.zeros((n_batch, spec.n_vocab), np.float32)
         nh, hd = spec.n_head, spec.head_dim
-        self.q3 = np.zeros((nh, hd), np.float32)
-        self.out3 = np.zeros((nh, hd), np.float32)
-        self.krot = np.zeros(hd, np.float32)
-        self.qrot = np.zeros((nh, hd), np.float32)
+        self.sc = AttendScratch(nh, spec.n_head_kv, hd, spec.rotary_dim)     # one token's attention buffers
         self.no_mass = np.zeros((0, 0), np.float32)
-        self.qpos = np.zeros(spec.n_head_kv, np.int64)
         self.qvar = np.zeros((REBASE_LIMIT, nh, hd), np.float32)     # attend_rebased: query per offset
         self.qvar_have = np.zeros(REBASE_LIMIT, np.int64)
         # the same per kv head, for policy_step.policy_layer_step (heads on separate threads)
@@ -118,22 +115,8 @@ class CPUEngine:
         self.head_qvar = np.zeros((nkv, REBASE_LIMIT, nh // nkv, hd), np.float32)
         self.head_have = np.zeros((nkv, REBASE_LIMIT), np.int64)
         self.head_krot = np.zeros((nkv, hd), np.float32)
-        self.ropes: dict[tuple[float, float], RopeTable] = {}
-        self.layer_rope = []
-        for il in range(spec.n_layer):
-            key = (spec.rope_base[il], spec.rope_scale[il])
-            if key not in self.ropes:
-                self.ropes[key] = RopeTable(spec.rotary_dim, *key, n=4096 if rope in ("fused", "rk") else 1)
-            self.layer_rope.append(self.ropes[key])
-        self.layer_inv_freq = [t.inv_freq for t in self.layer_rope]
-        full = {id(t): FullRopeTable(t) for t in self.ropes.values()}
-        self.layer_full_rope = [full[id(t)] for t in self.layer_rope]
-        # cos, sin of a one-position step back, per layer (kshift)
-        self.layer_back = [np.stack([np.cos(-t.inv_freq / t.scale), np.sin(-t.inv_freq / t.scale)]).astype(np.float32)
-                           for t in self.layer_rope]
-        self.ktmp = np.zeros(hd + spec.rotary_dim, np.float32)
-        self.angles = np.zeros((2, spec.rotary_dim // 2), np.float32)
-        self.scores = np.zeros((nh, 0), np.float32)
+        # per layer: RoPE tables and constants (shared by layers of the same base and scale)
+        self.layer_ropes = layer_ropes(spec.rotary_dim, spec.rope_base, spec.rope_scale, STRATEGIES[rope].table_rows)
         self.offs = np.zeros(0, np.int64)          # attend_rebased: each slot's offset
         self.head_offs = np.zeros((spec.n_head_kv, 0), np.int64)
 
@@ -169,12 +152,9 @@ class CPUEngine:
         offsets of the stored strategy would vary from slot to slot. A store whose policy layers
         were laid out for the other of those two is converted in place."""
         cap = max(store.layer_physical)
-        if self.scores.shape[1] < cap:
-            self.scores = np.zeros((self.spec.n_head, cap), np.float32)
+        if self.sc.grow(cap):
             self.offs = np.zeros(cap, np.int64)
             self.head_offs = np.zeros((self.spec.n_head_kv, cap), np.int64)
-        if store.needs_mass and getattr(store, "mass", None) is None:
-            store.mass = np.zeros((self.spec.n_head_kv, cap), np.float32)
         policy_mode = "fused" if self.rope == "fused" or store.policy_impl.plain_keys else "rebased"
         modes = [policy_mode if store.uses_policy(il) else self.rope for il in range(self.spec.n_layer)]
         if store.update == "shift" and self.rope in ("rk", "kshift"):
@@ -187,12 +167,10 @@ class CPUEngine:
             for il, (a, b) in enumerate(zip(old, modes)):
                 store.convert_rope_layout(il, a, b)
         store.layer_rope_mode = modes
-        if "rk" in modes and store.rk is None:
-            store.rk = [np.zeros(k.shape[:2] + (self.spec.rotary_dim,), np.float32) for k in store.k]
         if {"fused", "rk", "rebased"} & set(modes):
-            for il in range(self.spec.n_layer):
-                self.layer_rope[il].ensure(cap + REBASE_LIMIT + 1)
-                self.layer_full_rope[il].ensure(cap + 1)
+            for rope in self.layer_ropes:
+                rope.table.ensure(cap + REBASE_LIMIT + 1)
+                rope.full.ensure(cap + 1)
         return store
 
     def step(self, token: int, store: KVStore) -> np.ndarray:
@@ -226,7 +204,7 @@ class CPUEngine:
             if getattr(st, "paged", False):
                 raise ConfigError("step_batch works on dense KVStores; paged stores decode one at a time (step)")
             st.check_room(1)
-            if st.layer_rope_mode is None or (st.needs_mass and st.mass is None):
+            if st.layer_rope_mode is None:
                 self.adopt_store(st)
         if self.n_threads is not None:
             numba.set_num_threads(self.n_threads)
@@ -253,7 +231,7 @@ class CPUEngine:
         if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
             raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
         store.check_room(ids.size)
-        if store.layer_rope_mode is None or (store.needs_mass and store.mass is None):
+        if store.layer_rope_mode is None:
             self.adopt_store(store)
         if self.n_threads is not None:
             numba.set_num_threads(self.n_threads)
@@ -352,14 +330,14 @@ class CPUEngine:
         if s.qk_norm:
             rms_norm_rows(q3, q3, self.vecs[p + "attn_q_norm.weight"], s.norm_eps)
             rms_norm_rows(k3, k3, self.vecs[p + "attn_k_norm.weight"], s.norm_eps)
-        table = self.layer_rope[il]
+        rope = self.layer_ropes[il]
         scale = np.float32(s.attn_scale)
         kk = b.k.reshape(T, nkv, hd)
         for store, seq0, t0, n in segments:
             if getattr(store, "paged", False):   # paged KV pool (runtime/paged_store.py): writes and attends itself
-                store.forward_layer(il, b.q, kk, v3, seq0, b.att, table, scale)
+                store.forward_layer(il, b.q, kk, v3, seq0, b.att, rope.table, scale)
             else:
-                self._attend_dense(il, b, store, seq0, t0, n, kk, v3, table, scale)
+                self._attend_dense(il, b, store, seq0, t0, n, kk, v3, rope, scale)
         self._linear(b.a, p + "attn_output", b.att)
         if s.sandwich_norm:
             rms_norm_rows(b.a, b.a, self.vecs[p + "post_attention_norm.weight"], s.norm_eps)
@@ -377,58 +355,26 @@ class CPUEngine:
         b.x += b.h2
 
     def _attend_dense(self, il: int, b: _Buffers, store: KVStore, seq0: int, t0: int, T: int, kk: np.ndarray,
-                      v3: np.ndarray, table, scale: np.float32) -> None:
+                      v3: np.ndarray, rope, scale: np.float32) -> None:
         """Write rows t0..t0+T-1 of the run's keys/values (kk, v3: (rows, n_kv, hd)), tokens seq0.., into
         the fixed store token by token and attend each query b.q[t] (n_head * hd) over the store; the
-        outputs land in b.att[t]."""
-        s = self.spec
-        nh, nkv, hd = s.n_head, s.n_head_kv, s.head_dim
-        inv_freq, inv_scale = self.layer_inv_freq[il], 1.0 / s.rope_scale[il]
-        mode = store.layer_rope_mode[il]
+        outputs land in b.att[t]. rope: the layer's rope.LayerRope. Ring layers go through the layer's
+        RoPE strategy (rope.STRATEGIES), policy layers through _attend_policy."""
+        nh, hd = self.spec.n_head, self.spec.head_dim
         policy = store.policy_impl if store.uses_policy(il) else None
         hook = store.mass_hook
-        if hook is not None and store.mass is None:
-            store.mass = np.zeros((nkv, max(store.layer_physical)), np.float32)
         mass = store.mass if (policy is not None and policy.needs_mass) or hook is not None else self.no_mass
         if policy is not None:
-            self._attend_policy(il, b, store, policy, seq0, t0, T, kk, v3, table, scale, mass, hook)
+            self._attend_policy(il, b, store, policy, seq0, t0, T, kk, v3, rope.table, scale, mass, hook)
             return
+        strategy, sc = STRATEGIES[store.layer_rope_mode[il]], self.sc
         for t in range(t0, t0 + T):
             seq = seq0 + t - t0
-            q_t = b.q[t].reshape(nh, hd)
-            if mode == "kshift":
-                kv_write_kshift(store.k[il], store.v[il], store.seq[il], store.pos[il], store.count[il],
-                                store.evicted[il], kk[t], v3[t], seq, store.layer_sinks[il], store.reindexed,
-                                inv_freq, inv_scale, s.rotary_dim, self.layer_back[il], self.angles, self.ktmp)
-            else:
-                if mode == "stored":
-                    rope_rows_at(kk[t], seq, inv_freq, inv_scale, s.rotary_dim, self.ktmp)
-                store.write(il, kk[t], v3[t], seq)
-                if mode == "rk":
-                    rk_write(store.rk[il], store.k[il], store.seq[il], store.count[il], seq, s.rotary_dim)
-            qp = store.query_position(il, seq)
-            if mode == "fused" or mode == "rk":
-                qp = int(store.count[il].max()) - 1 if store.reindexed else seq
-                if qp + REBASE_LIMIT >= table.cos.shape[0]:
-                    table.ensure(qp + REBASE_LIMIT + 1)
-                    self.layer_full_rope[il].ensure(qp + 1)
-            if mode == "fused":
-                attend(self.out3, q_t, store.k[il], store.v[il], store.pos[il], store.count[il],
-                       store.query_positions(il, seq, self.qpos), table.cos, table.sin, s.rotary_dim, scale,
-                       self.scores, self.krot, self.qrot, mass)
-            elif mode == "rk":
-                ft = self.layer_full_rope[il]
-                attend_rk(self.out3, q_t, store.k[il], store.rk[il], store.v[il], store.pos[il], store.count[il], qp,
-                          ft.cos, ft.sin, table.cos, table.sin, s.rotary_dim, scale, self.scores, self.qrot,
-                          mass)
-            else:   # stored (offsets seq - pos) or kshift (keys at their own position: offsets pos - pos = 0)
-                ref = store.seq[il] if mode == "stored" else store.pos[il]
-                attend_stored(self.out3, q_t, store.k[il], store.v[il], store.pos[il], ref, store.count[il],
-                              qp, inv_freq, inv_scale, s.rotary_dim, scale, self.scores, self.qrot, self.angles,
-                              mass)
+            strategy.write(store, il, rope, kk[t], v3[t], seq, sc)
+            strategy.attend(store, il, rope, b.q[t].reshape(nh, hd), seq, scale, mass, sc)
             if hook is not None:
                 hook(il, mass, store)
-            b.att[t] = self.out3.reshape(-1)
+            b.att[t] = sc.out.reshape(-1)
 
     def _attend_policy(self, il: int, b: _Buffers, store: KVStore, policy, seq0: int, t0: int, T: int, kk: np.ndarray,
                        v3: np.ndarray, table, scale: np.float32, mass: np.ndarray, hook) -> None:
@@ -440,6 +386,7 @@ class CPUEngine:
         (policy_step.policy_write_attend), then the policy's on_insert and observe. Both paths run
         the same kernels in the same order: a rollback's replay and a plain feed agree bitwise."""
         nh, hd = self.spec.n_head, self.spec.head_dim
+        sc = self.sc
         rebase = store.layer_rebase[il]
         if not store.reindexed and seq0 + T + REBASE_LIMIT >= table.cos.shape[0]:
             table.ensure(seq0 + T + REBASE_LIMIT + 1)     # original positions grow with the stream
@@ -459,26 +406,26 @@ class CPUEngine:
             if kind != STEP_GENERIC and policy_layer_step(
                     kind, *args, kk[t], v3[t], seq, store.key, policy.key_grid, store.drop_h, *stage, sinks,
                     store.recent, store.reindexed, store.victims, shift, rebase, *rope, store.layer_angles[il],
-                    store.layer_angle_tag[il], store.ktmp, store.ksum[il], self.out3, q_t, table.cos, table.sin,
-                    scale, self.scores, self.head_qvar, self.head_have, self.head_krot, self.qrot, self.qpos, mass,
+                    store.layer_angle_tag[il], store.ktmp, store.ksum[il], sc.out, q_t, table.cos, table.sin,
+                    scale, sc.scores, self.head_qvar, self.head_have, self.head_krot, sc.qrot, sc.qpos, mass,
                     self.head_offs, store.pend[il], store.pend_drop[il], store.pend_tag[il], *params):
                 if hook is not None:
                     hook(il, mass, store)
-                b.att[t] = self.out3.reshape(-1)
+                b.att[t] = sc.out.reshape(-1)
                 continue
             grid = store.prepare_policy_write(il, q_t, seq)
             if store.journal is not None:
                 store.journal.before_policy(store, il, grid)
             policy_write_attend(*args, kk[t], v3[t], seq, store.key, grid, store.drop_h, sinks, store.recent,
                                 store.reindexed, store.victims[0], shift, rebase, *rope, *store.rotation_cache(il),
-                                store.ksum[il], self.out3, q_t, table.cos, table.sin, scale, self.scores, self.qvar,
-                                self.qvar_have, self.krot, self.qrot, self.qpos, mass, self.offs)
+                                store.ksum[il], sc.out, q_t, table.cos, table.sin, scale, sc.scores, self.qvar,
+                                self.qvar_have, sc.krot, sc.qrot, sc.qpos, mass, self.offs)
             if inserts:          # the policy's per-token state of the new slot (reads neither attention nor out3)
                 policy.on_insert(store, il, kk[t], q_t)
             policy.observe(store, il, mass, seq)
             if hook is not None:
                 hook(il, mass, store)
-            b.att[t] = self.out3.reshape(-1)
+            b.att[t] = sc.out.reshape(-1)
 
     def _ffn(self, il: int, b: _Buffers) -> None:
         """b.h2 = ffn(b.h)."""

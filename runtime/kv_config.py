@@ -19,23 +19,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from numba import njit
-
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.eviction import keep_after
+from ringllm.runtime.policies import REGISTRY
 
 POLICIES = ("full", "streaming", "h2o", "scissorhands", "tova", "knorm", "lsh", "random", "snapkv", "pyramidkv",
             "adakv", "gvote", "rkv")
 POSITION_MODES = ("reindexed", "original")
 UPDATE_MODES = ("inplace", "shift")
-
-# Protected recent tokens when `recent` is left at None (choices documented in each policy's module):
-# an int, or a function of the config.
-DEFAULT_RECENT = {"full": 0, "streaming": 0, "h2o": lambda c: c.capacity // 2, "scissorhands": lambda c: c.capacity // 4,
-                  "tova": 0, "knorm": 0, "lsh": 10, "random": 0,
-                  "snapkv": lambda c: min(c.window, c.capacity - c.sinks - 1),
-                  "pyramidkv": lambda c: min(c.window, c.capacity - c.sinks - 1),
-                  "adakv": lambda c: min(c.window, c.capacity - c.sinks - 1),
-                  "gvote": lambda c: c.capacity // 4, "rkv": lambda c: min(c.window, c.capacity - c.sinks - 1)}
 
 
 @dataclass
@@ -46,8 +37,9 @@ class KVConfig:
     policy: one of POLICIES.
     sinks: first tokens never evicted.
     recent: newest held tokens never evicted by score-based policies (None: the policy's default,
-        DEFAULT_RECENT: h2o capacity/2 as in the paper's even heavy/recent split, lsh 10 as in the
-        paper, windowed policies their observation window, scissorhands/gvote capacity/4, else 0).
+        Policy.default_recent in its file: h2o capacity/2 as in the paper's even heavy/recent split,
+        lsh 10 as in the paper, windowed policies their observation window, scissorhands/gvote
+        capacity/4, else 0).
     positions: "reindexed" (rank among held tokens, StreamingLLM) | "original" (index in the sequence).
     lazy, slack, max_drop: staged eviction R, sigma, delta (module docstring); 0 disables each.
     lsh_bits: SimHash code length c of `lsh`, 1..64.
@@ -130,11 +122,10 @@ class KVConfig:
 
     @property
     def resolved_recent(self) -> int:
-        """Protected recent tokens after applying the policy default (DEFAULT_RECENT)."""
+        """Protected recent tokens after applying the policy default (Policy.default_recent)."""
         if self.recent is not None:
             return self.recent
-        d = DEFAULT_RECENT[self.policy]
-        return d if isinstance(d, int) else max(0, int(d(self)))
+        return REGISTRY[self.policy].default_recent(self)
 
     @property
     def staged(self) -> bool:
@@ -161,19 +152,3 @@ class KVConfig:
         if unknown:
             raise ConfigError(f"unknown KVConfig fields {unknown}; valid: {sorted(known)}")
         return cls(**d)
-
-
-@njit(cache=True, nogil=True)
-def keep_after(length, capacity, lazy, slack, max_drop):
-    """Algorithm 1 of the staged-eviction seed: how many of `length` held tokens survive this step.
-
-    C = capacity, H = C + slack. Returns `length` (no pruning) while length <= C or length - C < lazy,
-    else C when max_drop == 0, else min(max(length - max_drop, C), H).
-    (4, 2044, 32, 16, 32) i.e. C = 2048: keep_after(2090, 2048, 32, 16, 32) == 2058. Compiled (Numba):
-    adakv's selection kernel runs it on the layer totals; from Python it takes and returns ints.
-    """
-    if length <= capacity or length - capacity < lazy:
-        return length
-    if max_drop == 0:
-        return capacity
-    return min(max(length - max_drop, capacity), capacity + slack)

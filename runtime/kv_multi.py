@@ -30,8 +30,8 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.kv_store import REBASE_LIMIT, count_below
-from ringllm.runtime.policies.base import GRID_GIVEN
+from ringllm.runtime.eviction import GRID_GIVEN, choose_victims, count_below
+from ringllm.runtime.rope_kernels import REBASE_LIMIT
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -182,7 +182,7 @@ class KVJournal:
 
     def before_ring(self, store, il: int) -> None:
         """The ring kernel is about to write: each head's slot is `count` while free, else the oldest
-        non-sink slot sinks + evicted mod (P - sinks) (kv_store._ring_slot)."""
+        non-sink slot sinks + evicted mod (P - sinks) (eviction.ring_slot)."""
         cnt, ev = store.count[il], store.evicted[il]
         cap, s = store.seq[il].shape[1], store.layer_sinks[il]
         slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1)).astype(np.int64)
@@ -192,7 +192,6 @@ class KVJournal:
         """kv_write_policy is about to evict drop_h[h] tokens of each head (store.key filled, `grid` as
         KVStore.prepare_policy_write returned it) and write the new token into slot count - dropped:
         the victims are chosen here by the same function, or read from store.key under GRID_GIVEN."""
-        from ringllm.runtime.kv_store import choose_victims   # called from Python: no cross-file Numba cache
         heads, slots = [], []
         for h in range(store.seq[il].shape[0]):
             n, d = int(store.count[il][h]), int(store.drop_h[h])

@@ -1,9 +1,11 @@
 """The fixed-capacity KV store of one sequence, written in place (EQUIP), with logical positions per slot.
 
 Arrays per layer il (allocated once, never resized, never shifted; P = physical slots, see below):
-    k[il], v[il]   (n_kv_head, P, head_dim) float32   keys before RoPE (or rotated by sequence index
-                                                       when the engine's "stored" RoPE strategy is used,
-                                                       or by `kbase` on policy layers, "rebased")
+    k[il], v[il]   (n_kv_head, P, head_dim) float32   keys laid out as the layer's RoPE strategy keeps
+                                                       them (runtime/rope.py: rotated at the sequence
+                                                       index for "stored", the default on ring layers;
+                                                       at `kbase` on "rebased" policy layers; before
+                                                       RoPE for "fused" and "rk")
     kbase[il]      (n_kv_head, P) int64   position a slot's key is rotated at ("rebased" layers only)
     seq[il]        (n_kv_head, P) int64   sequence index of the token a slot holds, -1 = empty
     rank[il]       (n_kv_head, P) int64   rank of that token by sequence index among the head's tokens
@@ -25,13 +27,15 @@ Positions (DESIGN.md):
                after an eviction every held token newer than the victim moves down by one.
     original:  a token's position is its sequence index, fixed for life.
 
-Slot choice, one kernel call per layer per token:
+Slot choice, one kernel call per layer per token (which tokens leave is decided in
+runtime/eviction.py; this file carries it out):
   * streaming without staging (and every sliding-window layer): a ring over slots [sinks, capacity):
-    the victim is slot sinks + (evictions mod (capacity - sinks)); no scan, no policy state.
+    the victim is slot sinks + (evictions mod (capacity - sinks)) (eviction.ring_slot); no scan, no
+    policy state.
   * every other policy: when the held length L (new token included) calls for pruning (staged
-    eviction, KVConfig.keep_after), the policy fills `key` for the held slots and the L - L* lowest
-    keys among unprotected slots (not among the `sinks` oldest or `recent` newest; ties -> oldest)
-    are evicted; each hole is filled by moving the last occupied slot into it (one slot copy, safe
+    eviction, eviction.keep_after), the policy fills `key` for the held slots and the L - L* lowest
+    keys among unprotected slots (not among the `sinks` oldest or `recent` newest; ties -> oldest;
+    eviction.pick_victims) are evicted; each hole is filled by moving the last occupied slot into it (one slot copy, safe
     because every slot carries its own position), ranks are updated, and the new token takes slot
     `count`. Nothing is shifted. The compiled policy step (policy_step.policy_layer_step) chooses
     the victims of a layer's next write at the end of its current step, while the scores are in
@@ -48,20 +52,19 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.attention import _angles_at, _rotate_with
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, count_below, keep_after, pick_victims, ring_slot
 from ringllm.runtime.key_sum import key_inv_norm, key_sum_move, key_sums
-from ringllm.runtime.kv_config import KVConfig, keep_after
+from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
 from ringllm.runtime.model_spec import ModelSpec
-from ringllm.runtime.policies.base import GRID_GIVEN, GRID_NONE, grid_cell_bound, grid_value
+from ringllm.runtime.policies import make_policy
+from ringllm.runtime.rope import LAYOUTS, rebase_limit
+from ringllm.runtime.rope_kernels import rotate_key_by, rotate_keys_to
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
-
-# "rebased" policy layers: the largest offset (kbase - pos) a stored key may have before it is
-# re-rotated to its position; the attention kernel rotates the query once per offset in use
-REBASE_LIMIT = 16
 
 @njit(cache=True, nogil=True, inline="always")
 def _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new):
@@ -71,21 +74,6 @@ def _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new):
     for d in range(k_l.shape[2]):
         k_l[h, slot, d] = k_new[h, d]
         v_l[h, slot, d] = v_new[h, d]
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new):
-    """The ring's next slot of head h: (slot, logical position of the new token, sequence index of
-    the victim or -1). A free slot while the head is not full, else the oldest non-sink token's
-    slot (sinks + evicted mod (cap - sinks)); count/evicted are advanced."""
-    cap = seq_l.shape[1]
-    n = count_l[h]
-    if n < cap:
-        count_l[h] = n + 1
-        return n, (n if reindexed else seq_new), np.int64(-1)
-    slot = sinks + evicted_l[h] % (cap - sinks)
-    evicted_l[h] += 1
-    return slot, (cap - 1 if reindexed else seq_new), seq_l[h, slot]
 
 
 @njit(cache=True, nogil=True)
@@ -98,7 +86,7 @@ def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new,
     """
     n_kv, cap = seq_l.shape
     for h in range(n_kv):
-        slot, pos_new, victim_seq = _ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new)
+        slot, pos_new, victim_seq = ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new)
         if reindexed and victim_seq >= 0:       # every newer token moves down one position
             for j in range(cap):
                 if seq_l[h, j] > victim_seq:
@@ -129,111 +117,6 @@ def kv_write_shift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq
                     v_l[h, j, d] = v_l[h, j + 1, d]
             slot = cap - 1
         _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
-
-
-@njit(cache=True, nogil=True)
-def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
-    """The n_drop lowest keys among unprotected slots of one head; ties -> the older token.
-
-    key_h (P,) f64, seq_h, rank_h (P,) i64: slot arrays of the head; n: occupied slots. A slot is
-    protected when rank < sinks or rank >= n - recent. out (>= n_drop,) i64 receives the victims'
-    slots in the order chosen (lowest key first). Returns how many were chosen (fewer than n_drop
-    only when too few slots are unprotected).
-    """
-    if n_drop <= 0:
-        return 0
-    if n_drop > 8:           # many at once (staged eviction): sort the candidates, O(n log n)
-        cand = np.empty(n, np.int64)
-        m = 0
-        for j in range(n):
-            if rank_h[j] >= sinks and rank_h[j] < n - recent:
-                cand[m] = j
-                m += 1
-        cand = cand[:m]
-        cand = cand[np.argsort(seq_h[cand], kind="mergesort")]          # ties of key -> older first
-        cand = cand[np.argsort(key_h[cand], kind="mergesort")]
-        got = min(n_drop, m)
-        out[:got] = cand[:got]
-        return got
-    got = 0                  # one pass, the n_drop lowest kept sorted by (key, seq) in out (insertion)
-    for j in range(n):
-        r = rank_h[j]
-        if r < sinks or r >= n - recent:
-            continue
-        x, s = key_h[j], seq_h[j]
-        if got == n_drop:
-            p = out[got - 1]
-            if not (x < key_h[p] or (x == key_h[p] and s < seq_h[p])):
-                continue
-        else:
-            got += 1
-        i = got - 1
-        while i > 0:
-            p = out[i - 1]
-            if not (x < key_h[p] or (x == key_h[p] and s < seq_h[p])):
-                break
-            out[i] = p
-            i -= 1
-        out[i] = j
-    return got
-
-
-@njit(cache=True, nogil=True)
-def choose_one(key_h, seq_h, rank_h, n, sinks, recent, grid):
-    """choose_victims(n_drop=1) on raw keys that are compared on grid `grid` (policies.base.grid_value):
-    the same victim as mapping every key onto the grid first, but the grid (a log2 per slot for
-    masses) is computed only for the slots within a cell of the lowest raw key. Returns the slot,
-    or -1 when every slot is protected."""
-    lo, hi = sinks, n - recent
-    xmin = np.inf
-    for j in range(n):
-        r = rank_h[j]
-        x = key_h[j]
-        if r >= lo and r < hi and x < xmin:
-            xmin = x
-    if xmin == np.inf:
-        return -1
-    gmin = grid_value(xmin, grid)
-    bound = grid_cell_bound(xmin, grid)
-    best = -1
-    for j in range(n):
-        r = rank_h[j]
-        if r >= lo and r < hi and key_h[j] <= bound:
-            if grid_value(key_h[j], grid) == gmin and (best < 0 or seq_h[j] < seq_h[best]):
-                best = j
-    return best
-
-
-@njit(cache=True, nogil=True)
-def pick_victims(key_l, grid, h, n_drop, seq_l, rank_l, count_l, sinks, recent, victims):
-    """The n_drop victims of head h by the keys key_l[h] (raw, compared on `grid`; GRID_NONE: as
-    they are) into victims[:got]; returns got (fewer only when too few slots are unprotected). One
-    victim on a grid: choose_one; else, or when no key is below inf (NaN keys), the keys are
-    gridded in place and choose_victims picks them."""
-    victims[0] = -1
-    got = 0
-    if n_drop == 1 and grid != GRID_NONE:
-        victims[0] = choose_one(key_l[h], seq_l[h], rank_l[h], count_l[h], sinks, recent, grid)
-        got = 1
-    if victims[0] < 0:
-        if grid != GRID_NONE:
-            for j in range(count_l[h]):
-                key_l[h, j] = grid_value(key_l[h, j], grid)
-        got = choose_victims(key_l[h], seq_l[h], rank_l[h], count_l[h], n_drop, sinks, recent, victims)
-    return got
-
-
-@njit(cache=True, nogil=True, inline="always")
-def count_below(sorted_a, n, x):
-    """Number of the first n entries of the ascending array sorted_a below x (binary search)."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if sorted_a[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -325,31 +208,6 @@ def evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, h
     evicted_l[h] += n_slots
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _rotate_key_by(k_l, h, j, delta, have, angles, inv_freq, inv_scale, rotary_dim, tmp):
-    """Key j of head h rotated in place by `delta` positions; angles (2, rotary_dim/2) caches the
-    cos/sin of the delta in have[0] (recomputed only when the delta changes)."""
-    if delta != have[0]:
-        _angles_at(angles[0], angles[1], delta, inv_freq, inv_scale)
-        have[0] = delta
-    _rotate_with(tmp, k_l[h, j], angles[0], angles[1], rotary_dim)
-    for d in range(k_l.shape[2]):
-        k_l[h, j, d] = tmp[d]
-
-
-@njit(cache=True, nogil=True)
-def rotate_keys_to(k_l, kbase_l, target_l, count_l, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp):
-    """Every held key, stored rotated at kbase, re-rotated to target_l (n_kv, P) i64; kbase = target.
-    Converts a layer between RoPE layouts: keys before RoPE are keys rotated at 0."""
-    angle_tag[0] = np.int64(-1) << 62
-    for h in range(k_l.shape[0]):
-        for j in range(count_l[h]):
-            if target_l[h, j] != kbase_l[h, j]:
-                _rotate_key_by(k_l, h, j, target_l[h, j] - kbase_l[h, j], angle_tag, angles, inv_freq, inv_scale,
-                               rotary_dim, tmp)
-                kbase_l[h, j] = target_l[h, j]
-
-
 @njit(cache=True, nogil=True)
 def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
                     seq_new, key_l, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase, inv_freq,
@@ -358,7 +216,7 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
 
     drop_h (n_kv,) i64: equal for every head but under adakv; key_l (n_kv, P) f64 filled by the
     policy for occupied slots when any drop_h > 0, raw keys compared on grid `grid` (GRID_NONE:
-    compared as they are; see policies.base.grid_value; GRID_GIVEN: key_l[h, :drop_h[h]] are the
+    compared as they are; see eviction.grid_value; GRID_GIVEN: key_l[h, :drop_h[h]] are the
     victims' slots, chosen already); victims (>= max drop_h,) i64 scratch; shift: the
     shift-and-append baseline removes victims by copying survivors down (evict_slots_shift). The new
     token goes to slot count with rank count, zero score/aux/hist (the policy
@@ -408,38 +266,7 @@ def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
             key_sum_move(ksum, k_l, h, slot, score_l[h, slot], 1)
         if rebase != 0:
             kbase_l[h, slot] = pos_l[h, slot]
-            _rotate_key_by(k_l, h, slot, pos_l[h, slot], angle_tag, angles, inv_freq, inv_scale, rotary_dim, tmp)
-
-
-@njit(cache=True, nogil=True)
-def kv_write_kshift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed, inv_freq,
-                    inv_scale, rotary_dim, back, angles, tmp):
-    """kv_write_streaming for keys stored rotated at their logical position (llama.cpp's K-shift, the
-    staged-eviction seed's Eq. 4): in reindexed mode an eviction moves every newer token down one
-    position, so its stored key is re-rotated by -1 in place (back (2, rotary_dim/2) f32: cos, sin of
-    -inv_freq/scale). The new key k_new (pre-RoPE) is rotated at its position as it is written.
-    angles (2, rotary_dim/2) f32 and tmp (hd,) f32 are scratch."""
-    n_kv, cap = seq_l.shape
-    hd = k_l.shape[2]
-    have = np.int64(-1)
-    for h in range(n_kv):
-        slot, pos_new, victim_seq = _ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new)
-        if reindexed and victim_seq >= 0:       # newer tokens move down one position: re-rotate by -1
-            for j in range(cap):
-                if seq_l[h, j] > victim_seq:
-                    pos_l[h, j] -= 1
-                    _rotate_with(tmp, k_l[h, j], back[0], back[1], rotary_dim)
-                    for d in range(hd):
-                        k_l[h, j, d] = tmp[d]
-        if pos_new != have:
-            _angles_at(angles[0], angles[1], pos_new, inv_freq, inv_scale)
-            have = pos_new
-        _rotate_with(tmp, k_new[h], angles[0], angles[1], rotary_dim)
-        seq_l[h, slot] = seq_new
-        pos_l[h, slot] = pos_new
-        for d in range(hd):
-            k_l[h, slot, d] = tmp[d]
-            v_l[h, slot, d] = v_new[h, d]
+            rotate_key_by(k_l, h, slot, pos_l[h, slot], angle_tag, angles, inv_freq, inv_scale, rotary_dim, tmp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,8 +289,6 @@ class KVStore:
     """
 
     def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, **kwargs):
-        from ringllm.runtime.policies import make_policy
-
         if kv is None:
             kv = KVConfig(**kwargs)
         elif kwargs:
@@ -531,7 +356,9 @@ class KVStore:
         self.victims = np.zeros((nkv, max(phys) + 1), np.int64)
         self.drop_h = np.zeros(nkv, np.int64)                   # victims per head of the next policy write
         self.needs_mass = self.policy_impl.needs_mass
-        self.mass = None                  # (n_kv, P) float32 attention mass scratch, set by the engine
+        # (n_kv, P) float32: the attention kernels' per-slot mass of the latest token (summed over each
+        # GQA group), read by observe and mass_hook; every layer writes it in turn
+        self.mass = np.zeros((nkv, max(phys)), np.float32)
         self._layer_rope_mode = None      # per layer "stored" | "fused" | "rk" | "kshift" | "rebased", set by the engine
         self.layer_rebase = [0] * spec.n_layer    # REBASE_LIMIT on "rebased" layers, else 0 (follows layer_rope_mode)
         self.layer_inv_scale = [1.0 / spec.rope_scale[il] for il in range(spec.n_layer)]
@@ -596,7 +423,7 @@ class KVStore:
     def prepare_policy_write(self, il: int, q: np.ndarray | None, seq: int) -> int:
         """Before a write into policy layer il: how many tokens each head drops (self.drop_h) and, when
         any, the policy's keys (self.key). Returns the grid the write kernel compares the keys on:
-        the policy's own when the keys were left raw (kv_store.choose_one grids only the few it
+        the policy's own when the keys were left raw (eviction.choose_one grids only the few it
         needs), GRID_NONE when the keys were gridded (the journal chooses from the keys themselves),
         GRID_GIVEN when the policy chose the victims (adakv's layer-wide select: their slots in key)."""
         policy = self.policy_impl
@@ -622,9 +449,13 @@ class KVStore:
 
     @layer_rope_mode.setter
     def layer_rope_mode(self, modes) -> None:
+        """Lay the layers out for `modes` (rope.LAYOUTS, one per layer): sets the write kernels' rebase
+        argument per layer and allocates the RK cache (self.rk) when a layer uses "rk"."""
         self._layer_rope_mode = modes
         modes_or_none = modes if modes is not None else [None] * self.spec.n_layer
-        self.layer_rebase = [REBASE_LIMIT if m == "rebased" else 0 for m in modes_or_none]
+        self.layer_rebase = [rebase_limit(m) for m in modes_or_none]
+        if "rk" in modes_or_none and self.rk is None:
+            self.rk = [np.zeros(k.shape[:2] + (self.spec.rotary_dim,), np.float32) for k in self.k]
 
     def rope_mode(self, il: int) -> str | None:
         """Layer il's RoPE strategy as set by the engine ("stored", "fused", "rk", "kshift", "rebased"), or
@@ -700,7 +531,6 @@ class KVStore:
         token (keys laid out as the layer's RoPE strategy stores them: on a "rebased" layer, rotated at
         their logical position). Ranks/positions updated; the new slots' score/aux/hist zeroed (under
         rkv, score = 1/|k| and ksum rebuilt)."""
-        from ringllm.runtime.kv_multi import check_replace_many, kv_replace_many
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         seqs = np.ascontiguousarray(seqs, dtype=np.int64).reshape(-1)
         nkv, hd = self.spec.n_head_kv, self.spec.head_dim
@@ -720,7 +550,6 @@ class KVStore:
     def begin_journal(self, max_tokens: int):
         """Journal the next (up to) max_tokens tokens fed, so that rollback(n_keep) can take the last
         ones back out exactly (kv_multi.KVJournal). Reuses the journal's buffers when they fit."""
-        from ringllm.runtime.kv_multi import KVJournal
         j = self.journal or getattr(self, "_journal_spare", None)
         if j is None or j.max_tokens < max_tokens:
             j = KVJournal(self, max_tokens)
@@ -765,13 +594,11 @@ class KVStore:
             store = cls(spec, KVConfig.from_dict(dict(state["kv"])))
             n_seen, arrays = int(state["n_seen"]), state["arrays"]
             rope_mode = state.get("layer_rope_mode")
-            if rope_mode is not None and (len(rope_mode) != spec.n_layer
-                                          or not set(rope_mode) <= {"stored", "fused", "rk", "kshift", "rebased"}):
+            if rope_mode is not None and (len(rope_mode) != spec.n_layer or not set(rope_mode) <= set(LAYOUTS)):
                 raise ValueError(f"layer_rope_mode {rope_mode!r}")
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"KV store state is malformed: {e!r}") from None
-        if rope_mode is not None and "rk" in rope_mode:
-            store.rk = [np.zeros(k.shape[:2] + (spec.rotary_dim,), np.float32) for k in store.k]
+        store.layer_rope_mode = list(rope_mode) if rope_mode is not None else None    # allocates rk if used
         fresh = store.state()["arrays"]
         if not any(name.startswith("kbase.") for name in arrays):    # saved before "rebased" existed: no
             arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("kbase.")}}   # rebased layers
@@ -789,6 +616,5 @@ class KVStore:
         for name, ref in fresh.items():
             ref[...] = arrays[name]
         store.n_seen = n_seen
-        store.layer_rope_mode = list(rope_mode) if rope_mode is not None else None
         store.policy_impl.after_restore(store)
         return store

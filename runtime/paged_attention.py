@@ -12,10 +12,11 @@ hole-filling (which permutes them) leave every score unchanged:
 """
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
-from ringllm.runtime.attention import FASTMATH, _rotate_into, _scale_group, group_scores, softmax_inplace
+from ringllm.runtime.attention import group_scores, scale_group, softmax_inplace
+from ringllm.runtime.numba_flags import FASTMATH
+from ringllm.runtime.rope_kernels import rotate_into
 
 
 @njit(cache=True, nogil=True)
@@ -65,12 +66,12 @@ def paged_attend(out, q, k_l, v_l, slots, spos, n, q_pos, cos, sin, rotary_dim, 
     for h in range(n_kv):
         h0 = h * group
         for g in range(group):
-            _rotate_into(qrot[h0 + g], q[h0 + g], q_pos, cos, sin, rotary_dim)
-        _scale_group(qrot, h0, group, scale)
+            rotate_into(qrot[h0 + g], q[h0 + g], q_pos, cos, sin, rotary_dim)
+        scale_group(qrot, h0, group, scale)
         for j in range(n):
             blk = slots[j] // B
             o = slots[j] - blk * B
-            _rotate_into(krot, k_l[blk, h, o], spos[j], cos, sin, rotary_dim)
+            rotate_into(krot, k_l[blk, h, o], spos[j], cos, sin, rotary_dim)
             group_scores(scores, qrot, krot, h0, group, j)
         for g in range(group):
             hq = h0 + g

@@ -29,12 +29,12 @@ from __future__ import annotations
 from numba import njit, prange
 
 from ringllm.runtime.attention import attend, attend_rebased
-from ringllm.runtime.kv_config import keep_after
-from ringllm.runtime.kv_store import kv_write_policy, pick_victims
+from ringllm.runtime.eviction import GRID_GIVEN, keep_after, pick_victims
+from ringllm.runtime.kv_store import kv_write_policy
 from ringllm.runtime.matvec import _num_threads
 from ringllm.runtime.policies.adakv import select_drops
-from ringllm.runtime.policies.base import (GRID_GIVEN, STEP_ADAKV, STEP_GVOTE, STEP_H2O, STEP_RKV, STEP_SCISSORHANDS,
-                                          STEP_SNAPKV, STEP_TOVA, accumulate_mass, copy_keys)
+from ringllm.runtime.policies.base import (STEP_ADAKV, STEP_GVOTE, STEP_H2O, STEP_RKV, STEP_SCISSORHANDS, STEP_SNAPKV,
+                                          STEP_TOVA, accumulate_mass, copy_keys)
 from ringllm.runtime.policies.rkv import rkv_keys
 from ringllm.runtime.policies.scissorhands import unimportant_keys, update_history
 from ringllm.runtime.policies.snapkv import pooled_keys, record_window
@@ -74,7 +74,7 @@ def choose_next(kind, k_l, seq_l, rank_l, score_l, aux_l, count_l, key_l, key_gr
     gives, pend[h, :pend_drop[h]] (n_kv, P) f64 their slots, as kv_store.kv_write_policy takes them
     under GRID_GIVEN. The same victims as KVStore.prepare_policy_write's keys and the write kernel's
     pick: staged eviction (capacity, lazy, slack, max_drop) on the held tokens plus the new one, the
-    policy's keys into key_l (scratch), kv_store.pick_victims per head (adakv: its layer-wide
+    policy's keys into key_l (scratch), eviction.pick_victims per head (adakv: its layer-wide
     select_drops). Other arguments as policy_layer_step; victims (>= P + 1,) i64 scratch."""
     if kind == STEP_ADAKV:           # one layer-wide selection: counts per head, the slots in pend
         select_drops(pend, aux_l, seq_l, rank_l, count_l, pool, by_rank, capacity, lazy, slack, max_drop, sinks,

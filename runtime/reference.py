@@ -28,6 +28,7 @@ from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.reference_policies import REF_POLICIES, staged_keep
+from ringllm.runtime.reference_rope import rope
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,47 +205,6 @@ def activation(x: np.ndarray, kind: str) -> np.ndarray:
         from math import erf, sqrt
         return (0.5 * x * (1.0 + np.vectorize(erf, otypes=[np.float64])(x / sqrt(2.0)))).astype(np.float32)
     raise ValueError(kind)
-
-
-def rope(x: np.ndarray, pos: np.ndarray, rotary_dim: int, base: float, scale: float) -> np.ndarray:
-    """Rotate-half RoPE. x (..., L, head_dim) at positions pos (L,) or (..., L) broadcasting with x's
-    leading dims: the first rotary_dim dims are split in halves (a, b) and become
-    (a cos - b sin, b cos + a sin) with angle pos/scale * base^(-2i/rd)."""
-    half = rotary_dim // 2
-    pos = np.asarray(pos)
-    if pos.dtype.kind in "iu" and pos.size and pos.min() >= 0:      # integer positions: rows of the memo
-        tab_cos, tab_sin = _rope_rows(rotary_dim, float(base), float(scale), int(pos.max()) + 1)
-        cos, sin = tab_cos[pos], tab_sin[pos]
-    else:
-        cos, sin = _rope_angles(pos, rotary_dim, base, scale)
-    a, b = x[..., :half], x[..., half:rotary_dim]
-    out = x.copy()
-    out[..., :half] = a * cos - b * sin
-    out[..., half:rotary_dim] = b * cos + a * sin
-    return out
-
-
-def _rope_angles(pos: np.ndarray, rotary_dim: int, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin (pos.shape + (rotary_dim/2,)) float32 of angle pos/scale * base^(-2i/rd), in float64."""
-    half = rotary_dim // 2
-    inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rotary_dim)
-    ang = (pos.astype(np.float64) / scale)[..., None] * inv_freq
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-_ROPE_MEMO: dict[tuple[int, float, float], tuple[np.ndarray, np.ndarray]] = {}
-
-
-def _rope_rows(rotary_dim: int, base: float, scale: float, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """_rope_angles of positions 0..m-1 (m >= n, doubling), memoized per (rotary_dim, base, scale): the
-    same values element by element, computed once instead of for every key at every step (the
-    reference re-rotates every held key each step; the angles were most of its time)."""
-    key = (rotary_dim, base, scale)
-    got = _ROPE_MEMO.get(key)
-    if got is None or got[0].shape[0] < n:
-        m = max(n, 2 * got[0].shape[0] if got is not None else 4096)
-        got = _ROPE_MEMO[key] = _rope_angles(np.arange(m, dtype=np.int64), rotary_dim, base, scale)
-    return got
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

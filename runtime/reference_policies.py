@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringllm.runtime.reference_rope import rope
+
 U64 = np.uint64
 
 
@@ -265,7 +267,6 @@ class RefGVote(RefPolicy):
 
     def start(self, cache, il, q, seq_new):
         """Votes (L,) and the budget for the layer's next insertion (all kv heads decide together)."""
-        from ringllm.runtime.reference import rope
         spec, kv, lc = self.spec, self.kv, cache.layers[il]
         n = lc.seq.shape[1]
         p_now = n if cache.positions == "reindexed" else seq_new

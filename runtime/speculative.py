@@ -30,14 +30,13 @@ import time
 
 import numpy as np
 
+from ringllm.runtime.engine import CPUEngine
 from ringllm.runtime.errors import ConfigError
 
 
 def make_layer_draft(spec, tensors, n_layers: int, **engine_kwargs):
     """A CPUEngine of the first n_layers layers of a model, with its final norm and output head
     (early-exit self-draft). spec, tensors: a LoadedModel's fields."""
-    from ringllm.runtime.engine import CPUEngine
-
     if not 1 <= n_layers <= spec.n_layer:
         raise ConfigError(f"draft layers must be in 1..{spec.n_layer}, got {n_layers}")
     sub = dataclasses.replace(spec, n_layer=n_layers, rope_base=spec.rope_base[:n_layers],

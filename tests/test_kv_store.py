@@ -8,11 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringllm.runtime.attention import RopeTable, attend, attend_stored, rope_rows_at
+from ringllm.runtime.attention import attend, attend_stored
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.reference import ReferenceCache, rope, softmax
+from ringllm.runtime.rope import RopeTable
+from ringllm.runtime.rope_kernels import rope_rows_at
 
 
 def _spec(window=(0, 0), n_head=4, n_kv=2, hd=8, rotary_dim=0):

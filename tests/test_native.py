@@ -317,7 +317,8 @@ def test_norms_activations_embedding():
 @pytest.mark.parametrize("rotary_dim", [64, 16])
 def test_attention_step_against_cpu_kernel(rotary_dim):
     """GQA, permuted slots with arbitrary logical positions, partial rotary, unequal head counts."""
-    from ringllm.runtime.attention import RopeTable, attend
+    from ringllm.runtime.attention import attend
+    from ringllm.runtime.rope import RopeTable
 
     rng = np.random.default_rng(rotary_dim)
     n_head, n_kv, P, hd = 9, 3, 40, 64

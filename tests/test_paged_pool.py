@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringllm.runtime.attention import RopeTable, attend
+from ringllm.runtime.attention import attend
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.paged_attention import gather_slots, paged_attend
 from ringllm.runtime.paged_pool import PagedKVPool
+from ringllm.runtime.rope import RopeTable
 
 
 def _filled(n_blocks, block_size, n_tokens, n_layer=1, n_kv=1, hd=1):

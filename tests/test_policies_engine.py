@@ -171,8 +171,7 @@ def test_victims_chosen_ahead_are_the_fresh_choice(tiny, policy):
     policy_step.choose_next): after every step they are exactly what the store's Python path
     (prepare_policy_write + the write kernel's pick) chooses from the same state, tagged for the next
     token; a rollback clears the tags, and decoding after it matches a store never rolled back."""
-    from ringllm.runtime.kv_store import pick_victims
-    from ringllm.runtime.policies.base import GRID_GIVEN
+    from ringllm.runtime.eviction import GRID_GIVEN, pick_victims
 
     ids = np.random.default_rng(3).permutation(256)[:60].tolist()
     kv = KVConfig(capacity=16, policy=policy, sinks=2, window=4, pool=3, history=8)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.kv_config import KVConfig, keep_after
+from ringllm.runtime.eviction import keep_after
+from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.reference_policies import staged_keep
@@ -238,10 +239,9 @@ def _tie_prone_keys(rng, mode, n):
 
 @pytest.mark.parametrize("mode", ["log", "abs"])
 def test_grid_aware_choice_equals_gridding_every_key(mode):
-    """kv_store.choose_one (one victim, grid computed near the minimum only) picks what
+    """eviction.choose_one (one victim, grid computed near the minimum only) picks what
     choose_victims picks on fully gridded keys, on keys built to tie."""
-    from ringllm.runtime.kv_store import choose_one, choose_victims
-    from ringllm.runtime.policies.base import GRID_ABS, GRID_LOG, grid_keys
+    from ringllm.runtime.eviction import GRID_ABS, GRID_LOG, choose_one, choose_victims, grid_keys
     grid = GRID_LOG if mode == "log" else GRID_ABS
     rng = np.random.default_rng(7)
     for trial in range(300):
@@ -259,9 +259,9 @@ def test_grid_aware_choice_equals_gridding_every_key(mode):
 
 
 def test_choose_victims_equals_sorting_by_key_then_seq():
-    """kv_store.choose_victims (one insertion pass up to 8 victims, a sort beyond) takes the n_drop
+    """eviction.choose_victims (one insertion pass up to 8 victims, a sort beyond) takes the n_drop
     lowest (key, seq) among unprotected slots, in that order, on keys with many ties."""
-    from ringllm.runtime.kv_store import choose_victims
+    from ringllm.runtime.eviction import choose_victims
     rng = np.random.default_rng(13)
     for trial in range(400):
         n = int(rng.integers(1, 40))
@@ -282,7 +282,7 @@ def test_adakv_select_equals_sorting_every_gridded_key():
     above its floor; the victims' slots it leaves in key, per head in that order. Keys built to tie,
     heads of different lengths, pool 1 and 3, none to 14 victims (as staged eviction drops)."""
     from ringllm.runtime.policies.adakv import select_drops
-    from ringllm.runtime.policies.base import GRID_LOG, grid_value
+    from ringllm.runtime.eviction import GRID_LOG, grid_value
     from ringllm.runtime.policies.snapkv import pooled_keys
     rng = np.random.default_rng(11)
     P, n_kv = 48, 3

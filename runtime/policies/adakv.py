@@ -27,8 +27,8 @@ import math
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.kv_config import keep_after
-from ringllm.runtime.policies.base import STEP_ADAKV, grid_cell_bound, grid_value, step_params
+from ringllm.runtime.eviction import grid_cell_bound, grid_value, keep_after
+from ringllm.runtime.policies.base import STEP_ADAKV, step_params
 from ringllm.runtime.policies.snapkv import MASS_FIXED, SnapKV, pool_ranks
 
 
@@ -37,15 +37,15 @@ def select_drops(key, tot_l, seq_l, rank_l, count_l, pool, by_rank, capacity, la
                  floor, mode, low, order, ptr, drop_h):
     """drop_h[h] = how many of the layer's n_total victims head h gives, by one layer-wide selection,
     in one call over the layer's scores, and key[h, :drop_h[h]] = those victims' slots (as float64,
-    lowest key first): kv_write_policy takes them as given (policies.base.GRID_GIVEN).
+    lowest key first): kv_write_policy takes them as given (eviction.GRID_GIVEN).
 
-    n_total: staged eviction (kv_config.keep_after) on the layer totals, the held tokens of all
+    n_total: staged eviction (eviction.keep_after) on the layer totals, the held tokens of all
     heads plus the n_kv entering, with capacity, lazy, slack, max_drop (per head) times n_kv.
 
     tot_l (n_kv, P) i64 window mass totals in fixed point (snapkv.record_window), seq_l/rank_l (n_kv, P) i64,
     count_l (n_kv,) held before the write, pool as snapkv.pooled_keys (same pooled values). A
     slot is a candidate when sinks <= rank < count - recent; a head keeps at least `floor` tokens
-    after the new one enters. Victims are taken lowest grid key (grid `mode`, policies.base.grid_value)
+    after the new one enters. Victims are taken lowest grid key (grid `mode`, eviction.grid_value)
     first, ties to the lower seq, then the lower head.
 
     Works in rank order, where a head's candidates are one contiguous run and the lower rank is the
@@ -57,7 +57,7 @@ def select_drops(key, tot_l, seq_l, rank_l, count_l, pool, by_rank, capacity, la
     no per-slot key is written or scanned again: with the caches flushed before each call (as a
     decode's matrix products leave them; SmolLM2 layers 3, 5, 11 at budget 256, 10th percentile of
     300) the selection took 33, 27, 31 us against 39, 32, 39 for the previous form (keys gridded per
-    slot, then kv_store.choose_victims per head). Scratch: by_rank (2P,) f64,
+    slot, then eviction.choose_victims per head). Scratch: by_rank (2P,) f64,
     low (P,) f64, order (n_kv, P) i64 (each head's candidates, slots), ptr (n_kv,) i64; key (n_kv, P)
     f64 is scratch until the result. Returns the number chosen (fewer than n_total only when too few
     candidates remain).

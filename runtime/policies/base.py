@@ -10,23 +10,15 @@ slot is refilled. The engine calls, per layer and token:
     policy.observe(store, il, mass, seq)
 
 fill_keys writes store.key[h, :count[h]]: the lowest keys among unprotected slots are evicted,
-ties going to the older token (store kernel choose_victims).
-
-Keys computed from attention are compared on a grid (KEY_GRID steps per octave for non-negative
-masses, 2^-KEY_GRID absolute for signed scores): values that differ only by float rounding (two
-implementations, or a chunked vs a one-token pass, summing in different orders) tie, and the tie
-goes to the older token everywhere alike, instead of to whichever rounding came out larger. The
-grid (1/4096 of an octave, 0.017%) is far below any difference a policy means to act on.
+ties going to the older token (eviction.choose_victims), compared on the grid the policy names
+(key_grid; see runtime/eviction.py).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-
-KEY_GRID = 4096
-GRID_NONE, GRID_LOG, GRID_ABS = 0, 1, 2      # Policy.key_grid: how raw keys map onto the grid
-GRID_GIVEN = 3    # not a grid: key[h, :drop_h[h]] already hold head h's victim slots (adakv.select_drops)
+from ringllm.runtime.eviction import GRID_NONE, grid_keys
 
 # Policy.step_kind: which branch of policy_step.policy_layer_step (one compiled call per layer and
 # token: keys, eviction, write, attention, observe) runs the policy; STEP_GENERIC: the policy's
@@ -56,6 +48,12 @@ class Policy:
     def __init__(self, kv, spec):
         self.kv, self.spec = kv, spec
 
+    @staticmethod
+    def default_recent(kv) -> int:
+        """Newest held tokens protected when KVConfig.recent is None (KVConfig.resolved_recent); kv is
+        the config, validated up to its recent window. None by default."""
+        return 0
+
     def layer_budgets(self, capacity: int, n_layer: int) -> list[int]:
         """Tokens kept per layer after pruning (PyramidKV overrides)."""
         return [capacity] * n_layer
@@ -77,7 +75,7 @@ class Policy:
 
     def fill_raw_keys(self, store, il: int, q, seq: int):
         """fill_keys before the keys are mapped onto the grid: the store's write kernel grids only the
-        keys within one cell of the minimum when it picks a single victim (kv_store.choose_one)."""
+        keys within one cell of the minimum when it picks a single victim (eviction.choose_one)."""
         seq_keys(store.key, store.seq[il], store.count[il])
 
     def on_insert(self, store, il: int, k_pre: np.ndarray, q_pre: np.ndarray) -> None:
@@ -103,37 +101,6 @@ def step_params(pool: int = 0, width: int = 0, floor: int = 0, lam: float = 0.0,
     f64, s (n_kv, hd) f64 (a row per kv head), low (P,) f64, order (n_kv, P) i64, ptr (n_kv,) i64,
     qhist (gvote's query history, store.extra[il], (n_head, w, hd) f32)."""
     return (int(pool), int(width), int(floor), float(lam), by_rank, s, low, order, ptr, qhist)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def grid_value(x, mode):
-    """The grid key of raw key x: GRID_LOG round(KEY_GRID * log2(x + 1e-30)) for masses (x >= 0),
-    GRID_ABS round(x * KEY_GRID) for signed O(1) scores, GRID_NONE x itself. Non-decreasing in x."""
-    if mode == GRID_LOG:
-        return np.floor(KEY_GRID * np.log2(x + 1e-30) + 0.5)
-    if mode == GRID_ABS:
-        return np.floor(x * KEY_GRID + 0.5)
-    return x
-
-
-@njit(cache=True, nogil=True, inline="always")
-def grid_cell_bound(x, mode):
-    """An upper bound on the raw keys that can share x's grid key (a superset: a little over one cell)."""
-    if mode == GRID_LOG:
-        return (x + 1e-30) * 1.001 - 1e-30      # a cell spans a factor 2^(1/4096) = 1.00017
-    if mode == GRID_ABS:
-        return x + 2.0 / KEY_GRID
-    return x
-
-
-@njit(cache=True, nogil=True)
-def grid_keys(key, count_l, mode):
-    """key[h, j] -> grid_value(key[h, j], mode) for the occupied slots."""
-    if mode == GRID_NONE:
-        return
-    for h in range(count_l.shape[0]):
-        for j in range(count_l[h]):
-            key[h, j] = grid_value(key[h, j], mode)
 
 
 @njit(cache=True, nogil=True)

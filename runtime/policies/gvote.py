@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.attention import _angles_at, _rotate_with
 from ringllm.runtime.policies.base import STEP_GVOTE, Policy, step_params
 from ringllm.runtime.policies.random_policy import splitmix64
+from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
 
 @njit(cache=True, nogil=True)
@@ -77,11 +77,10 @@ def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, 
     n_head = q_now.shape[0]
     group = n_head // n_kv
     n = count_l[0]
-    half = rotary_dim // 2
     for h in range(n_kv):                       # keys at their positions (float32 storage, f64 math)
         for j in range(n):
-            _angles_at(cs, sn, pos_l[h, j], inv_freq, inv_scale)
-            _rotate_with(krot[h, j], k_l[h, j], cs, sn, rotary_dim)
+            angles_at(cs, sn, pos_l[h, j], inv_freq, inv_scale)
+            rotate_with(krot[h, j], k_l[h, j], cs, sn, rotary_dim)
     votes = np.zeros(n, np.float64)
     scratch = np.zeros(n, np.float64)
     qf = np.zeros(hd, np.float32)
@@ -89,14 +88,14 @@ def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, 
     budget = 0
     for hq in range(n_head):
         h = hq // group
-        _angles_at(cs, sn, p_now, inv_freq, inv_scale)
-        _rotate_with(qr, q_now[hq], cs, sn, rotary_dim)
+        angles_at(cs, sn, p_now, inv_freq, inv_scale)
+        rotate_with(qr, q_now[hq], cs, sn, rotary_dim)
         b = _nucleus_votes(qr, krot[h], n, scale, p, scratch)
         budget = max(budget, b)
         if n_rows == 0:
             continue
         gaussian_draws(z, seed, il, hq, seq_new)
-        _angles_at(cs, sn, p_future, inv_freq, inv_scale)
+        angles_at(cs, sn, p_future, inv_freq, inv_scale)
         for s in range(z.shape[0]):
             for d in range(hd):
                 mu = 0.0
@@ -107,7 +106,7 @@ def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, 
                 for r in range(n_rows):
                     var += (qhist[hq, r, d] - mu) ** 2
                 qf[d] = mu + np.sqrt(var / n_rows) * z[s, d]
-            _rotate_with(qr, qf, cs, sn, rotary_dim)
+            rotate_with(qr, qf, cs, sn, rotary_dim)
             _nucleus_votes(qr, krot[h], n, scale, p, votes)
     for h in range(n_kv):
         for j in range(n):
@@ -117,8 +116,14 @@ def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, 
 
 class GVote(Policy):
     name = "gvote"
+
     plain_keys = True         # the synthetic queries vote over keys rotated from before RoPE
     step_kind = STEP_GVOTE      # the compiled step writes the query history; eviction steps take fill_keys
+
+    @staticmethod
+    def default_recent(kv) -> int:
+        """capacity / 4."""
+        return max(0, kv.capacity // 4)
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)

@@ -9,7 +9,8 @@ split between heavy hitters and the recent window.
 """
 from __future__ import annotations
 
-from ringllm.runtime.policies.base import GRID_LOG, STEP_H2O, Policy, accumulate_mass, score_keys
+from ringllm.runtime.eviction import GRID_LOG
+from ringllm.runtime.policies.base import STEP_H2O, Policy, accumulate_mass, score_keys
 
 
 class H2O(Policy):
@@ -18,6 +19,11 @@ class H2O(Policy):
     step_kind = STEP_H2O
 
     key_grid = GRID_LOG
+
+    @staticmethod
+    def default_recent(kv) -> int:
+        """capacity / 2: the paper's even split between heavy hitters and the recent window."""
+        return max(0, kv.capacity // 2)
 
     def fill_raw_keys(self, store, il, q, seq):
         score_keys(store, il)

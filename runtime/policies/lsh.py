@@ -56,6 +56,11 @@ def projection(seed: int, il: int, bits: int, head_dim: int) -> np.ndarray:
 class LSH(Policy):
     name = "lsh"
 
+    @staticmethod
+    def default_recent(kv) -> int:
+        """10, as in the paper."""
+        return 10
+
     def __init__(self, kv, spec):
         super().__init__(kv, spec)
         self.proj = [projection(kv.seed, il, kv.lsh_bits, spec.head_dim) for il in range(spec.n_layer)]

@@ -17,9 +17,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ringllm.runtime.eviction import GRID_ABS
 from ringllm.runtime.key_sum import KEY_SUM_FIXED, key_sums
-from ringllm.runtime.policies.base import GRID_ABS, STEP_RKV, Policy, step_params
-from ringllm.runtime.policies.snapkv import MASS_FIXED, check_window, record_window, window_totals
+from ringllm.runtime.policies.base import STEP_RKV, Policy, step_params
+from ringllm.runtime.policies.snapkv import check_window, record_window, window_totals
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -52,6 +53,11 @@ class RKV(Policy):
     step_kind = STEP_RKV
     plain_keys = True        # redundancy is measured between keys before RoPE
     keeps_key_sum = True     # the write kernel keeps the sum of unit keys (store.ksum) and 1/|k| (score)
+
+    @staticmethod
+    def default_recent(kv) -> int:
+        """The observation window is protected, as in snapkv: w, at most capacity - sinks - 1."""
+        return max(0, min(kv.window, kv.capacity - kv.sinks - 1))
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)

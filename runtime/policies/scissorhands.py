@@ -35,8 +35,14 @@ def unimportant_keys(key, aux_l, count_l):
 
 class Scissorhands(Policy):
     name = "scissorhands"
+
     needs_mass = True
     step_kind = STEP_SCISSORHANDS
+
+    @staticmethod
+    def default_recent(kv) -> int:
+        """capacity / 4."""
+        return max(0, kv.capacity // 4)
 
     def step_params(self, store, il):
         return step_params(width=self.kv.history)

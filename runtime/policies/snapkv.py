@@ -28,7 +28,8 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.policies.base import GRID_LOG, STEP_SNAPKV, Policy, step_params
+from ringllm.runtime.eviction import GRID_LOG
+from ringllm.runtime.policies.base import STEP_SNAPKV, Policy, step_params
 
 
 MASS_FIXED = 2.0 ** 48     # window totals are kept in fixed point, units of 2^-48 (module docstring)
@@ -106,6 +107,11 @@ class SnapKV(Policy):
     name = "snapkv"
     needs_mass = True
     step_kind = STEP_SNAPKV
+
+    @staticmethod
+    def default_recent(kv) -> int:
+        """The observation window itself is protected: w, at most capacity - sinks - 1."""
+        return max(0, min(kv.window, kv.capacity - kv.sinks - 1))
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)

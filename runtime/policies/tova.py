@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from numba import njit
 
-from ringllm.runtime.policies.base import GRID_LOG, STEP_TOVA, Policy, score_keys
+from ringllm.runtime.eviction import GRID_LOG
+from ringllm.runtime.policies.base import STEP_TOVA, Policy, score_keys
 
 
 @njit(cache=True, nogil=True)

@@ -1,0 +1,248 @@
+"""RoPE: angle tables, and the strategies that decide where a layer's keys are rotated (kernels: rope_kernels.py).
+
+RoPE is rotate-half over the first `rotary_dim` dims: halves (a, b) -> (a cos - b sin, b cos + a sin)
+with angle pos/scale * base^(-2i/rotary_dim) (Su et al., RoFormer eq. 34, HF layout). Scores depend
+only on the difference of the query's and the key's positions, which is what lets a key be stored
+rotated at one position and read at another with the query rotated by the offset.
+
+Strategies (one per layer, chosen by the engine; every one exact up to float32 rounding):
+
+    stored   keys rotated once at write by their sequence index; the query is rotated by each
+             slot's offset (sequence index - logical position) at read: attention.attend_stored
+    fused    keys stored before RoPE, each rotated by its slot's logical position as it is read:
+             attention.attend
+    rk       EQUIP's cached rotate-half: rotate_half(k) stored beside each key (+50% KV memory),
+             keys rotated at read by two multiply-adds per dim: attention.attend_rk
+    kshift   keys stored rotated at their logical position and re-rotated by the change when an
+             eviction re-indexes them (llama.cpp's K-shift, the staged-eviction seed's Eq. 4):
+             kv_write_kshift, then attention.attend_stored with zero offsets
+    rebased  (policy layers) keys rotated at a per-slot base position kbase kept within
+             REBASE_LIMIT of the slot's position; the query rotated once per offset in use:
+             attention.attend_rebased, written by kv_store.kv_write_policy
+
+`RopeStrategy` and its subclasses put the first four behind one interface (`write`, `attend`) for
+the layers where the store's ring chooses victims; policy layers are "rebased" (or "fused" when the
+policy reads keys before RoPE) and run through the compiled policy step, which takes the layout as
+its `rebase` argument (`rebase_limit`).
+
+The rotation kernels, the K-shift write and REBASE_LIMIT are in runtime/rope_kernels.py (the
+attention kernels use them; this file uses the attention kernels). Sections: tables; strategies.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ringllm.runtime.attention import attend, attend_rk, attend_stored
+from ringllm.runtime.rope_kernels import REBASE_LIMIT, kv_write_kshift, rk_write, rope_rows_at
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+
+
+def inv_freq_of(rotary_dim: int, base: float) -> np.ndarray:
+    """(rotary_dim/2,) float64: base^(-2i/rotary_dim)."""
+    return base ** (-np.arange(rotary_dim // 2, dtype=np.float64) * 2.0 / rotary_dim)
+
+
+class RopeTable:
+    """cos/sin of angle pos/scale * base^(-2i/rotary_dim) for pos in [0, n): cos, sin (n, rotary_dim/2) float32.
+
+    Grows (doubling) when a position past its end is asked for: in `original` mode positions are
+    sequence indices and a stream is unbounded.
+    """
+
+    def __init__(self, rotary_dim: int, base: float, scale: float, n: int = 4096):
+        self.rotary_dim, self.base, self.scale = rotary_dim, base, scale
+        self.cos = self.sin = np.zeros((0, rotary_dim // 2), np.float32)
+        self.ensure(n)
+
+    @property
+    def inv_freq(self) -> np.ndarray:
+        """(rotary_dim/2,) float64: base^(-2i/rotary_dim)."""
+        return inv_freq_of(self.rotary_dim, self.base)
+
+    def ensure(self, n: int) -> None:
+        if n <= self.cos.shape[0]:
+            return
+        size = max(n, 2 * self.cos.shape[0])
+        ang = (np.arange(size, dtype=np.float64) / self.scale)[:, None] * self.inv_freq[None, :]
+        self.cos = np.ascontiguousarray(np.cos(ang), dtype=np.float32)
+        self.sin = np.ascontiguousarray(np.sin(ang), dtype=np.float32)
+
+
+class FullRopeTable:
+    """cos, sin (n, rotary_dim) float32: a RopeTable's rows repeated over both halves (the RK cache's
+    form: RoPE(k) at p = k * C[p] + rotate_half(k) * S[p])."""
+
+    def __init__(self, table: RopeTable):
+        self.table = table
+        self.cos = self.sin = np.zeros((0, table.rotary_dim), np.float32)
+        self.ensure(table.cos.shape[0])
+
+    def ensure(self, n: int) -> None:
+        if n <= self.cos.shape[0]:
+            return
+        self.table.ensure(n)
+        self.cos = np.ascontiguousarray(np.concatenate([self.table.cos, self.table.cos], axis=1))
+        self.sin = np.ascontiguousarray(np.concatenate([self.table.sin, self.table.sin], axis=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies
+# ---------------------------------------------------------------------------------------------
+
+
+class LayerRope:
+    """One layer's RoPE constants: table (RopeTable, shared by layers of the same base and scale),
+    full (its FullRopeTable), inv_freq (rotary_dim/2,) f64, inv_scale = 1/scale, rotary_dim, and
+    back (2, rotary_dim/2) f32: cos, sin of a one-position step back (K-shift)."""
+
+    def __init__(self, table: RopeTable, full: FullRopeTable):
+        self.table, self.full = table, full
+        self.inv_freq = table.inv_freq
+        self.inv_scale = 1.0 / table.scale
+        self.rotary_dim = table.rotary_dim
+        self.back = np.stack([np.cos(-self.inv_freq / table.scale),
+                              np.sin(-self.inv_freq / table.scale)]).astype(np.float32)
+
+
+def layer_ropes(rotary_dim: int, rope_base, rope_scale, n: int) -> list[LayerRope]:
+    """LayerRope per layer for per-layer bases and scales; layers with the same (base, scale) share
+    one table, created with n rows."""
+    tables: dict[tuple[float, float], LayerRope] = {}
+    out = []
+    for base, scale in zip(rope_base, rope_scale):
+        key = (base, scale)
+        if key not in tables:
+            table = RopeTable(rotary_dim, base, scale, n=n)
+            tables[key] = LayerRope(table, FullRopeTable(table))
+        out.append(tables[key])
+    return out
+
+
+class AttendScratch:
+    """The run buffers of one token's attention over a ring layer (engine-owned, reused every step):
+    out (n_head, hd) f32 result, scores (n_head, P) f32 (grown by grow()), krot (hd,) f32,
+    qrot (n_head, hd) f32, angles (2, rotary_dim/2) f32, ktmp (hd + rotary_dim,) f32, qpos (n_kv,) i64."""
+
+    def __init__(self, n_head: int, n_kv: int, head_dim: int, rotary_dim: int):
+        self.out = np.zeros((n_head, head_dim), np.float32)
+        self.scores = np.zeros((n_head, 0), np.float32)
+        self.krot = np.zeros(head_dim, np.float32)
+        self.qrot = np.zeros((n_head, head_dim), np.float32)
+        self.angles = np.zeros((2, rotary_dim // 2), np.float32)
+        self.ktmp = np.zeros(head_dim + rotary_dim, np.float32)
+        self.qpos = np.zeros(n_kv, np.int64)
+
+    def grow(self, slots: int) -> bool:
+        """Make scores hold `slots` columns; True when it had to grow."""
+        if self.scores.shape[1] >= slots:
+            return False
+        self.scores = np.zeros((self.scores.shape[0], slots), np.float32)
+        return True
+
+
+class RopeStrategy:
+    """Where a ring layer's keys are rotated: `write` puts token `seq` into the store's layer il in
+    the strategy's layout, `attend` computes the attention of its query q (n_head, hd) f32 (before
+    RoPE) over the layer into sc.out, writing the per-slot mass (n_kv, P) f32 when it has rows.
+    Every strategy holds the same tokens and gives the same scores up to float32 rounding.
+
+    table_rows: rows the RopeTables start with (strategies that read table rows at every position
+    start large; the others compute angles directly and need none up front)."""
+
+    name = ""
+    table_rows = 1
+
+    def write(self, store, il: int, rope: LayerRope, k: np.ndarray, v: np.ndarray, seq: int,
+              sc: AttendScratch) -> None:
+        store.write(il, k, v, seq)
+
+    def attend(self, store, il: int, rope: LayerRope, q: np.ndarray, seq: int, scale: np.float32, mass: np.ndarray,
+               sc: AttendScratch) -> None:
+        raise NotImplementedError
+
+
+def _query_position_grown(store, il: int, rope: LayerRope, seq: int) -> int:
+    """The query's position in a layer read through table rows (its newest token's, the largest
+    count in reindexed mode), growing the tables to cover it."""
+    qp = int(store.count[il].max()) - 1 if store.reindexed else seq
+    if qp + REBASE_LIMIT >= rope.table.cos.shape[0]:
+        rope.table.ensure(qp + REBASE_LIMIT + 1)
+        rope.full.ensure(qp + 1)
+    return qp
+
+
+class StoredRope(RopeStrategy):
+    """Keys rotated at their sequence index as they are written; the query rotated per offset."""
+
+    name = "stored"
+
+    def write(self, store, il, rope, k, v, seq, sc):
+        rope_rows_at(k, seq, rope.inv_freq, rope.inv_scale, rope.rotary_dim, sc.ktmp)
+        store.write(il, k, v, seq)
+
+    def attend(self, store, il, rope, q, seq, scale, mass, sc):
+        attend_stored(sc.out, q, store.k[il], store.v[il], store.pos[il], store.seq[il], store.count[il],
+                      store.query_position(il, seq), rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, sc.scores,
+                      sc.qrot, sc.angles, mass)
+
+
+class KShiftRope(RopeStrategy):
+    """Keys rotated at their logical position, re-rotated when an eviction re-indexes them; the
+    offsets pos - pos are 0, so attend_stored rotates each group's query once."""
+
+    name = "kshift"
+
+    def write(self, store, il, rope, k, v, seq, sc):
+        kv_write_kshift(store.k[il], store.v[il], store.seq[il], store.pos[il], store.count[il], store.evicted[il], k,
+                        v, seq, store.layer_sinks[il], store.reindexed, rope.inv_freq, rope.inv_scale,
+                        rope.rotary_dim, rope.back, sc.angles, sc.ktmp)
+
+    def attend(self, store, il, rope, q, seq, scale, mass, sc):
+        attend_stored(sc.out, q, store.k[il], store.v[il], store.pos[il], store.pos[il], store.count[il],
+                      store.query_position(il, seq), rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, sc.scores,
+                      sc.qrot, sc.angles, mass)
+
+
+class FusedRope(RopeStrategy):
+    """Keys stored before RoPE, each rotated by its slot's position as it is read."""
+
+    name = "fused"
+    table_rows = 4096
+
+    def attend(self, store, il, rope, q, seq, scale, mass, sc):
+        _query_position_grown(store, il, rope, seq)
+        attend(sc.out, q, store.k[il], store.v[il], store.pos[il], store.count[il],
+               store.query_positions(il, seq, sc.qpos), rope.table.cos, rope.table.sin, rope.rotary_dim, scale,
+               sc.scores, sc.krot, sc.qrot, mass)
+
+
+class RKCacheRope(RopeStrategy):
+    """EQUIP's RK cache: rotate_half(k) kept beside each key (store.rk), two multiply-adds per dim at read."""
+
+    name = "rk"
+    table_rows = 4096
+
+    def write(self, store, il, rope, k, v, seq, sc):
+        store.write(il, k, v, seq)
+        rk_write(store.rk[il], store.k[il], store.seq[il], store.count[il], seq, rope.rotary_dim)
+
+    def attend(self, store, il, rope, q, seq, scale, mass, sc):
+        qp = _query_position_grown(store, il, rope, seq)
+        attend_rk(sc.out, q, store.k[il], store.rk[il], store.v[il], store.pos[il], store.count[il], qp,
+                  rope.full.cos, rope.full.sin, rope.table.cos, rope.table.sin, rope.rotary_dim, scale, sc.scores,
+                  sc.qrot, mass)
+
+
+# the strategies an engine may use for its ring layers, by name
+STRATEGIES: dict[str, RopeStrategy] = {s.name: s for s in (StoredRope(), FusedRope(), RKCacheRope(), KShiftRope())}
+# every layout a store's layer may be in: the ring strategies and the policy layers' "rebased"
+LAYOUTS = tuple(STRATEGIES) + ("rebased",)
+
+
+def rebase_limit(layout: str | None) -> int:
+    """The write kernels' `rebase` argument for a layer laid out as `layout`: REBASE_LIMIT for
+    "rebased" (keys rotated at kbase as they are written), else 0 (keys stored as given)."""
+    return REBASE_LIMIT if layout == "rebased" else 0
