@@ -31,7 +31,7 @@ from numba import njit, prange
 from ringllm.runtime.attention import attend, attend_rebased
 from ringllm.runtime.kv_config import keep_after
 from ringllm.runtime.kv_store import kv_write_policy, pick_victims
-from ringllm.runtime.matvec import _num_threads
+from ringllm.runtime.simd import num_threads as _num_threads
 from ringllm.runtime.policies.adakv import select_drops
 from ringllm.runtime.policies.base import (GRID_GIVEN, STEP_ADAKV, STEP_GVOTE, STEP_H2O, STEP_RKV, STEP_SCISSORHANDS,
                                           STEP_SNAPKV, STEP_TOVA, accumulate_mass, copy_keys)
