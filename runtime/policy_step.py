@@ -31,7 +31,6 @@ from numba import njit, prange
 from ringllm.runtime.attention import attend, attend_rebased
 from ringllm.runtime.eviction import GRID_GIVEN, keep_after, pick_victims
 from ringllm.runtime.kv_store import kv_write_policy
-from ringllm.runtime.matvec import _num_threads
 from ringllm.runtime.policies.adakv import select_drops
 from ringllm.runtime.policies.base import (STEP_ADAKV, STEP_GVOTE, STEP_H2O, STEP_RKV, STEP_SCISSORHANDS, STEP_SNAPKV,
                                           STEP_TOVA, accumulate_mass, copy_keys)
@@ -39,6 +38,7 @@ from ringllm.runtime.policies.rkv import rkv_keys
 from ringllm.runtime.policies.scissorhands import unimportant_keys, update_history
 from ringllm.runtime.policies.snapkv import pooled_keys, record_window
 from ringllm.runtime.policies.tova import latest_mean
+from ringllm.runtime.simd import num_threads
 
 
 @njit(cache=True, nogil=True)
@@ -199,7 +199,7 @@ def policy_layer_step(kind, k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, au
             shift, rebase, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp, ksum, out, q, cos, sin, scale,
             scores, qvar, have, krot, qrot, q_pos, mass, offs, pend, pend_drop, pool, width, floor, lam, by_rank, s,
             low, order, ptr, qhist, ahead)
-    if n_kv > 1 and _num_threads() > 1:
+    if n_kv > 1 and num_threads() > 1:
         for h in prange(n_kv):
             _head_step(h, args)
     else:

@@ -1,0 +1,406 @@
+"""Prefill matmul of packed weights, and the tile decoder it shares with unpack.
+
+matmul_tiles(out, buf, X, family, kind, nb, wts): out (T, n_rows) float32 = X @ W.T for X (T, n_cols)
+float32, W a packed matrix (buf from pack, layout in quant_tiles.py). Each tile of W (16 or 24 rows)
+is decoded once into a small float32 scratch, transposed (n_cols, rows), and multiplied with all T
+rows of X in register tiles of up to 4 tokens x 24 rows; the tiles are split into contiguous runs,
+one per prange iteration. The weights are thus read and decoded once per call instead of once per
+token; for a few tokens, one matvec per token is faster (mv.matmul picks, see MATMUL_MIN_T there).
+
+unpack_tiles decodes tiles into a caller's array (mv.unpack, mv.unpack_rows). Decoded values equal
+ggml's dequantization (d * q + m evaluated with one fma, so within an ulp of gguf's separately
+rounded d * q + m).
+
+Types are named by (family, kind), runtime ints, so one compiled decoder serves every type: family 0
+the legacy blocks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (kind 0..4); family 1 the K-quants Q4_K, Q5_K, Q6_K
+(kind 0..2); family 2 the float types F16 (kind 0), F32 (kind 1), BF16 (kind 2). matvec_kernels.KERNELS
+maps each GGMLType to its pair. Kernels trust their arguments; mv.matmul and mv.unpack_rows check.
+"""
+import numpy as np
+from numba import njit, prange
+
+from ringllm.runtime.quant_tiles import (QK, QK_K, REC_F16, REC_F32, REC_Q4_0, REC_Q4_1, REC_Q4_K, REC_Q5_0,
+                                         REC_Q5_1, REC_Q5_K, REC_Q6_K, REC_Q8_0)
+from ringllm.runtime.simd import (andf, isrl, ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, vadd, vbcast, vfma,
+                                  vload, vmul, vsplat, vstore, vsub, vzero)
+
+__all__ = ["unpack_tiles", "matmul_tiles"]
+
+
+# ==================================================================================================
+# Tile decoder: _unpack_tile writes tile t (R = 16 or 24 rows) of W transposed into wt (n_cols, ld)
+# float32 at columns col0..col0+R-1: wt[c, col0 + r] = W[R t + r, c] (rows past n_rows are zero).
+# ==================================================================================================
+
+@njit(cache=True, nogil=True)
+def _unpack_bits(wt, col0, c0, buf, r, dv, mv, bits):
+    """Store 32 columns (c0..c0+31) of one 8-row group as y = dv * q + mv. bits 4: nibble dwords at
+    r (4 x 32 bytes, column 8s + i at field i of dword s); bits 5: 5-bit field dwords (6 x 32 bytes,
+    column 6m + i at field i of dword m, columns 30, 31 in dword 5)."""
+    if bits == 4:
+        for s in range(4):
+            w = ld_i32(buf, r + 32 * s)
+            for i in range(8):
+                vstore(wt[c0 + 8 * s + i], col0, vfma(dv, andf(isrl(w, 4 * i), 15), mv))
+    else:
+        for m in range(6):
+            w = ld_i32(buf, r + 32 * m)
+            for i in range(6 if m < 5 else 2):
+                vstore(wt[c0 + 6 * m + i], col0, vfma(dv, andf(isrl(w, 5 * i), 0x1F), mv))
+
+
+@njit(cache=True, nogil=True)
+def _unpack_tile_legacy(wt, col0, buf, kind, t, nb):
+    """Family 0 tile t -> wt[:, col0:col0 + rows] (rows = 16 for Q8_0, else 24)."""
+    rec = (REC_Q4_0, REC_Q4_1, REC_Q5_0, REC_Q5_1, REC_Q8_0)[kind]
+    ng = 2 if kind == 4 else 3
+    for b in range(nb):
+        r = (t * nb + b) * rec
+        for g in range(ng):
+            c = col0 + 8 * g
+            if kind == 0:
+                d = ld_f16(buf, r + 384 + 16 * g)
+                _unpack_bits(wt, c, b * QK, buf, r + 128 * g, d, vmul(d, vsplat(np.float32(-8.0))), 4)
+            elif kind == 1:
+                _unpack_bits(wt, c, b * QK, buf, r + 128 * g, ld_f16(buf, r + 384 + 16 * g),
+                             ld_f16(buf, r + 432 + 16 * g), 4)
+            elif kind == 2:
+                d = ld_f16(buf, r + 576 + 16 * g)
+                _unpack_bits(wt, c, b * QK, buf, r + 192 * g, d, vmul(d, vsplat(np.float32(-16.0))), 5)
+            elif kind == 3:
+                _unpack_bits(wt, c, b * QK, buf, r + 192 * g, ld_f16(buf, r + 576 + 16 * g),
+                             ld_f16(buf, r + 624 + 16 * g), 5)
+            else:
+                d = ld_f16(buf, r + 512 + 16 * g)
+                for j in range(32):
+                    vstore(wt[b * QK + j], c, vmul(d, ld_i8(buf, r + 256 * g + 8 * j)))
+
+
+@njit(cache=True, nogil=True)
+def _unpack_tile_kquant(wt, col0, buf, kind, t, nb):
+    """Family 1 tile t -> wt[:, col0:col0 + rows] (rows = 16 for Q6_K, else 24)."""
+    rec = (REC_Q4_K, REC_Q5_K, REC_Q6_K)[kind]
+    ng = 2 if kind == 2 else 3
+    for b in range(nb):
+        r = (t * nb + b) * rec
+        for g in range(ng):
+            c = col0 + 8 * g
+            dd = ld_f16(buf, r + 16 * g)
+            if kind == 2:
+                for j in range(8):
+                    rf = r + 288 + 448 * j + 224 * g
+                    for hf in range(2):
+                        u = 2 * j + hf
+                        dv = vmul(dd, ld_i8(buf, r + 32 + 16 * u + 8 * g))
+                        mv = vmul(dv, vsplat(np.float32(-32.0)))
+                        c0 = b * QK_K + QK * j + 16 * hf
+                        for m in range(3):
+                            w = ld_i32(buf, rf + 96 * hf + 32 * m)
+                            for i in range(5):
+                                vstore(wt[c0 + 5 * m + i], c, vfma(dv, andf(isrl(w, 6 * i), 0x3F), mv))
+                        w = ld_i32(buf, rf + 192)
+                        vstore(wt[c0 + 15], c, vfma(dv, andf(isrl(w, 6 * hf), 0x3F), mv))
+            else:
+                dm = ld_f16(buf, r + 48 + 16 * g)
+                for j in range(8):
+                    dv = vmul(dd, ld_u8(buf, r + 96 + 24 * j + 8 * g))
+                    mv = vsub(vzero(), vmul(dm, ld_u8(buf, r + 288 + 24 * j + 8 * g)))
+                    if kind == 0:
+                        _unpack_bits(wt, c, b * QK_K + QK * j, buf, r + 480 + 384 * j + 128 * g, dv, mv, 4)
+                    else:
+                        _unpack_bits(wt, c, b * QK_K + QK * j, buf, r + 480 + 576 * j + 192 * g, dv, mv, 5)
+
+
+@njit(cache=True, nogil=True)
+def _unpack_tile_float(wt, col0, buf, kind, t, nb):
+    """Family 2 tile t -> wt[:, col0:col0 + 16] (nb = n_cols; kind 0 F16, 1 F32, 2 BF16)."""
+    for c in range(nb):
+        for g in range(2):
+            if kind == 0:
+                vstore(wt[c], col0 + 8 * g, ld_f16(buf, (t * nb + c) * REC_F16 + 16 * g))
+            elif kind == 2:
+                vstore(wt[c], col0 + 8 * g, ld_bf16(buf, (t * nb + c) * REC_F16 + 16 * g))
+            else:
+                vstore(wt[c], col0 + 8 * g, ld_f32(buf, (t * nb + c) * REC_F32 + 32 * g))
+
+
+@njit(cache=True, nogil=True)
+def _unpack_tile(wt, col0, buf, family, kind, t, nb):
+    """Tile t of any family -> wt[:, col0:col0 + 16]."""
+    if family == 0:
+        _unpack_tile_legacy(wt, col0, buf, kind, t, nb)
+    elif family == 1:
+        _unpack_tile_kquant(wt, col0, buf, kind, t, nb)
+    else:
+        _unpack_tile_float(wt, col0, buf, kind, t, nb)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def unpack_tiles(wt, buf, family, kind, rows, t0, t1, nb):
+    """Tiles t0..t1 of `rows` rows each -> wt (n_cols, >= rows (t1 - t0)) float32:
+    wt[:, rows (t - t0) + r] = W[rows t + r, :]."""
+    for t in prange(t0, t1):
+        _unpack_tile(wt, (t - t0) * rows, buf, family, kind, t, nb)
+
+
+# ==================================================================================================
+# Matmul: register-tiled products of X with one decoded tile, and the parallel driver
+# ==================================================================================================
+
+@njit(cache=True, nogil=True)
+def _gemm_2g(X, w, ld, go, t0, nt, tmp):
+    """tmp[j, go:go + 16] = X[t0 + j] @ wt[:, go:go + 16] for j < nt (nt = 1, 2 or 4; w = wt flat,
+    row stride ld; tmp (4, ld) flat). Register tiles: 4 tokens x 16 rows, or 2 tokens x 16 rows x
+    2 column parities, or 1 token x 16 rows x 2 parities (8, 8, 4 independent accumulators)."""
+    n_cols = X.shape[1]
+    if nt == 4:
+        x0 = X[t0]
+        x1 = X[t0 + 1]
+        x2 = X[t0 + 2]
+        x3 = X[t0 + 3]
+        a0 = vzero()
+        a1 = vzero()
+        b0 = vzero()
+        b1 = vzero()
+        c0 = vzero()
+        c1 = vzero()
+        e0 = vzero()
+        e1 = vzero()
+        for c in range(n_cols):
+            w0 = vload(w, ld * c + go)
+            w1 = vload(w, ld * c + go + 8)
+            xv = vbcast(x0, c)
+            a0 = vfma(w0, xv, a0)
+            a1 = vfma(w1, xv, a1)
+            xv = vbcast(x1, c)
+            b0 = vfma(w0, xv, b0)
+            b1 = vfma(w1, xv, b1)
+            xv = vbcast(x2, c)
+            c0 = vfma(w0, xv, c0)
+            c1 = vfma(w1, xv, c1)
+            xv = vbcast(x3, c)
+            e0 = vfma(w0, xv, e0)
+            e1 = vfma(w1, xv, e1)
+        vstore(tmp, go, a0)
+        vstore(tmp, go + 8, a1)
+        vstore(tmp, ld + go, b0)
+        vstore(tmp, ld + go + 8, b1)
+        vstore(tmp, 2 * ld + go, c0)
+        vstore(tmp, 2 * ld + go + 8, c1)
+        vstore(tmp, 3 * ld + go, e0)
+        vstore(tmp, 3 * ld + go + 8, e1)
+    elif nt == 2:
+        x0 = X[t0]
+        x1 = X[t0 + 1]
+        a0 = vzero()
+        a1 = vzero()
+        b0 = vzero()
+        b1 = vzero()
+        c0 = vzero()
+        c1 = vzero()
+        e0 = vzero()
+        e1 = vzero()
+        n2 = n_cols - n_cols % 2
+        for c in range(0, n2, 2):
+            w0 = vload(w, ld * c + go)
+            w1 = vload(w, ld * c + go + 8)
+            w2 = vload(w, ld * c + ld + go)
+            w3 = vload(w, ld * c + ld + go + 8)
+            xv = vbcast(x0, c)
+            a0 = vfma(w0, xv, a0)
+            a1 = vfma(w1, xv, a1)
+            xv = vbcast(x1, c)
+            b0 = vfma(w0, xv, b0)
+            b1 = vfma(w1, xv, b1)
+            xv = vbcast(x0, c + 1)
+            c0 = vfma(w2, xv, c0)
+            c1 = vfma(w3, xv, c1)
+            xv = vbcast(x1, c + 1)
+            e0 = vfma(w2, xv, e0)
+            e1 = vfma(w3, xv, e1)
+        if n2 < n_cols:
+            w0 = vload(w, ld * n2 + go)
+            w1 = vload(w, ld * n2 + go + 8)
+            a0 = vfma(w0, vbcast(x0, n2), a0)
+            a1 = vfma(w1, vbcast(x0, n2), a1)
+            b0 = vfma(w0, vbcast(x1, n2), b0)
+            b1 = vfma(w1, vbcast(x1, n2), b1)
+        vstore(tmp, go, vadd(a0, c0))
+        vstore(tmp, go + 8, vadd(a1, c1))
+        vstore(tmp, ld + go, vadd(b0, e0))
+        vstore(tmp, ld + go + 8, vadd(b1, e1))
+    else:
+        x0 = X[t0]
+        a0 = vzero()
+        a1 = vzero()
+        c0 = vzero()
+        c1 = vzero()
+        n2 = n_cols - n_cols % 2
+        for c in range(0, n2, 2):
+            xv = vbcast(x0, c)
+            a0 = vfma(vload(w, ld * c + go), xv, a0)
+            a1 = vfma(vload(w, ld * c + go + 8), xv, a1)
+            xv = vbcast(x0, c + 1)
+            c0 = vfma(vload(w, ld * c + ld + go), xv, c0)
+            c1 = vfma(vload(w, ld * c + ld + go + 8), xv, c1)
+        if n2 < n_cols:
+            xv = vbcast(x0, n2)
+            a0 = vfma(vload(w, ld * n2 + go), xv, a0)
+            a1 = vfma(vload(w, ld * n2 + go + 8), xv, a1)
+        vstore(tmp, go, vadd(a0, c0))
+        vstore(tmp, go + 8, vadd(a1, c1))
+
+
+@njit(cache=True, nogil=True)
+def _gemm_1g(X, w, ld, go, t0, nt, tmp):
+    """As _gemm_2g for the 8 rows go..go+7 (the third group of a 24-row tile): 4 tokens x 2 column
+    parities (8 accumulators), one token at a time for a remainder."""
+    n_cols = X.shape[1]
+    n2 = n_cols - n_cols % 2
+    if nt == 4:
+        x0 = X[t0]
+        x1 = X[t0 + 1]
+        x2 = X[t0 + 2]
+        x3 = X[t0 + 3]
+        a0 = vzero()
+        a1 = vzero()
+        b0 = vzero()
+        b1 = vzero()
+        c0 = vzero()
+        c1 = vzero()
+        e0 = vzero()
+        e1 = vzero()
+        for c in range(0, n2, 2):
+            w0 = vload(w, ld * c + go)
+            w1 = vload(w, ld * c + ld + go)
+            a0 = vfma(w0, vbcast(x0, c), a0)
+            b0 = vfma(w0, vbcast(x1, c), b0)
+            c0 = vfma(w0, vbcast(x2, c), c0)
+            e0 = vfma(w0, vbcast(x3, c), e0)
+            a1 = vfma(w1, vbcast(x0, c + 1), a1)
+            b1 = vfma(w1, vbcast(x1, c + 1), b1)
+            c1 = vfma(w1, vbcast(x2, c + 1), c1)
+            e1 = vfma(w1, vbcast(x3, c + 1), e1)
+        if n2 < n_cols:
+            w0 = vload(w, ld * n2 + go)
+            a0 = vfma(w0, vbcast(x0, n2), a0)
+            b0 = vfma(w0, vbcast(x1, n2), b0)
+            c0 = vfma(w0, vbcast(x2, n2), c0)
+            e0 = vfma(w0, vbcast(x3, n2), e0)
+        vstore(tmp, go, vadd(a0, a1))
+        vstore(tmp, ld + go, vadd(b0, b1))
+        vstore(tmp, 2 * ld + go, vadd(c0, c1))
+        vstore(tmp, 3 * ld + go, vadd(e0, e1))
+    else:
+        for j in range(nt):
+            xj = X[t0 + j]
+            a0 = vzero()
+            a1 = vzero()
+            for c in range(0, n2, 2):
+                a0 = vfma(vload(w, ld * c + go), vbcast(xj, c), a0)
+                a1 = vfma(vload(w, ld * c + ld + go), vbcast(xj, c + 1), a1)
+            if n2 < n_cols:
+                a0 = vfma(vload(w, ld * n2 + go), vbcast(xj, n2), a0)
+            vstore(tmp, j * ld + go, vadd(a0, a1))
+
+
+@njit(cache=True, nogil=True)
+def _gemm_3g4(X, w, t0, tmp):
+    """tmp[j, 0:24] = X[t0 + j] @ wt[:, 0:24] for j < 4 (w = wt flat, row stride 24): one pass with
+    12 accumulators (4 tokens x 3 groups)."""
+    n_cols = X.shape[1]
+    x0 = X[t0]
+    x1 = X[t0 + 1]
+    x2 = X[t0 + 2]
+    x3 = X[t0 + 3]
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    b0 = vzero()
+    b1 = vzero()
+    b2 = vzero()
+    c0 = vzero()
+    c1 = vzero()
+    c2 = vzero()
+    e0 = vzero()
+    e1 = vzero()
+    e2 = vzero()
+    for c in range(n_cols):
+        w0 = vload(w, 24 * c)
+        w1 = vload(w, 24 * c + 8)
+        w2 = vload(w, 24 * c + 16)
+        xv = vbcast(x0, c)
+        a0 = vfma(w0, xv, a0)
+        a1 = vfma(w1, xv, a1)
+        a2 = vfma(w2, xv, a2)
+        xv = vbcast(x1, c)
+        b0 = vfma(w0, xv, b0)
+        b1 = vfma(w1, xv, b1)
+        b2 = vfma(w2, xv, b2)
+        xv = vbcast(x2, c)
+        c0 = vfma(w0, xv, c0)
+        c1 = vfma(w1, xv, c1)
+        c2 = vfma(w2, xv, c2)
+        xv = vbcast(x3, c)
+        e0 = vfma(w0, xv, e0)
+        e1 = vfma(w1, xv, e1)
+        e2 = vfma(w2, xv, e2)
+    vstore(tmp, 0, a0)
+    vstore(tmp, 8, a1)
+    vstore(tmp, 16, a2)
+    vstore(tmp, 24, b0)
+    vstore(tmp, 32, b1)
+    vstore(tmp, 40, b2)
+    vstore(tmp, 48, c0)
+    vstore(tmp, 56, c1)
+    vstore(tmp, 64, c2)
+    vstore(tmp, 72, e0)
+    vstore(tmp, 80, e1)
+    vstore(tmp, 88, e2)
+
+
+@njit(cache=True, nogil=True)
+def _gemm_tile(out, X, wt, r0, tmp):
+    """out[:, r0:r0 + ld] = X @ wt (X (T, n_cols), wt (n_cols, ld) float32 C-contiguous, ld = 16 or
+    24); rows of out past its end are dropped. tmp: float32 (4 * ld,) scratch."""
+    T = X.shape[0]
+    ld = wt.shape[1]
+    n_rows = out.shape[1]
+    w = wt.reshape(-1)
+    t0 = 0
+    while t0 < T:
+        nt = min(4, T - t0)
+        if nt == 3:
+            nt = 2
+        if ld == 24 and nt == 4:
+            _gemm_3g4(X, w, t0, tmp)
+        else:
+            _gemm_2g(X, w, ld, 0, t0, nt, tmp)
+            if ld == 24:
+                _gemm_1g(X, w, ld, 16, t0, nt, tmp)
+        for j in range(nt):
+            o = out[t0 + j]
+            if r0 + ld <= n_rows:
+                for g in range(0, ld, 8):
+                    vstore(o, r0 + g, vload(tmp, j * ld + g))
+            else:
+                for r in range(r0, n_rows):
+                    o[r] = tmp[j * ld + r - r0]
+        t0 += nt
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def matmul_tiles(out, buf, X, family, kind, nb, wts):
+    """out (T, n_rows) float32 = X @ W.T, X (T, n_cols) float32 C-contiguous; wts (n_chunks, n_cols,
+    rows per tile) float32 scratch: the tiles are split into n_chunks contiguous runs, one per prange
+    iteration; each tile is decoded once into its chunk's scratch and multiplied with all T rows of X."""
+    n_rows = out.shape[1]
+    rows = wts.shape[2]
+    n_tiles = (n_rows + rows - 1) // rows
+    n_chunks = wts.shape[0]
+    for ch in prange(n_chunks):
+        wt = wts[ch]
+        tmp = np.empty(4 * rows, np.float32)
+        for t in range(ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks):
+            _unpack_tile(wt, 0, buf, family, kind, t, nb)
+            _gemm_tile(out, X, wt, t * rows, tmp)

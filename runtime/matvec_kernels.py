@@ -1,0 +1,200 @@
+"""Entry kernels of the packed matvec, one per GGML type, generated from one table.
+
+matvec_<type>(out, buf, x, scratch): out (n_rows,) float32 = W @ x.
+
+  buf:     uint8 records from pack (PackedMatrix.buf), layout in quant_tiles.py.
+  x:       (n_cols,) float32; read once, into scratch, before any output is written (so out may
+           alias x).
+  scratch: float32 (56 + n_cols // 16 + n_cols,): x scale table (32, x_scales), last partial tile
+           (24), block sums of x, pre-scaled x (see _split; PackedMatrix.scratch is set up by pack).
+
+Every entry kernel does the same four steps, and the types differ only in the tile kernel, its
+record size, its block size, its rows per tile and how x is prepared: prep_x (a pre-scaled copy of x
+and its block sums, for the packed-field types) or copy_x (x as is, for Q8_0 and the float types);
+then the full tiles, in prange over tiles when more than one thread is set, the matrix has at least
+two tiles and PAR_MIN_WEIGHTS weights (below that fork/join costs more than it saves); then the last,
+partial tile into scratch and from there into out. So the kernels are written once, as the source
+template _ENTRY_SOURCE, and one row of _ENTRIES per type fills it in.
+
+Why source text and not a factory function: Numba's on-disk cache (cache=True) keys a closure by a
+pickle of its free variables, and a jitted function pickles with a per-process random id, so a
+closure over its tile kernel would compile again in every process (and grow the cache each time).
+A function compiled from source text at module level is an ordinary module function to Numba: it is
+cached under its own name (matvec_q4_0, ...) and stamped with this file, and the runtime package's
+cache directory is named by a hash of all its sources (runtime/__init__.py), so an edit to a tile
+kernel in another file also starts a fresh cache. The generated code gets this file's line numbers
+of the template, so tracebacks and Numba's error messages point at _ENTRY_SOURCE.
+"""
+import numpy as np
+from numba import njit, prange
+
+# the tile kernels and record sizes are named by the generated source (_ENTRIES), not by Python code here
+from ringllm.runtime.quant_tiles import (QK, QK_K, REC_F16, REC_F32, REC_Q4_0, REC_Q4_1, REC_Q4_K, REC_Q5_0,
+                                         REC_Q5_1, REC_Q5_K, REC_Q6_K, REC_Q8_0, TILE, TILE3, tile_bf16,
+                                         tile_f16, tile_f32, tile_q4_0, tile_q4_1, tile_q4_k, tile_q5_0,
+                                         tile_q5_1, tile_q5_k, tile_q6_k, tile_q8_0, tile_rows)  # noqa: F401
+from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
+from ringllm.runtime.simd import num_threads, vadd, vhsum, vload, vmul, vstore
+
+__all__ = ["KERNELS", "PAR_MIN_WEIGHTS", "x_scales"]
+
+PAR_MIN_WEIGHTS = 65536  # matrices with fewer weights run on the calling thread only (fork/join costs more)
+
+
+# ==================================================================================================
+# x preparation: pre-scaled copies of x and per-block sums, once per call, shared by all rows
+# ==================================================================================================
+
+@njit(cache=True, nogil=True)
+def prep_x(xs, xsum, x, tab, sub):
+    """xs (n,) float32 = x * tab[c % 32] (the power-of-two pre-scaling of each column's field, see
+    x_scales); xsum (n // sub,) float32 = sums of x over runs of sub = 32 or 16 values. n % 32 == 0."""
+    t0 = vload(tab, 0)
+    t1 = vload(tab, 8)
+    t2 = vload(tab, 16)
+    t3 = vload(tab, 24)
+    for b in range(x.shape[0] // 32):
+        c = 32 * b
+        v0 = vload(x, c)
+        v1 = vload(x, c + 8)
+        v2 = vload(x, c + 16)
+        v3 = vload(x, c + 24)
+        vstore(xs, c, vmul(v0, t0))
+        vstore(xs, c + 8, vmul(v1, t1))
+        vstore(xs, c + 16, vmul(v2, t2))
+        vstore(xs, c + 24, vmul(v3, t3))
+        if sub == 32:
+            xsum[b] = vhsum(vadd(vadd(v0, v1), vadd(v2, v3)))
+        else:
+            xsum[2 * b] = vhsum(vadd(v0, v1))
+            xsum[2 * b + 1] = vhsum(vadd(v2, v3))
+
+
+def x_scales(qtype: GGMLType) -> np.ndarray:
+    """float32 (32,): the factor 2^(-w i) of column c % 32 of a block whose q sits at bits w i of its
+    dword (1 for the top field, which the kernels read with a shift instead of a mask).
+
+    4-bit types: column 8s + i at field i (w = 4, i = 7 top). 5-bit: column 6m + i (m < 5), 30 + i
+    (w = 5, i = 5 top). Q6_K: columns 5m + i and 16 + 5m + i (m < 3), 15 and 31 at fields 0 and 1
+    (w = 6, i = 4 top). Other types: ones.
+    """
+    c = np.arange(32)
+    if qtype in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K):
+        i = c % 8
+        e = np.where(i == 7, 0, 4 * i)
+    elif qtype in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q5_K):
+        i = np.where(c < 30, c % 6, c - 30)
+        e = np.where(i == 5, 0, 5 * i)
+    elif qtype == GGMLType.Q6_K:
+        i = np.where(c < 15, c % 5, np.where(c == 15, 0, np.where(c < 31, (c - 16) % 5, 1)))
+        e = np.where(i == 4, 0, 6 * i)
+    else:
+        e = np.zeros(32, np.int64)
+    return (2.0 ** -e.astype(np.float64)).astype(np.float32)
+
+
+# ==================================================================================================
+# Entry kernels: one source template, one row per type
+# ==================================================================================================
+
+@njit(cache=True, nogil=True, inline="always")
+def _split(out, x, scratch):
+    """(n_rows, n_cols, xs, xsum, tab) views of the scratch layout
+    [tab (32) | tail (24) | xsum (n_cols // 16) | xs (n_cols)]."""
+    n_cols = x.shape[0]
+    o = 56 + n_cols // 16
+    return out.shape[0], n_cols, scratch[o:o + n_cols], scratch[56:o], scratch[:32]
+
+
+@njit(cache=True, nogil=True)
+def copy_x(xs, x):
+    """xs[:] = x (float types and Q8_0 use x as is)."""
+    for c in range(x.shape[0]):
+        xs[c] = x[c]
+
+
+@njit(cache=True, nogil=True)
+def _finish_tail(out, tail, r0):
+    """out[r0:] = tail[:n_rows - r0] (rows of the last, partial tile)."""
+    for r in range(r0, out.shape[0]):
+        out[r] = tail[r - r0]
+
+
+# The body every entry kernel shares. {tile}, {rec}, {rows} and {nb} are filled in with the names of
+# quant_tiles' kernels and constants, so the generated code reads (and compiles) as a hand-written
+# kernel would: Numba freezes the constants as it freezes any global.
+_ENTRY_SOURCE = '''
+def matvec_{name}(out, buf, x, scratch):
+    """{type}: out (n_rows,) float32 = W @ x; buf from pack()."""
+    n_rows, n_cols, xs, xsum, tab = _split(out, x, scratch)
+    {prep}
+    nb = {nb}
+    stride = nb * {rec}
+    n_full = n_rows // {rows}
+    if num_threads() == 1 or n_full < 2 or n_rows * n_cols < PAR_MIN_WEIGHTS:
+        for t in range(n_full):
+            {tile}(out, t * {rows}, buf, t * stride, nb, {x_args})
+    else:
+        for t in prange(n_full):
+            {tile}(out, t * {rows}, buf, t * stride, nb, {x_args})
+    if n_full * {rows} < n_rows:
+        tail = scratch[32:56]
+        {tile}(tail, 0, buf, n_full * stride, nb, {x_args})
+        _finish_tail(out, tail, n_full * {rows})
+'''
+
+# One row per type: its tile kernel, that kernel's record size (bytes per tile and block), the runs of
+# x its block sums cover (32 or 16: prep_x, the tile takes xs and xsum; 0: copy_x, the tile takes x
+# as is), and the (family, kind) that names its tile decoder in gemm.py. Rows per tile come from
+# quant_tiles.tile_rows and values per block from quant_types.BLOCK_LAYOUT.
+_ENTRIES = (
+    # type          tile         record      x sums  unpack
+    (GGMLType.Q4_0, "tile_q4_0", "REC_Q4_0", 32,     (0, 0)),
+    (GGMLType.Q4_1, "tile_q4_1", "REC_Q4_1", 32,     (0, 1)),
+    (GGMLType.Q5_0, "tile_q5_0", "REC_Q5_0", 32,     (0, 2)),
+    (GGMLType.Q5_1, "tile_q5_1", "REC_Q5_1", 32,     (0, 3)),
+    (GGMLType.Q8_0, "tile_q8_0", "REC_Q8_0", 0,      (0, 4)),
+    (GGMLType.Q4_K, "tile_q4_k", "REC_Q4_K", 32,     (1, 0)),
+    (GGMLType.Q5_K, "tile_q5_k", "REC_Q5_K", 32,     (1, 1)),
+    (GGMLType.Q6_K, "tile_q6_k", "REC_Q6_K", 16,     (1, 2)),
+    (GGMLType.F16,  "tile_f16",  "REC_F16",  0,      (2, 0)),
+    (GGMLType.F32,  "tile_f32",  "REC_F32",  0,      (2, 1)),
+    (GGMLType.BF16, "tile_bf16", "REC_F16",  0,      (2, 2)),
+)
+_BLOCK_NAMES = {QK: "QK", QK_K: "QK_K"}
+_ROWS_NAMES = {TILE: "TILE", TILE3: "TILE3"}
+
+
+def _template_line() -> int:
+    """Lines of this file before _ENTRY_SOURCE's text (0 when the source cannot be read)."""
+    try:
+        with open(__file__, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    at = text.find(_ENTRY_SOURCE)
+    return text.count("\n", 0, at) if at >= 0 else 0
+
+
+def _entry_kernels() -> dict:
+    """{GGMLType: (entry kernel, unpack family, unpack kind)}, each kernel compiled from _ENTRY_SOURCE
+    into this module's namespace (as matvec_q4_0, ...) and decorated like a hand-written one."""
+    pad = "\n" * _template_line()
+    kernels = {}
+    for qtype, tile, rec, x_sums, (family, kind) in _ENTRIES:
+        name = qtype.name.lower()
+        block = BLOCK_LAYOUT[qtype][0]
+        source = _ENTRY_SOURCE.format(
+            name=name, type=qtype.name, tile=tile, rec=rec, rows=_ROWS_NAMES[tile_rows(qtype)],
+            nb=f"n_cols // {_BLOCK_NAMES[block]}" if block > 1 else "n_cols",
+            prep=f"prep_x(xs, xsum, x, tab, {x_sums})" if x_sums else "copy_x(xs, x)",
+            x_args="xs, xsum" if x_sums else "xs")
+        exec(compile(pad + source, __file__, "exec"), globals())
+        kernel = njit(cache=True, nogil=True, parallel=True)(globals()["matvec_" + name])
+        globals()["matvec_" + name] = kernel
+        kernels[qtype] = (kernel, family, kind)
+    return kernels
+
+
+# type -> (matvec entry kernel, unpack family, unpack kind)
+KERNELS = _entry_kernels()

@@ -1,0 +1,257 @@
+"""Packing (NumPy, once at load): GGML block rows -> the per-tile records the matvec kernels stream.
+
+pack_records(qtype, data, n_rows, n_cols) takes a block matrix as stored in the file, data uint8
+(n_rows, row_bytes), and returns a new uint8 buffer of records in the layout of quant_tiles.py: rows
+in tiles of tile_rows(qtype) (24 or 16), each tile's 8-row groups moved into the 8 lanes of a vector,
+values repacked into fixed-width fields of 32-bit words, scales kept as f16 or bytes; one record per
+(tile, block column), a tile's records in column order. mv.pack validates its arguments and wraps the
+buffer in a PackedMatrix.
+
+Memory. Packed buffers come from a SlabAllocator: anonymous mappings aligned to 2 MiB and advised
+for transparent huge pages (fewer TLB misses while the kernels stream the weights), with small
+matrices cut one after another from shared 32 MiB slabs, so matrices packed in the order of a forward
+pass also follow each other in memory (the hardware prefetcher and the kernels' software prefetch
+run on from one into the next). The allocator is an object with its own lock, used from Python only;
+no kernel reads it.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+
+import numpy as np
+
+from ringllm.runtime.errors import UnsupportedModelError
+from ringllm.runtime.quant_tiles import GROUP, tile_rows
+from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
+
+__all__ = ["SlabAllocator", "pack_records"]
+
+
+# ==================================================================================================
+# Huge-page memory
+# ==================================================================================================
+
+_HUGE = 2 << 20       # transparent huge page size
+_SLAB = 32 << 20      # packed matrices below _SLAB // 4 bytes share slabs of this size
+
+
+def _map(nbytes: int) -> np.ndarray:
+    """Zeroed anonymous mapping of nbytes, 2 MiB aligned, backed by transparent huge pages where the
+    kernel allows it (fewer TLB misses while streaming)."""
+    mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    raw = np.frombuffer(mm, np.uint8)
+    start = (-raw.ctypes.data) % _HUGE
+    return raw[start:start + nbytes]
+
+
+class SlabAllocator:
+    """Zeroed uint8 buffers, 64-byte aligned, in huge-page memory.
+
+    Buffers of _SLAB // 4 bytes or more get a mapping of their own; smaller ones are cut one after
+    the other from the current shared slab (a new slab when it is full). A slab the allocator has
+    moved on from is freed with the last buffer cut from it (each buffer is a view that keeps its
+    slab alive). Thread-safe.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._slab = None       # uint8 (_SLAB,) or None before the first small buffer
+        self._used = 0          # bytes of _slab handed out
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """A zeroed uint8 buffer of nbytes."""
+        if nbytes >= _SLAB // 4:
+            return _map(nbytes)
+        size = -(-max(nbytes, 1) // 64) * 64
+        with self._lock:
+            buf, used = self._slab, self._used
+            if buf is None or used + size > buf.shape[0]:
+                buf, used = _map(_SLAB), 0
+                self._slab = buf
+            self._used = used + size
+        return buf[used:used + nbytes]
+
+
+_slabs = SlabAllocator()      # every packed matrix of the process
+
+
+# ==================================================================================================
+# Field packing: file blocks -> per-tile records
+# ==================================================================================================
+
+def _f16_at(blocks: np.ndarray, off: int) -> np.ndarray:
+    """uint16 bits of the f16 at byte off of each block: blocks (..., size) -> (...)."""
+    return blocks[..., off].astype(np.uint16) | (blocks[..., off + 1].astype(np.uint16) << np.uint16(8))
+
+
+def _u32_at(blocks: np.ndarray, off: int) -> np.ndarray:
+    b = blocks[..., off:off + 4].astype(np.uint32)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _nib_dwords(q: np.ndarray) -> np.ndarray:
+    """q (R, nb, 32) values -> (R, nb, 4) uint32: dword s holds columns 8s + i at bits 4i (low 4 bits)."""
+    q = (q.reshape(q.shape[:-1] + (4, 8)) & 15).astype(np.uint32)
+    return np.bitwise_or.reduce(q << (4 * np.arange(8, dtype=np.uint32)), axis=-1)
+
+
+def _fields5(q: np.ndarray) -> np.ndarray:
+    """q (R, nb, 32) 5-bit values -> (R, nb, 6) uint32: column 6m + i at bits 5i of dword m (m < 5),
+    columns 30, 31 at bits 0 and 5 of dword 5."""
+    q = q.astype(np.uint32)
+    f = np.zeros(q.shape[:-1] + (6,), np.uint32)
+    for c in range(32):
+        m, i = (c // 6, c % 6) if c < 30 else (5, c - 30)
+        f[..., m] |= q[..., c] << np.uint32(5 * i)
+    return f
+
+
+def _fields6(q: np.ndarray) -> np.ndarray:
+    """q (R, nb, 32) 6-bit values -> (R, nb, 7) uint32: columns 0-14 at bits 6i of dwords 0-2
+    (column 5m + i), columns 16-30 in dwords 3-5 (column 16 + 5m + i), columns 15, 31 at bits 0 and 6
+    of dword 6."""
+    q = q.astype(np.uint32)
+    f = np.zeros(q.shape[:-1] + (7,), np.uint32)
+    for c in range(32):
+        if c < 15:
+            m, i = c // 5, c % 5
+        elif c == 15:
+            m, i = 6, 0
+        elif c < 31:
+            m, i = 3 + (c - 16) // 5, (c - 16) % 5
+        else:
+            m, i = 6, 1
+        f[..., m] |= q[..., c] << np.uint32(6 * i)
+    return f
+
+
+def _pad(a: np.ndarray, rows: int) -> np.ndarray:
+    """a with its first axis zero-padded to `rows`."""
+    if a.shape[0] == rows:
+        return a
+    out = np.zeros((rows,) + a.shape[1:], a.dtype)
+    out[:a.shape[0]] = a
+    return out
+
+
+def _lanes(a: np.ndarray, n_tiles: int, groups: int, inner_first: int = 0) -> np.ndarray:
+    """a (rows, nb, *rest) -> (n_tiles, nb, *rest[:inner_first], groups, *rest[inner_first:], 8): rows
+    zero-padded to n_tiles * groups * 8, and the groups and 8 lanes of a tile moved inside each block."""
+    a = _pad(a, n_tiles * groups * GROUP)
+    rest = a.shape[2:]
+    a = a.reshape((n_tiles, groups, GROUP) + a.shape[1:])   # t, g, lane, nb, *rest
+    nr = len(rest)
+    order = ([0, 3] + [4 + k for k in range(inner_first)] + [1]
+             + [4 + k for k in range(inner_first, nr)] + [2])
+    return np.ascontiguousarray(a.transpose(order))
+
+
+def _record(n_tiles: int, nb: int, *parts: np.ndarray) -> np.ndarray:
+    """Concatenate per-(tile, block) parts, each (n_tiles, nb, ...), as bytes into one aligned buffer."""
+    views = [np.ascontiguousarray(p).view(np.uint8).reshape(n_tiles, nb, -1) for p in parts]
+    size = sum(v.shape[-1] for v in views)
+    buf = _slabs.alloc(n_tiles * nb * size)
+    dst = buf.reshape(n_tiles, nb, size)
+    o = 0
+    for v in views:
+        dst[:, :, o:o + v.shape[-1]] = v
+        o += v.shape[-1]
+    return buf
+
+
+def _scale_min_k4(sc: np.ndarray):
+    """Q4_K / Q5_K 12 packed bytes (..., 12) -> 6-bit scales, mins (..., 8) uint8."""
+    sc = sc.astype(np.uint8)
+    d = np.empty(sc.shape[:-1] + (8,), np.uint8)
+    m = np.empty_like(d)
+    d[..., :4] = sc[..., 0:4] & 63
+    m[..., :4] = sc[..., 4:8] & 63
+    d[..., 4:] = (sc[..., 8:12] & 0x0F) | ((sc[..., 0:4] >> 6) << 4)
+    m[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    return d, m
+
+
+def _q_kquant(blocks: np.ndarray, qoff: int, qhoff: int | None) -> np.ndarray:
+    """Q4_K / Q5_K values (R, nsb, 256) in column order from super-blocks (R, nsb, size)."""
+    qs = blocks[..., qoff:qoff + 128].reshape(blocks.shape[:-1] + (4, 32))     # chunk c, l
+    q = np.empty(blocks.shape[:-1] + (4, 2, 32), np.uint8)
+    q[..., 0, :] = qs & 15
+    q[..., 1, :] = qs >> 4
+    if qhoff is not None:
+        qh = blocks[..., qhoff:qhoff + 32]
+        for c in range(4):
+            q[..., c, 0, :] |= ((qh >> (2 * c)) & 1) << 4
+            q[..., c, 1, :] |= ((qh >> (2 * c + 1)) & 1) << 4
+    return q.reshape(blocks.shape[:-1] + (256,))
+
+
+def _q_q6k(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K unsigned 6-bit values (R, nsb, 256) in column order (ggml's dequantize_row_q6_K order)."""
+    q = np.empty(blocks.shape[:-1] + (2, 4, 32), np.uint8)
+    for n in range(2):
+        ql = blocks[..., 64 * n:64 * n + 64]
+        qh = blocks[..., 128 + 32 * n:128 + 32 * n + 32]
+        q[..., n, 0, :] = (ql[..., :32] & 15) | ((qh & 3) << 4)
+        q[..., n, 1, :] = (ql[..., 32:] & 15) | (((qh >> 2) & 3) << 4)
+        q[..., n, 2, :] = (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4)
+        q[..., n, 3, :] = (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)
+    return q.reshape(blocks.shape[:-1] + (256,))
+
+
+
+
+def pack_records(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
+    """Packed uint8 buffer of a (n_rows, row_bytes) uint8 block matrix of qtype (record layouts in
+    quant_tiles.py). Raises UnsupportedModelError for a type without a layout."""
+    groups = tile_rows(qtype) // GROUP
+    nt = -(-n_rows // (groups * GROUP))
+
+    def lanes(a, inner_first=0):
+        return _lanes(a, nt, groups, inner_first)
+
+    if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        if qtype in (GGMLType.F16, GGMLType.BF16):
+            vals = data.view(np.uint16).reshape(n_rows, n_cols)
+        else:
+            vals = data.view(np.float32).reshape(n_rows, n_cols)
+        return _record(nt, n_cols, lanes(vals))
+    block, size = BLOCK_LAYOUT[qtype]
+    nb = n_cols // block
+    blocks = data.reshape(n_rows, nb, size)
+    if qtype == GGMLType.Q8_0:
+        return _record(nt, nb, lanes(blocks[..., 2:34]), lanes(_f16_at(blocks, 0)))
+    if qtype in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
+        off = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q5_1: 8}[qtype]
+        qs = blocks[..., off:off + 16]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        if qtype in (GGMLType.Q5_0, GGMLType.Q5_1):
+            qh = _u32_at(blocks, off - 4)
+            hb = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+            parts = [lanes(_fields5(q | (hb << 4)))]
+        else:
+            parts = [lanes(_nib_dwords(q))]
+        parts.append(lanes(_f16_at(blocks, 0)))
+        if qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
+            parts.append(lanes(_f16_at(blocks, 2)))
+        return _record(nt, nb, *parts)
+    if qtype in (GGMLType.Q4_K, GGMLType.Q5_K):
+        sc, mn = _scale_min_k4(blocks[..., 4:16])
+        if qtype == GGMLType.Q4_K:
+            q = _q_kquant(blocks, 16, None).reshape(n_rows, nb, 8, 32)
+            per_sub = [lanes(_nib_dwords(q), 1)]                       # t, nb, sub, g, s, lane
+        else:
+            q = _q_kquant(blocks, 48, 16).reshape(n_rows, nb, 8, 32)
+            per_sub = [lanes(_fields5(q), 1)]                          # t, nb, sub, g, m, lane
+        return _record(nt, nb, lanes(_f16_at(blocks, 0)), lanes(_f16_at(blocks, 2)),
+                       lanes(sc, 1), lanes(mn, 1), *per_sub)
+    if qtype == GGMLType.Q6_K:
+        q = _q_q6k(blocks).reshape(n_rows, nb, 8, 32)
+        sc = blocks[..., 192:208].view(np.int8)
+        return _record(nt, nb, lanes(_f16_at(blocks, 208)), lanes(sc, 1), lanes(_fields6(q), 1))
+    raise UnsupportedModelError(str(qtype), f"no matvec layout for GGML type {qtype!r}")

@@ -1,0 +1,482 @@
+"""Per-type tile kernels of the packed matvec: one tile of rows of W times x, for each GGML type.
+
+A tile kernel computes dst[d0:d0 + R] = (the R rows of one tile of W) @ x, all columns, and is
+called by the entry kernels of matvec_kernels.py once per tile (in prange). R = 24 (three groups of
+8 rows) for the 4- and 5-bit types (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K), whose inner loops leave
+registers for a third group and so reuse each x broadcast three times; R = 16 (two groups) for the
+others (Q8_0, Q6_K, F16, BF16, F32). This file also fixes the packed layout the kernels read and
+packing.py writes: the tile size, the record sizes (REC_*) and the byte offsets inside a record.
+
+Layout ("lanes = rows"). Rows go in groups of 8, one group per 256-bit register: lane k of every
+vector belongs to row 8g + k; rows past n_rows are zero padding. For each tile, the data of one block
+column (32 values; 256 for K-quants; one column for the float types) of all its groups is one
+contiguous record, and a tile is its records in column order, so a thread streams one contiguous run
+of memory (with software prefetch PF_DIST bytes ahead). Per 8 weights (one value of 8 rows) the inner
+loop is
+
+    vandps / vpsrld  (pick the 4/5/6-bit field in place)      1 op
+    vcvtdq2ps        (int -> float)                            1 op
+    vfmadd213ps      (acc += q * x[col], x broadcast)          1 op; one vbroadcastss per 2-3 groups
+
+Packed quants. Each lane's values sit in 32-bit words as fixed-width fields: 4-bit types 8 fields
+per dword (column 8s + i of a block at bits 4i of dword s), 5-bit types 6 per dword (column 6m + i at
+bits 5i of dword m; the block's last 2 columns in a sixth dword), Q6_K 5 per dword at bits 6i (7
+dwords per 32 columns, each 16-value sub-block in its own 3 dwords plus one field of the seventh).
+`dword & (mask << w i)` is q * 2^(w i) exactly, so x is pre-scaled once per call by 2^(-w i)
+(xs, see matvec_kernels.x_scales; the top field uses a shift and an unscaled x). Q8_0 keeps int8
+values, the 8 rows of a column adjacent (vpmovsxbd). F16 scales stay 16-bit (vcvtph2ps); K-quant
+6-bit sub-block scales become bytes; F16 / BF16 weights stay 16-bit. Packed bytes per weight equal
+the file's for Q4_0, Q4_1, Q4_K, Q8_0 and the float types; the field packing costs +18% for the
+5-bit types and +15% for Q6_K (26 instead of 22 bytes per Q5_0 block), repaid by an inner loop as
+short as the 4-bit one (ORing high-bit planes into nibbles instead needs ~9 more ops per 64 weights).
+
+Offsets are folded per block with the sums of x over each block (xsum, computed once per call and
+shared by all rows): Q4_1: y = d q + m -> d * sum(q x) + m * S_b; Q4_0: d * (sum(q x) - 8 S_b), etc.
+
+Arguments common to every tile kernel: dst float32 (>= d0 + R,); buf the packed uint8 records;
+base the byte offset of the tile's first record; nb blocks (super-blocks for K-quants, columns for
+the float types) per row; then either xs (n_cols,) pre-scaled x and xsum (n_cols // 32, or // 16 for
+Q6_K) block sums, or x (n_cols,) as is (Q8_0 and the float types). Nothing is bounds-checked.
+"""
+import numpy as np
+from numba import njit
+
+from ringllm.runtime.quant_types import GGMLType
+from ringllm.runtime.simd import (andf, ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, prefetch, srlf, vadd,
+                                  vbcast, vfma, vfnma, vmul, vsplat, vstore, vsub, vzero)
+
+TILE = 16           # rows per tile: two groups of 8 lanes ...
+TILE3 = 24          # ... or three for the 4- and 5-bit types (more reuse of each x broadcast)
+GROUP = 8           # rows per 256-bit vector
+QK = 32             # values per legacy block
+QK_K = 256          # values per K-quant super-block
+PF_DIST = 2048      # software prefetch distance in bytes
+
+_TILE3_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q5_K)
+
+
+def tile_rows(qtype: GGMLType) -> int:
+    """Rows per tile of the packed layout of qtype: 24 for the 4- and 5-bit types, else 16."""
+    return TILE3 if qtype in _TILE3_TYPES else TILE
+
+
+# ==================================================================================================
+# Block inner products for the groups of a tile. Each returns one accumulator per group: per lane,
+# the sum over the block's columns of q * x (q the raw unsigned field, x from the matching xs).
+# ==================================================================================================
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_range(buf, start, nbytes):
+    """prefetch every 64-byte line of buf[start:start + nbytes] (nbytes a constant)."""
+    for pf in range(0, nbytes, 64):
+        prefetch(buf, start + pf)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nib(w, i):
+    """Nibble i (0..7) of every lane of w, as float q * 2^(4i) (i < 7) or q (i == 7)."""
+    if i == 7:
+        return srlf(w, 28)
+    return andf(w, 15 << (4 * i))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_q4(buf, r, xs, xb):
+    """32 columns of 4-bit values for three groups: nibble dwords of group g at byte r + 128 g
+    (4 slots x 32 bytes); xs from prep_x, columns xb..xb+31. Returns (acc_g0, acc_g1, acc_g2)."""
+    a0 = vzero()
+    a1 = vzero()
+    c0 = vzero()
+    c1 = vzero()
+    e0 = vzero()
+    e1 = vzero()
+    for s in range(4):
+        w0 = ld_i32(buf, r + 32 * s)
+        w1 = ld_i32(buf, r + 128 + 32 * s)
+        w2 = ld_i32(buf, r + 256 + 32 * s)
+        for i in range(0, 8, 2):
+            x0 = vbcast(xs, xb + 8 * s + i)
+            a0 = vfma(_nib(w0, i), x0, a0)
+            c0 = vfma(_nib(w1, i), x0, c0)
+            e0 = vfma(_nib(w2, i), x0, e0)
+            x1 = vbcast(xs, xb + 8 * s + i + 1)
+            a1 = vfma(_nib(w0, i + 1), x1, a1)
+            c1 = vfma(_nib(w1, i + 1), x1, c1)
+            e1 = vfma(_nib(w2, i + 1), x1, e1)
+    return vadd(a0, a1), vadd(c0, c1), vadd(e0, e1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _f5(w, i):
+    """5-bit field i (0..5, bits 5i..5i+4) of every lane of w, as float q * 2^(5i) (i < 5) or q."""
+    if i == 5:
+        return srlf(w, 25)
+    return andf(w, 0x1F << (5 * i))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_q5(buf, r, xs, xb):
+    """32 columns of 5-bit values for three groups: field dwords of group g at byte r + 192 g (6 x 32
+    bytes; dword m holds columns 6m..6m+5, dword 5 columns 30, 31); xs from prep_x."""
+    a0 = vzero()
+    a1 = vzero()
+    c0 = vzero()
+    c1 = vzero()
+    e0 = vzero()
+    e1 = vzero()
+    for m in range(5):
+        w0 = ld_i32(buf, r + 32 * m)
+        w1 = ld_i32(buf, r + 192 + 32 * m)
+        w2 = ld_i32(buf, r + 384 + 32 * m)
+        for i in range(0, 6, 2):
+            x0 = vbcast(xs, xb + 6 * m + i)
+            a0 = vfma(_f5(w0, i), x0, a0)
+            c0 = vfma(_f5(w1, i), x0, c0)
+            e0 = vfma(_f5(w2, i), x0, e0)
+            x1 = vbcast(xs, xb + 6 * m + i + 1)
+            a1 = vfma(_f5(w0, i + 1), x1, a1)
+            c1 = vfma(_f5(w1, i + 1), x1, c1)
+            e1 = vfma(_f5(w2, i + 1), x1, e1)
+    w0 = ld_i32(buf, r + 160)
+    w1 = ld_i32(buf, r + 352)
+    w2 = ld_i32(buf, r + 544)
+    x0 = vbcast(xs, xb + 30)
+    a0 = vfma(_f5(w0, 0), x0, a0)
+    c0 = vfma(_f5(w1, 0), x0, c0)
+    e0 = vfma(_f5(w2, 0), x0, e0)
+    x1 = vbcast(xs, xb + 31)
+    a1 = vfma(_f5(w0, 1), x1, a1)
+    c1 = vfma(_f5(w1, 1), x1, c1)
+    e1 = vfma(_f5(w2, 1), x1, e1)
+    return vadd(a0, a1), vadd(c0, c1), vadd(e0, e1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _f6(w, i):
+    """6-bit field i (0..4, bits 6i..6i+5) of every lane of w, as float q * 2^(6i) (i < 4) or q."""
+    if i == 4:
+        return srlf(w, 24)
+    return andf(w, 0x3F << (6 * i))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_q6(buf, r, xs, xb):
+    """32 columns (two 16-value sub-blocks A, B) of 6-bit values for two groups: field dwords of group
+    g at byte r + 224 g (7 x 32 bytes: dwords 0-2 hold columns 0-14, dwords 3-5 columns 16-30, dword 6
+    columns 15 and 31); xs from prep_x. Returns (A_g0, B_g0, A_g1, B_g1)."""
+    a0 = vzero()
+    b0 = vzero()
+    a1 = vzero()
+    b1 = vzero()
+    for m in range(3):
+        wa0 = ld_i32(buf, r + 32 * m)
+        wb0 = ld_i32(buf, r + 96 + 32 * m)
+        wa1 = ld_i32(buf, r + 224 + 32 * m)
+        wb1 = ld_i32(buf, r + 320 + 32 * m)
+        for i in range(5):
+            xa = vbcast(xs, xb + 5 * m + i)
+            a0 = vfma(_f6(wa0, i), xa, a0)
+            a1 = vfma(_f6(wa1, i), xa, a1)
+            xv = vbcast(xs, xb + 16 + 5 * m + i)
+            b0 = vfma(_f6(wb0, i), xv, b0)
+            b1 = vfma(_f6(wb1, i), xv, b1)
+    w0 = ld_i32(buf, r + 192)
+    w1 = ld_i32(buf, r + 416)
+    xa = vbcast(xs, xb + 15)
+    a0 = vfma(_f6(w0, 0), xa, a0)
+    a1 = vfma(_f6(w1, 0), xa, a1)
+    xv = vbcast(xs, xb + 31)
+    b0 = vfma(_f6(w0, 1), xv, b0)
+    b1 = vfma(_f6(w1, 1), xv, b1)
+    return a0, b0, a1, b1
+
+
+
+# ==================================================================================================
+# Tile kernels: one tile (24 rows for the 4- and 5-bit types, else 16) of one type, all columns:
+# dst[d0:d0 + rows] = the rows of the tile whose records start at byte `base` of buf.
+# nb = blocks (super-blocks for K-quants, columns for float types) per row.
+# ==================================================================================================
+
+# record sizes in bytes, per (tile, block)
+REC_Q4_0 = 3 * 128 + 3 * 16              # nibbles, d (three groups: 24-row tiles)
+REC_Q4_1 = 3 * 128 + 3 * 16 + 3 * 16     # nibbles, d, m (three groups)
+REC_Q5_0 = 3 * 192 + 3 * 16              # 5-bit field dwords, d (three groups)
+REC_Q5_1 = 3 * 192 + 3 * 16 + 3 * 16     # fields, d, m (three groups)
+REC_Q8_0 = 2 * 256 + 2 * 16              # int8 [col][lane] per group, d
+REC_Q4_K = 3 * 16 * 2 + 3 * 64 * 2 + 8 * 3 * 128           # d, dmin, sc, mn, nibbles (three groups)
+REC_Q5_K = 3 * 16 * 2 + 3 * 64 * 2 + 8 * 3 * 192           # d, dmin, sc, mn, fields (three groups)
+REC_Q6_K = 2 * 16 + 16 * 2 * 8 + 8 * 2 * 224                # d, sc, fields per 32 cols (two groups)
+REC_F16 = 2 * 16                         # per column (F16 and BF16)
+REC_F32 = 2 * 32                         # per column (F32)
+
+
+@njit(cache=True, nogil=True)
+def tile_q4_0(dst, d0, buf, base, nb, xs, xsum):
+    """Q4_0 tile (24 rows): y = d (q - 8) -> d * (sum q x - 8 S_b)."""
+    o0 = vzero()
+    o1 = vzero()
+    o2 = vzero()
+    for b in range(nb):
+        r = base + b * REC_Q4_0
+        _prefetch_range(buf, r + PF_DIST, REC_Q4_0)
+        a0, a1, a2 = _dot_q4(buf, r, xs, b * QK)
+        s8 = vmul(vbcast(xsum, b), vsplat(np.float32(8.0)))
+        o0 = vfma(ld_f16(buf, r + 384), vsub(a0, s8), o0)
+        o1 = vfma(ld_f16(buf, r + 400), vsub(a1, s8), o1)
+        o2 = vfma(ld_f16(buf, r + 416), vsub(a2, s8), o2)
+    vstore(dst, d0, o0)
+    vstore(dst, d0 + 8, o1)
+    vstore(dst, d0 + 16, o2)
+
+
+@njit(cache=True, nogil=True)
+def tile_q4_1(dst, d0, buf, base, nb, xs, xsum):
+    """Q4_1 tile (24 rows): y = d q + m -> d * sum(q x) + m * S_b."""
+    o0 = vzero()
+    o1 = vzero()
+    o2 = vzero()
+    for b in range(nb):
+        r = base + b * REC_Q4_1
+        _prefetch_range(buf, r + PF_DIST, REC_Q4_1)
+        a0, a1, a2 = _dot_q4(buf, r, xs, b * QK)
+        sb = vbcast(xsum, b)
+        o0 = vfma(ld_f16(buf, r + 384), a0, o0)
+        o1 = vfma(ld_f16(buf, r + 400), a1, o1)
+        o2 = vfma(ld_f16(buf, r + 416), a2, o2)
+        o0 = vfma(ld_f16(buf, r + 432), sb, o0)
+        o1 = vfma(ld_f16(buf, r + 448), sb, o1)
+        o2 = vfma(ld_f16(buf, r + 464), sb, o2)
+    vstore(dst, d0, o0)
+    vstore(dst, d0 + 8, o1)
+    vstore(dst, d0 + 16, o2)
+
+
+@njit(cache=True, nogil=True)
+def tile_q5_0(dst, d0, buf, base, nb, xs, xsum):
+    """Q5_0 tile (24 rows): y = d (q - 16) -> d * (sum q x - 16 S_b)."""
+    o0 = vzero()
+    o1 = vzero()
+    o2 = vzero()
+    for b in range(nb):
+        r = base + b * REC_Q5_0
+        _prefetch_range(buf, r + PF_DIST, REC_Q5_0)
+        a0, a1, a2 = _dot_q5(buf, r, xs, b * QK)
+        s16 = vmul(vbcast(xsum, b), vsplat(np.float32(16.0)))
+        o0 = vfma(ld_f16(buf, r + 576), vsub(a0, s16), o0)
+        o1 = vfma(ld_f16(buf, r + 592), vsub(a1, s16), o1)
+        o2 = vfma(ld_f16(buf, r + 608), vsub(a2, s16), o2)
+    vstore(dst, d0, o0)
+    vstore(dst, d0 + 8, o1)
+    vstore(dst, d0 + 16, o2)
+
+
+@njit(cache=True, nogil=True)
+def tile_q5_1(dst, d0, buf, base, nb, xs, xsum):
+    """Q5_1 tile (24 rows): y = d q + m."""
+    o0 = vzero()
+    o1 = vzero()
+    o2 = vzero()
+    for b in range(nb):
+        r = base + b * REC_Q5_1
+        _prefetch_range(buf, r + PF_DIST, REC_Q5_1)
+        a0, a1, a2 = _dot_q5(buf, r, xs, b * QK)
+        sb = vbcast(xsum, b)
+        o0 = vfma(ld_f16(buf, r + 576), a0, o0)
+        o1 = vfma(ld_f16(buf, r + 592), a1, o1)
+        o2 = vfma(ld_f16(buf, r + 608), a2, o2)
+        o0 = vfma(ld_f16(buf, r + 624), sb, o0)
+        o1 = vfma(ld_f16(buf, r + 640), sb, o1)
+        o2 = vfma(ld_f16(buf, r + 656), sb, o2)
+    vstore(dst, d0, o0)
+    vstore(dst, d0 + 8, o1)
+    vstore(dst, d0 + 16, o2)
+
+
+@njit(cache=True, nogil=True)
+def tile_q8_0(dst, d0, buf, base, nb, x):
+    """Q8_0 tile: y = d q, q int8 stored [col][lane] per group (256 bytes)."""
+    o0 = vzero()
+    o1 = vzero()
+    for b in range(nb):
+        r = base + b * REC_Q8_0
+        _prefetch_range(buf, r + PF_DIST, REC_Q8_0)
+        a0 = vzero()
+        a1 = vzero()
+        c0 = vzero()
+        c1 = vzero()
+        xb = b * QK
+        for j in range(0, 32, 2):
+            x0 = vbcast(x, xb + j)
+            a0 = vfma(ld_i8(buf, r + 8 * j), x0, a0)
+            c0 = vfma(ld_i8(buf, r + 256 + 8 * j), x0, c0)
+            x1 = vbcast(x, xb + j + 1)
+            a1 = vfma(ld_i8(buf, r + 8 * j + 8), x1, a1)
+            c1 = vfma(ld_i8(buf, r + 256 + 8 * j + 8), x1, c1)
+        o0 = vfma(ld_f16(buf, r + 512), vadd(a0, a1), o0)
+        o1 = vfma(ld_f16(buf, r + 528), vadd(c0, c1), o1)
+    vstore(dst, d0, o0)
+    vstore(dst, d0 + 8, o1)
+
+
+@njit(cache=True, nogil=True)
+def tile_q4_k(dst, d0, buf, base, nb, xs, xsum):
+    """Q4_K tile (24 rows): per 32-value sub-block j, y = (d sc_j) q - (dmin m_j).
+
+    Record per super-block: d [3 groups][8 lanes] f16, dmin [3][8] f16, sc [8 sub][3][8] u8,
+    mn [8][3][8] u8, nibbles [8 sub][3 groups][4 slots][8 lanes] u32.
+    """
+    o0 = vzero()
+    o1 = vzero()
+    o2 = vzero()
+    for b in range(nb):
+        r = base + b * REC_Q4_K
+        dd0 = ld_f16(buf, r)
+        dd1 = ld_f16(buf, r + 16)
+        dd2 = ld_f16(buf, r + 32)
+        for j in range(8):
+            _prefetch_range(buf, r + PF_DIST + j * (REC_Q4_K // 8), REC_Q4_K // 8)
+            a0, a1, a2 = _dot_q4(buf, r + 480 + 384 * j, xs, b * QK_K + QK * j)
+            sb = vbcast(xsum, b * 8 + j)
+            o0 = vfma(vmul(dd0, ld_u8(buf, r + 96 + 24 * j)), a0, o0)
+            o1 = vfma(vmul(dd1, ld_u8(buf, r + 104 + 24 * j)), a1, o1)
+            o2 = vfma(vmul(dd2, ld_u8(buf, r + 112 + 24 * j)), a2, o2)
+            o0 = vfnma(vmul(ld_f16(buf, r + 48), ld_u8(buf, r + 288 + 24 * j)), sb, o0)
+            o1 = vfnma(vmul(ld_f16(buf, r + 64), ld_u8(buf, r + 296 + 24 * j)), sb, o1)
+            o2 = vfnma(vmul(ld_f16(buf, r + 80), ld_u8(buf, r + 304 + 24 * j)), sb, o2)
+    vstore(dst, d0, o0)
+    vstore(dst, d0 + 8, o1)
+    vstore(dst, d0 + 16, o2)
+
+
+@njit(cache=True, nogil=True)
+def tile_q5_k(dst, d0, buf, base, nb, xs, xsum):
+    """Q5_K tile (24 rows): as Q4_K with 5-bit values; record per super-block: d, dmin [3][8] f16,
+    sc, mn [8 sub][3][8] u8, fields [8 sub][3 groups][6][8 lanes] u32."""
+    o0 = vzero()
+    o1 = vzero()
+    o2 = vzero()
+    for b in range(nb):
+        r = base + b * REC_Q5_K
+        dd0 = ld_f16(buf, r)
+        dd1 = ld_f16(buf, r + 16)
+        dd2 = ld_f16(buf, r + 32)
+        for j in range(8):
+            _prefetch_range(buf, r + PF_DIST + j * (REC_Q5_K // 8), REC_Q5_K // 8)
+            a0, a1, a2 = _dot_q5(buf, r + 480 + 576 * j, xs, b * QK_K + QK * j)
+            sb = vbcast(xsum, b * 8 + j)
+            o0 = vfma(vmul(dd0, ld_u8(buf, r + 96 + 24 * j)), a0, o0)
+            o1 = vfma(vmul(dd1, ld_u8(buf, r + 104 + 24 * j)), a1, o1)
+            o2 = vfma(vmul(dd2, ld_u8(buf, r + 112 + 24 * j)), a2, o2)
+            o0 = vfnma(vmul(ld_f16(buf, r + 48), ld_u8(buf, r + 288 + 24 * j)), sb, o0)
+            o1 = vfnma(vmul(ld_f16(buf, r + 64), ld_u8(buf, r + 296 + 24 * j)), sb, o1)
+            o2 = vfnma(vmul(ld_f16(buf, r + 80), ld_u8(buf, r + 304 + 24 * j)), sb, o2)
+    vstore(dst, d0, o0)
+    vstore(dst, d0 + 8, o1)
+    vstore(dst, d0 + 16, o2)
+
+
+@njit(cache=True, nogil=True)
+def tile_q6_k(dst, d0, buf, base, nb, xs, xsum):
+    """Q6_K tile (16 rows): per 16-value sub-block u, y = (d sc_u) (q - 32), sc int8.
+
+    Record per super-block: d [2][8] f16, sc [16 sub][2][8] i8, then per 32 columns j: fields
+    [2 groups][7][8 lanes] u32 (see _dot_q6).
+    """
+    o0 = vzero()
+    o1 = vzero()
+    for b in range(nb):
+        r = base + b * REC_Q6_K
+        dd0 = ld_f16(buf, r)
+        dd1 = ld_f16(buf, r + 16)
+        for j in range(8):
+            _prefetch_range(buf, r + PF_DIST + j * (REC_Q6_K // 8), REC_Q6_K // 8)
+            a0, b0, a1, b1 = _dot_q6(buf, r + 288 + 448 * j, xs, b * QK_K + QK * j)
+            u = 2 * j
+            sa = vmul(vbcast(xsum, b * 16 + u), vsplat(np.float32(32.0)))
+            sv = vmul(vbcast(xsum, b * 16 + u + 1), vsplat(np.float32(32.0)))
+            o0 = vfma(vmul(dd0, ld_i8(buf, r + 32 + 16 * u)), vsub(a0, sa), o0)
+            o1 = vfma(vmul(dd1, ld_i8(buf, r + 40 + 16 * u)), vsub(a1, sa), o1)
+            o0 = vfma(vmul(dd0, ld_i8(buf, r + 48 + 16 * u)), vsub(b0, sv), o0)
+            o1 = vfma(vmul(dd1, ld_i8(buf, r + 56 + 16 * u)), vsub(b1, sv), o1)
+    vstore(dst, d0, o0)
+    vstore(dst, d0 + 8, o1)
+
+
+@njit(cache=True, nogil=True)
+def tile_f16(dst, d0, buf, base, nb, x):
+    """F16 tile: nb = n_cols; per column [2 groups][8 lanes] f16."""
+    a0 = vzero()
+    a1 = vzero()
+    c0 = vzero()
+    c1 = vzero()
+    n2 = nb - nb % 2
+    for c in range(0, n2, 2):
+        r = base + c * REC_F16
+        prefetch(buf, r + PF_DIST)
+        x0 = vbcast(x, c)
+        a0 = vfma(ld_f16(buf, r), x0, a0)
+        c0 = vfma(ld_f16(buf, r + 16), x0, c0)
+        x1 = vbcast(x, c + 1)
+        a1 = vfma(ld_f16(buf, r + 32), x1, a1)
+        c1 = vfma(ld_f16(buf, r + 48), x1, c1)
+    if n2 < nb:
+        r = base + n2 * REC_F16
+        x0 = vbcast(x, n2)
+        a0 = vfma(ld_f16(buf, r), x0, a0)
+        c0 = vfma(ld_f16(buf, r + 16), x0, c0)
+    vstore(dst, d0, vadd(a0, a1))
+    vstore(dst, d0 + 8, vadd(c0, c1))
+
+
+@njit(cache=True, nogil=True)
+def tile_bf16(dst, d0, buf, base, nb, x):
+    """BF16 tile: nb = n_cols; per column [2 groups][8 lanes] bf16."""
+    a0 = vzero()
+    a1 = vzero()
+    c0 = vzero()
+    c1 = vzero()
+    n2 = nb - nb % 2
+    for c in range(0, n2, 2):
+        r = base + c * REC_F16
+        prefetch(buf, r + PF_DIST)
+        x0 = vbcast(x, c)
+        a0 = vfma(ld_bf16(buf, r), x0, a0)
+        c0 = vfma(ld_bf16(buf, r + 16), x0, c0)
+        x1 = vbcast(x, c + 1)
+        a1 = vfma(ld_bf16(buf, r + 32), x1, a1)
+        c1 = vfma(ld_bf16(buf, r + 48), x1, c1)
+    if n2 < nb:
+        r = base + n2 * REC_F16
+        x0 = vbcast(x, n2)
+        a0 = vfma(ld_bf16(buf, r), x0, a0)
+        c0 = vfma(ld_bf16(buf, r + 16), x0, c0)
+    vstore(dst, d0, vadd(a0, a1))
+    vstore(dst, d0 + 8, vadd(c0, c1))
+
+
+@njit(cache=True, nogil=True)
+def tile_f32(dst, d0, buf, base, nb, x):
+    """F32 tile: nb = n_cols; per column [2 groups][8 lanes] f32."""
+    a0 = vzero()
+    a1 = vzero()
+    c0 = vzero()
+    c1 = vzero()
+    n2 = nb - nb % 2
+    for c in range(0, n2, 2):
+        r = base + c * REC_F32
+        _prefetch_range(buf, r + PF_DIST, 2 * REC_F32)
+        x0 = vbcast(x, c)
+        a0 = vfma(ld_f32(buf, r), x0, a0)
+        c0 = vfma(ld_f32(buf, r + 32), x0, c0)
+        x1 = vbcast(x, c + 1)
+        a1 = vfma(ld_f32(buf, r + 64), x1, a1)
+        c1 = vfma(ld_f32(buf, r + 96), x1, c1)
+    if n2 < nb:
+        r = base + n2 * REC_F32
+        x0 = vbcast(x, n2)
+        a0 = vfma(ld_f32(buf, r), x0, a0)
+        c0 = vfma(ld_f32(buf, r + 32), x0, c0)
+    vstore(dst, d0, vadd(a0, a1))
+    vstore(dst, d0 + 8, vadd(c0, c1))
+

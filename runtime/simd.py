@@ -1,0 +1,299 @@
+"""Numba intrinsics for the CPU kernels: 256-bit SIMD values and operations, and the thread count.
+
+f32x8 and i32x8 are Numba types lowered to LLVM <8 x float> / <8 x i32>, one ymm register each;
+the intrinsics below build llvmlite IR on them, so a kernel written with them compiles to the AVX2 +
+FMA + F16C instruction its docstring names (vfmadd, vbroadcastss, vcvtph2ps, vpmovsxbd, ...) and
+nothing else: no bounds checks, no NumPy temporaries, no reliance on the auto-vectorizer. They are
+usable only inside @njit code.
+
+Conventions. Loads from a packed uint8 buffer take a byte offset (`ld_*(buf, off)`); loads and
+stores on float32 arrays take an element index (`vload(arr, i)`, `vstore(arr, i, v)`). Nothing is
+bounds-checked: callers own the offsets. Integer lanes hold packed fields; `andf` / `srlf` pick a
+field and convert it to float in one step (see quant_tiles.py for the field layouts).
+
+`num_threads` is here because it is an intrinsic of the same kind: it calls the OpenMP layer's
+get_num_threads by symbol name, which keeps every kernel that asks for the thread count cacheable
+(Numba's own overload embeds a process-specific address).
+"""
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+__all__ = ["f32x8", "i32x8", "vzero", "vsplat", "vbcast", "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16",
+           "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma", "vadd", "vsub", "vmul", "isrl", "andf",
+           "srlf", "vhsum", "num_threads"]
+
+
+# ==================================================================================================
+# Types: <8 x float> and <8 x i32> as Numba values, and the IR helpers the intrinsics share
+# ==================================================================================================
+
+class F32x8Type(types.Type):
+    """Eight float32 lanes (an LLVM <8 x float>, one ymm register)."""
+
+    def __init__(self):
+        super().__init__(name="f32x8")
+
+
+class I32x8Type(types.Type):
+    """Eight 32-bit integer lanes (an LLVM <8 x i32>)."""
+
+    def __init__(self):
+        super().__init__(name="i32x8")
+
+
+f32x8 = F32x8Type()
+i32x8 = I32x8Type()
+_VF = ir.VectorType(ir.FloatType(), 8)
+_VI = ir.VectorType(ir.IntType(32), 8)
+_I32 = ir.IntType(32)
+
+
+@register_model(F32x8Type)
+class _F32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VF)
+
+
+@register_model(I32x8Type)
+class _I32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VI)
+
+
+def _elem_ptr(context, builder, arrty, arr, idx, idxty):
+    """Pointer to element idx of a 1-D array (in units of its dtype)."""
+    ary = context.make_array(arrty)(context, builder, arr)
+    i = context.cast(builder, idx, idxty, types.intp)
+    return builder.gep(ary.data, [i], inbounds=True)
+
+
+def _byte_ptr(context, builder, arrty, arr, off, offty, pointee):
+    """Pointer to `pointee` at byte offset off of a uint8 array's data."""
+    p = _elem_ptr(context, builder, arrty, arr, off, offty)
+    return builder.bitcast(p, pointee.as_pointer())
+
+
+def _splat(builder, scalar, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_VI, [0] * 8))
+
+
+def _splat_i32(context, builder, val, valty):
+    return _splat(builder, context.cast(builder, val, valty, types.int32), _VI)
+
+
+# ==================================================================================================
+# Intrinsics: loads, stores, arithmetic, field extraction
+# ==================================================================================================
+
+@intrinsic
+def vzero(typingctx):
+    """f32x8 of zeros."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VF, [0.0] * 8)
+    return f32x8(), codegen
+
+
+@intrinsic
+def vsplat(typingctx, x):
+    """f32x8 with the scalar x in every lane."""
+    def codegen(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _VF)
+    return f32x8(x), codegen
+
+
+@intrinsic
+def vbcast(typingctx, arr, idx):
+    """f32x8 with arr[idx] (float32 1-D array) in every lane (vbroadcastss)."""
+    def codegen(context, builder, sig, args):
+        s = builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), align=4)
+        return _splat(builder, s, _VF)
+    return f32x8(arr, idx), codegen
+
+
+@intrinsic
+def vload(typingctx, arr, idx):
+    """f32x8 from arr[idx:idx + 8] (float32 1-D array)."""
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return builder.load(builder.bitcast(p, _VF.as_pointer()), align=4)
+    return f32x8(arr, idx), codegen
+
+
+@intrinsic
+def vstore(typingctx, arr, idx, v):
+    """arr[idx:idx + 8] = v (float32 1-D array)."""
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        builder.store(args[2], builder.bitcast(p, _VF.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(arr, idx, v), codegen
+
+
+@intrinsic
+def ld_f32(typingctx, buf, off):
+    """f32x8 from 8 little-endian float32 at byte offset off of a uint8 buffer."""
+    def codegen(context, builder, sig, args):
+        return builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VF), align=4)
+    return f32x8(buf, off), codegen
+
+
+@intrinsic
+def ld_f16(typingctx, buf, off):
+    """f32x8 from 8 IEEE binary16 at byte offset off (vcvtph2ps; exact)."""
+    def codegen(context, builder, sig, args):
+        vh = ir.VectorType(ir.HalfType(), 8)
+        h = builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], vh), align=2)
+        return builder.fpext(h, _VF)
+    return f32x8(buf, off), codegen
+
+
+@intrinsic
+def ld_bf16(typingctx, buf, off):
+    """f32x8 from 8 bfloat16 at byte offset off (vpmovzxwd + vpslld 16; exact)."""
+    def codegen(context, builder, sig, args):
+        vw = ir.VectorType(ir.IntType(16), 8)
+        h = builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], vw), align=2)
+        bits = builder.shl(builder.zext(h, _VI), ir.Constant(_VI, [16] * 8))
+        return builder.bitcast(bits, _VF)
+    return f32x8(buf, off), codegen
+
+
+@intrinsic
+def ld_i8(typingctx, buf, off):
+    """f32x8 from 8 int8 at byte offset off (vpmovsxbd + vcvtdq2ps)."""
+    def codegen(context, builder, sig, args):
+        vb = ir.VectorType(ir.IntType(8), 8)
+        b = builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], vb), align=1)
+        return builder.sitofp(builder.sext(b, _VI), _VF)
+    return f32x8(buf, off), codegen
+
+
+@intrinsic
+def ld_u8(typingctx, buf, off):
+    """f32x8 from 8 uint8 at byte offset off (vpmovzxbd + vcvtdq2ps)."""
+    def codegen(context, builder, sig, args):
+        vb = ir.VectorType(ir.IntType(8), 8)
+        b = builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], vb), align=1)
+        return builder.sitofp(builder.zext(b, _VI), _VF)
+    return f32x8(buf, off), codegen
+
+
+@intrinsic
+def ld_i32(typingctx, buf, off):
+    """i32x8 from 8 little-endian 32-bit words at byte offset off."""
+    def codegen(context, builder, sig, args):
+        return builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VI), align=4)
+    return i32x8(buf, off), codegen
+
+
+@intrinsic
+def prefetch(typingctx, buf, off):
+    """Hint the cache line at byte offset off of buf (prefetchnta: weights are read once per token,
+    so they should not displace other data from L2/L3; measured equal to prefetcht0); never faults."""
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.IntType(8))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch.p0i8")
+        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 0), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(buf, off), codegen
+
+
+@intrinsic
+def vfma(typingctx, a, b, c):
+    """a * b + c, fused (vfmadd)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v8f32")
+        return builder.call(fn, args)
+    return f32x8(a, b, c), codegen
+
+
+@intrinsic
+def vfnma(typingctx, a, b, c):
+    """c - a * b, fused (vfnmadd)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v8f32")
+        return builder.call(fn, [builder.fneg(args[0]), args[1], args[2]])
+    return f32x8(a, b, c), codegen
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    """a + b."""
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+    return f32x8(a, b), codegen
+
+
+@intrinsic
+def vsub(typingctx, a, b):
+    """a - b."""
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+    return f32x8(a, b), codegen
+
+
+@intrinsic
+def vmul(typingctx, a, b):
+    """a * b."""
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], args[1])
+    return f32x8(a, b), codegen
+
+
+@intrinsic
+def isrl(typingctx, v, n):
+    """v >> n, logical, every lane (n: scalar 0..31)."""
+    def codegen(context, builder, sig, args):
+        return builder.lshr(args[0], _splat_i32(context, builder, args[1], sig.args[1]))
+    return i32x8(v, n), codegen
+
+
+@intrinsic
+def andf(typingctx, v, mask):
+    """float32(int32(v & mask)) per lane (vpand + vcvtdq2ps)."""
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(builder.and_(args[0], _splat_i32(context, builder, args[1], sig.args[1])), _VF)
+    return f32x8(v, mask), codegen
+
+
+@intrinsic
+def srlf(typingctx, v, n):
+    """float32(int32(v >> n)) per lane, logical shift (vpsrld + vcvtdq2ps)."""
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(builder.lshr(args[0], _splat_i32(context, builder, args[1], sig.args[1])), _VF)
+    return f32x8(v, n), codegen
+
+
+
+@intrinsic
+def vhsum(typingctx, v):
+    """Sum of the 8 lanes, as float32."""
+    def codegen(context, builder, sig, args):
+        s = builder.extract_element(args[0], ir.Constant(_I32, 0))
+        for k in range(1, 8):
+            s = builder.fadd(s, builder.extract_element(args[0], ir.Constant(_I32, k)))
+        return s
+    return types.float32(v), codegen
+
+
+# ==================================================================================================
+# Thread count
+# ==================================================================================================
+
+@intrinsic
+def num_threads(typingctx):
+    """numba.get_num_threads() by symbol name (the overload Numba ships bakes in a ctypes address,
+    which makes a function uncacheable)."""
+    from numba.np.ufunc.parallel import _launch_threads
+    _launch_threads()
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(cgutils.intp_t, []), "get_num_threads")
+        return builder.call(fn, [])
+    return types.intp(), codegen
+
