@@ -550,9 +550,9 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
             prompt = prompt[0]
         try:
             if isinstance(prompt, str):
-                ids = llm._prompt_ids(prompt)
+                ids = llm.prompt_ids(prompt)
             else:
-                ids = llm._prompt_ids(list(prompt))
+                ids = llm.prompt_ids(list(prompt))
         except ConfigError as exc:
             raise APIError(400, str(exc), param="prompt") from None
         params = sampling(req, req.max_tokens, 16)
