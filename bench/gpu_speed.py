@@ -176,10 +176,10 @@ def main(argv=None) -> None:
     path = args.model or default_model_path()
     m = load_model(path, tokenizer=False)
     name = os.path.basename(path)
-    ffi_dev = native._module()
+    ffi_dev = native.ffi_lib()
     dev = ffi_dev[0].new("char[]", 256)
     total = ffi_dev[0].new("int64_t *")
-    native._check(ffi_dev[1].rl_device_info(0, dev, 256, total), "rl_device_info")
+    native.check_status(ffi_dev[1].rl_device_info(0, dev, 256, total), "rl_device_info")
     gpu_name = ffi_dev[0].string(dev).decode()
 
     res = {"model": name, "gpu": gpu_name, "gpu_memory_gb": int(total[0]) / 1e9, "build": native.build_info(),

@@ -1,4 +1,6 @@
 """ringllm: an embeddable LLM runtime with an in-place, fixed-capacity KV store."""
+import importlib
+
 from ringllm.runtime.errors import ConfigError, ModelFileError, RingLLMError, UnsupportedModelError
 from ringllm.runtime.kv_config import KVConfig
 
@@ -7,9 +9,9 @@ __all__ = ["RingLLMError", "ModelFileError", "UnsupportedModelError", "ConfigErr
            "SessionFileError"]
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "ringllm.llm", "Chunk": "ringllm.llm", "Completion": "ringllm.llm", "Generation": "ringllm.llm",
-         "Timings": "ringllm.llm", "SamplingParams": "ringllm.sampling", "Sampler": "ringllm.sampling",
-         "ChatSession": "ringllm.session", "SessionFileError": "ringllm.session"}
+_LAZY = {"LLM": "ringllm.llm", "Chunk": "ringllm.generation", "Completion": "ringllm.generation",
+         "Generation": "ringllm.generation", "Timings": "ringllm.generation", "SamplingParams": "ringllm.sampling",
+         "Sampler": "ringllm.sampling", "ChatSession": "ringllm.session", "SessionFileError": "ringllm.session"}
 
 
 def __getattr__(name: str):
@@ -17,7 +19,6 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ringllm' has no attribute {name!r}")
-    import importlib
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -17,10 +17,11 @@ Engine calls run under the LLM's lock, so other users of the same LLM take turns
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Hashable, Iterator
+from typing import Any, Hashable
 
-from ringllm.llm import LLM, Chunk, Decoder
+from ringllm.decoder import Decoder
+from ringllm.generation import Chunk
+from ringllm.llm import LLM
 from ringllm.runtime.errors import ConfigError
 
 __all__ = ["BatchDecoder"]
@@ -60,8 +61,7 @@ class BatchDecoder:
             raise ConfigError(f"tag {tag!r} is already in the batch")
         if self.full:
             raise ConfigError(f"the batch is full ({self.max_batch} sequences); wait for one to finish")
-        with self._engine_lock():
-            self.llm._store = dec.store
+        with self.llm.engine_lock(dec.store):
             dec.prefill()
         if dec.done:
             return False
@@ -81,7 +81,7 @@ class BatchDecoder:
         run = [(dec, token) for _, dec, token in fed if token is not None]
         logits: dict[int, Any] = {}
         if run:
-            with self._engine_lock():
+            with self.llm.engine_lock():
                 for dec, _ in run:
                     dec.record.in_engine = True
                 try:
@@ -108,12 +108,3 @@ class BatchDecoder:
         if len(tokens) > 1 and batched is not None and not any(getattr(st, "paged", False) for st in stores):
             return list(batched(tokens, stores))
         return [eng.step(t, st).copy() for t, st in zip(tokens, stores)]
-
-    @contextmanager
-    def _engine_lock(self) -> Iterator[None]:
-        """The LLM's lock for one engine call (the engine's run buffers are shared)."""
-        self.llm._acquire()
-        try:
-            yield
-        finally:
-            self.llm._release()

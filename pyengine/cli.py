@@ -31,9 +31,13 @@ import threading
 import time
 from dataclasses import fields
 
+from ringllm.backends import make_engine
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, UPDATE_MODES, KVConfig
 from ringllm.sampling import SamplingParams
+
+# Each command imports the model loader, engines, LLM and server when it runs (not here), so that
+# `ringllm --help` and argument errors answer without loading Numba kernels or FastAPI.
 
 # KVConfig knobs exposed as --kv-<name> (capacity, policy, sinks and positions have their own options)
 _KV_KNOBS = [f for f in fields(KVConfig) if f.name not in ("capacity", "policy", "sinks", "positions")]
@@ -63,8 +67,7 @@ class _Runner:
             self.feed = lambda ids, st: self.eng.forward(ids, st)
         else:
             if args.engine == "cuda":
-                from ringllm.llm import LLM
-                self.eng = LLM._make_engine(_Shim(model), "cuda", args.threads, 64)
+                self.eng = make_engine("cuda", model.spec, model.tensors, args.threads, 64)
             else:
                 from ringllm.runtime.engine import CPUEngine
                 self.eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads)
@@ -74,13 +77,6 @@ class _Runner:
 
     def last(self, ids):
         return self.feed(ids, self.store)[-1]
-
-
-class _Shim:
-    """What LLM._make_engine reads (spec, model.tensors), for commands that load a model themselves."""
-
-    def __init__(self, model):
-        self.model, self.spec = model, model.spec
 
 
 def _load(args, tokenizer: bool = True):
@@ -119,7 +115,7 @@ def _generate(args: argparse.Namespace) -> int:
         ids = llm.chat_ids(llm.render_chat(messages, add_generation_prompt=True))
     else:
         # a plain prompt is text: control-token strings in it are not parsed as tokens
-        ids = tok.encode(args.prompt, parse_special=False) or llm._prompt_ids("")
+        ids = tok.encode(args.prompt, parse_special=False) or llm.prompt_ids("")
     t_load = time.perf_counter() - t0
     if args.speculative:
         return _speculate(args, llm, ids, t_load)
@@ -213,8 +209,6 @@ _CHAT_HELP = ("commands: /reset (forget the conversation), /save FILE, /load FIL
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from ringllm.session import ChatSession
-
     llm = _llm(args)
     defaults = {k: v for k, v in _sampling(args).items() if v is not None}
     session = llm.chat_session(system=args.system, seed=args.seed, max_tokens=args.n_predict, **defaults)
@@ -309,7 +303,6 @@ def _perplexity(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ringllm import perplexity as ppl
-    from ringllm.runtime.errors import ConfigError
 
     try:
         with open(args.file, encoding="utf-8") as fh:
@@ -348,12 +341,10 @@ def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     if args.engine == "reference":
-        from ringllm.runtime.errors import ConfigError
         raise ConfigError("bench measures the cpu or cuda engine, not the reference engine")
     model = _load(args, tokenizer=False)
     if args.engine == "cuda":
-        from ringllm.llm import LLM
-        eng = LLM._make_engine(_Shim(model), "cuda", args.threads, min(512, args.pp))
+        eng = make_engine("cuda", model.spec, model.tensors, args.threads, min(512, args.pp))
     else:
         from ringllm.runtime.engine import CPUEngine
         eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads, n_batch=min(512, args.pp))

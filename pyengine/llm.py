@@ -8,301 +8,54 @@
     llm.chat([{"role": "user", "content": "Hi"}]).text
     session = llm.chat_session(); session.send("Hi")      # multi-turn, the KV store kept between turns
 
-Every generation runs under the LLM's lock: threads sharing one LLM take turns (a generation
+The LLM owns the model, its tokenizer, one engine (ringllm.backends) and the lock of that engine;
+everything particular to one sequence lives elsewhere: the decode loop in ringllm.decoder
+(Decoder), the result types in ringllm.generation (Chunk, Completion, Generation, Timings),
+multi-turn state in ringllm.session, batching in ringllm.batch. Those modules use the LLM only
+through its public seams:
+
+    llm.engine_lock(store)    context manager: the engine lock, for any engine call
+    llm.next_seed()           a seed from the LLM's seeded generator, for calls made without one
+    llm.decoder(...)          a checked Decoder on a fresh store, for a caller that drives the engine
+    llm.prompt_ids(prompt)    token ids of a text or id prompt, checked against the vocabulary
+
+Every generation runs under the engine lock: threads sharing one LLM take turns (a generation
 holds the lock from its first chunk to its last, or until it is closed); a thread that starts a
 second generation while its own first one is still open gets an error instead of a deadlock.
+Argument errors (ConfigError) are raised by the call itself, before any chunk.
 
-Streams are chunk objects (`Chunk`): .text (the new text, never a partial UTF-8 character nor a
-piece that could still become a stop string), .token (the token id), .finish_reason (None, or on
-the last chunk "stop" | "length"), .timings. The chunk that carries a finish reason is the last
-token's own chunk: the engine looks one token ahead, so that EOS is known before that chunk is
-handed out. The iterator (`Generation`) keeps .tokens, .text, .finish_reason and .timings.
+Streams are Chunk objects (.text, .token, .finish_reason on the last, .timings); the iterator,
+Generation, keeps .tokens, .text, .finish_reason and .timings (ringllm.generation says what they
+guarantee).
 """
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
+from ringllm.backends import BACKENDS, check_room, engine_peak_memory, make_engine, store_stats
+from ringllm.chat_template import render_chat
+from ringllm.decoder import Decoder, check_max_tokens
+from ringllm.generation import Chunk, Completion, Generation, Record, Timings
+from ringllm.models.loader import load_model
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.speculative import make_layer_draft, speculative_generate
 from ringllm.sampling import Sampler, SamplingParams, StopMatcher
+from ringllm.session import ChatSession
 
+# Chunk, Completion, Generation, Timings (ringllm.generation), Decoder (ringllm.decoder), BACKENDS
+# and the store helpers check_room, store_stats (ringllm.backends) are importable from here too.
 __all__ = ["LLM", "Chunk", "Completion", "Decoder", "Generation", "Timings", "BACKENDS"]
 
-BACKENDS = ("cpu", "cuda", "reference")
 DEFAULT_MAX_TOKENS = 256
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process (bytes)."""
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(r if sys.platform == "darwin" else r * 1024)
-
-
-@dataclass
-class Timings:
-    """Speed of one generation. prompt_*: the prefill; gen_*: the generated tokens (time spent
-    producing them, not the caller's time between chunks); peak_memory_bytes: the process's peak
-    resident memory so far (plus the GPU's peak where the backend reports one)."""
-
-    prompt_tokens: int = 0
-    prompt_s: float = 0.0
-    gen_tokens: int = 0
-    gen_s: float = 0.0
-    peak_memory_bytes: int = 0
-
-    @property
-    def prompt_tok_s(self) -> float | None:
-        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 and self.prompt_tokens else None
-
-    @property
-    def gen_tok_s(self) -> float | None:
-        return self.gen_tokens / self.gen_s if self.gen_s > 0 and self.gen_tokens else None
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["prompt_tok_s"] = None if self.prompt_tok_s is None else round(self.prompt_tok_s, 2)
-        d["gen_tok_s"] = None if self.gen_tok_s is None else round(self.gen_tok_s, 2)
-        return d
-
-
-@dataclass
-class Chunk:
-    """One generated token: its text delta, id, index, and the finish reason on the last one."""
-
-    text: str
-    token: int
-    finish_reason: str | None
-    timings: Timings
-    index: int = 0
-
-
-@dataclass
-class Completion:
-    """A finished (non-streaming) generation."""
-
-    text: str
-    tokens: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    timings: Timings = field(default_factory=Timings)
-    speculation: dict | None = None     # LLM.speculate(): rounds, drafted, accepted, acceptance, seconds
-
-    @property
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
-                "total_tokens": self.prompt_tokens + len(self.tokens)}
-
-
-class _Record:
-    """What a generation has produced so far. The running generator writes here, never into the
-    Generation itself, so no reference cycle keeps an abandoned generation (and the LLM's lock)
-    alive until the garbage collector runs: dropping the iterator closes it at once."""
-
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.prompt_tokens = 0
-        self.timings = Timings()
-        self.fed: list[int] = []          # tokens this generation fed into the store
-        self.done = False
-        self.in_engine = False            # True while an engine call runs (a store cut there is unusable)
-
-
-class Generation:
-    """The iterator `generate(stream=True)` returns. Iterate it for chunks; afterwards (or at any
-    time) .tokens, .text, .finish_reason, .timings describe what was produced. close() stops it
-    (the store stays consistent: it is only ever cut between tokens)."""
-
-    def __init__(self, record: _Record | None = None):
-        self.record = record or _Record()
-        self._it: Iterator[Chunk] | None = None
-
-    def __getattr__(self, name: str):
-        if name in ("record", "_it"):
-            raise AttributeError(name)
-        return getattr(self.record, name)
-
-    def __iter__(self) -> "Generation":
-        return self
-
-    def __next__(self) -> Chunk:
-        return next(self._it)
-
-    def close(self) -> None:
-        if self._it is not None:
-            self._it.close()
-
-    def __enter__(self) -> "Generation":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def result(self) -> Completion:
-        """Run to the end and return the Completion."""
-        for _ in self:
-            pass
-        r = self.record
-        return Completion(r.text, list(r.tokens), r.finish_reason, r.prompt_tokens, r.timings)
-
-
-class Decoder:
-    """One generation advanced a token at a time by a caller that runs the engine itself: alone
-    (LLM.generate), or beside other sequences through CPUEngine.step_batch (ringllm.batch).
-
-        dec = llm.decoder(prompt, max_tokens=32)      # a fresh store; nothing computed yet
-        dec.prefill()                                 # engine prefill + first sample (may finish: EOS, max_tokens 0)
-        while not dec.done:
-            token = dec.feed()                        # the token the engine must run next, or None (it ends here)
-            logits = None if token is None else engine.step(token, dec.store)     # (n_vocab,)
-            chunk = dec.advance(logits)               # the Chunk of that token (finish_reason on the last)
-
-    feed() and advance() alternate strictly. The decoder never takes the LLM's lock: whoever calls
-    the engine (and prefill()) serializes engine use. .record holds tokens, text, timings, as a
-    Generation's."""
-
-    def __init__(self, llm: "LLM", record: _Record, store, prefill_ids: list[int], history: list[int],
-                 sampler: Sampler, max_tokens: int | None, stopper: StopMatcher, ignore_eos: bool):
-        self.llm, self.record, self.store = llm, record, store
-        self.prefill_ids, self.history, self.sampler = prefill_ids, history, sampler
-        self.max_tokens, self.stopper = max_tokens, stopper
-        self.eos = frozenset() if ignore_eos else llm.tokenizer.eos_ids
-        self._next: int | None = None           # the sampled token whose chunk comes next
-        self._fed: int | None = None            # the token feed() handed out, awaiting its logits
-        self._pending: tuple[str, bool, str | None] | None = None     # (text, stop hit, finish) of feed()
-        self._index = 0
-        self._t1: float | None = None
-        self._text_dec = None
-
-    @property
-    def done(self) -> bool:
-        return self.record.done
-
-    def prefill(self) -> None:
-        """Prefill the prompt into the store and sample the first token (one engine call)."""
-        rec, tm, llm = self.record, self.record.timings, self.llm
-        ids = self.prefill_ids
-        rec.prompt_tokens = len(ids)
-        t0 = time.perf_counter()
-        rec.in_engine = True
-        logits = llm._engine.prefill(ids, self.store)
-        rec.in_engine = False
-        rec.fed.extend(ids)
-        tm.prompt_tokens, tm.prompt_s = len(ids), time.perf_counter() - t0
-        tm.peak_memory_bytes = llm._peak_memory()
-        if self.max_tokens == 0:
-            rec.finish_reason, rec.done = "length", True
-            return
-        self._text_dec = llm.tokenizer.stream_decoder()
-        self._t1 = time.perf_counter()
-        self._next = self.sampler.sample(logits, self.history)
-        if self._next in self.eos:
-            rec.finish_reason, rec.done = "stop", True
-            tm.gen_s = time.perf_counter() - self._t1
-
-    def feed(self) -> int | None:
-        """Take the sampled token into the output; returns it when the engine must run it (its
-        logits give the next token), None when the generation ends with it (stop string,
-        max_tokens, or a policy-full store that has no room)."""
-        if self.record.done or self._pending is not None or self._text_dec is None:
-            raise RingLLMError("Decoder.feed() out of turn: call prefill() first, then feed() and advance() "
-                               "alternately until done")
-        if self._t1 is None:
-            self._t1 = time.perf_counter()
-        rec, token = self.record, self._next
-        self.history.append(token)
-        rec.tokens.append(token)
-        text, hit = self.stopper.push(self._text_dec.push(token))
-        finish = None
-        if hit:
-            finish = "stop"
-        elif self.max_tokens is not None and len(rec.tokens) >= self.max_tokens:
-            finish = "length"
-        else:
-            try:
-                check_room(self.store, self.llm.spec, 1)
-            except ConfigError:
-                finish = "length"        # policy full and the context is full
-        self._pending = (text, hit, finish)
-        self._fed = token if finish is None else None
-        return self._fed
-
-    def advance(self, logits: np.ndarray | None) -> Chunk:
-        """The Chunk of the token feed() returned. logits (n_vocab,): the engine's output for that
-        token (required when feed() returned a token, None when it returned None)."""
-        if self._pending is None or (logits is None) != (self._fed is None):
-            raise RingLLMError("Decoder.advance() needs the logits of the token feed() returned (None when "
-                               "feed() returned None)")
-        rec, tm = self.record, self.record.timings
-        text, hit, finish = self._pending
-        token = self.history[-1]
-        if logits is not None:
-            rec.fed.append(token)
-            self._next = self.sampler.sample(logits, self.history)
-            if self._next in self.eos:
-                finish = "stop"
-        if finish is not None and not hit:
-            tail, hit2 = self.stopper.push(self._text_dec.flush())
-            text += tail if hit2 else tail + self.stopper.flush()
-        rec.text += text
-        tm.gen_tokens = len(rec.tokens)
-        tm.gen_s += time.perf_counter() - self._t1
-        tm.peak_memory_bytes = self.llm._peak_memory()
-        if finish is not None:
-            rec.finish_reason, rec.done = finish, True
-        chunk = Chunk(text, token, finish, tm, self._index)
-        self._index += 1
-        self._pending, self._fed, self._t1 = None, None, None
-        return chunk
-
-
-class _ReferenceBackend:
-    """The NumPy reference engine behind CPUEngine's verbs (slow; the oracle)."""
-
-    def __init__(self, spec, tensors):
-        from ringllm.runtime.reference import ReferenceEngine
-        self.ref = ReferenceEngine(spec, tensors)
-        self.spec = spec
-
-    def new_store(self, kv: KVConfig):
-        return self.ref.new_cache(kv)
-
-    def prefill(self, ids, store):
-        return self.ref.forward(ids, store)[-1]
-
-    def step(self, token, store):
-        return self.ref.forward([token], store)[-1]
-
-    def logits(self, ids, store):
-        return self.ref.forward(ids, store)
-
-
-def check_room(store, spec, n: int) -> None:
-    """ConfigError when n more tokens do not fit (policy full past the context)."""
-    fn = getattr(store, "check_room", None)
-    if fn is not None:
-        fn(n)
-    elif getattr(store, "policy", None) == "full" and store.n_seen + n > spec.n_ctx:
-        raise ConfigError(f"{store.n_seen + n} tokens exceed the model's context {spec.n_ctx} with policy 'full'; "
-                          "choose an eviction policy (e.g. streaming) or a shorter input")
-
-
-def store_stats(store, kv: KVConfig) -> dict:
-    fn = getattr(store, "stats", None)
-    if fn is not None:
-        return dict(fn())
-    n = int(getattr(store, "n_seen", 0))
-    return {"capacity": kv.capacity, "length": n if kv.capacity is None else min(n, kv.capacity),
-            "evicted_total": None, "policy": kv.policy, "tokens_seen": n}
 
 
 class LLM:
@@ -322,10 +75,6 @@ class LLM:
                  backend: str = "cpu", n_threads: int | None = None, seed: int = 0, *,
                  n_batch: int = 64, progress: bool | None = None, chat_template: str | None = None,
                  warmup: bool = True):
-        from tqdm import tqdm
-
-        from ringllm.models.loader import load_model
-
         if kv is None:
             kv = KVConfig()
         elif isinstance(kv, dict):
@@ -348,7 +97,7 @@ class LLM:
             bar.set_description("preparing engine")
             self.spec, self.tokenizer = self.model.spec, self.model.tokenizer
             self.kv, self.backend, self.n_threads, self.seed = kv, backend, n_threads, int(seed)
-            self._engine = self._make_engine(backend, n_threads, n_batch)
+            self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch)
             bar.update(1)
             if warmup and backend != "reference":
                 bar.set_description("warming up")
@@ -365,23 +114,6 @@ class LLM:
         self._seed_lock = threading.Lock()
         self._store = None
         self._layer_drafts: dict[int, Any] = {}       # speculate(): early-exit drafts by layer count
-
-    # ------------------------------------------------------------------------------------------
-    # Construction helpers
-    # ------------------------------------------------------------------------------------------
-
-    def _make_engine(self, backend: str, n_threads: int | None, n_batch: int):
-        if backend == "cpu":
-            from ringllm.runtime.engine import CPUEngine
-            return CPUEngine(self.spec, self.model.tensors, n_threads=n_threads, n_batch=n_batch)
-        if backend == "reference":
-            return _ReferenceBackend(self.spec, self.model.tensors)
-        try:
-            from ringllm.native import CUDAEngine
-        except ImportError as exc:
-            raise ConfigError(f"the CUDA backend is not built (ringllm.native could not be imported: {exc}); "
-                              "build it or use backend='cpu'") from None
-        return CUDAEngine(self.spec, self.model.tensors)
 
     # ------------------------------------------------------------------------------------------
     # Properties
@@ -421,17 +153,31 @@ class LLM:
     # Lock
     # ------------------------------------------------------------------------------------------
 
-    def _acquire(self) -> None:
+    @contextmanager
+    def engine_lock(self, store=None) -> Iterator[None]:
+        """Hold the LLM's lock for engine calls (the engine's run buffers are shared): threads take
+        turns; the thread that already holds it gets a RingLLMError instead of a deadlock (e.g. a
+        second generation started while its own first one is still open). store: the store those
+        calls use, which kv_stats() then reports."""
         me = threading.get_ident()
         if self._owner == me:
             raise RingLLMError("this thread already has a generation of this LLM open; finish it or close() it "
                                "before starting another")
         self._lock.acquire()
         self._owner = me
+        try:
+            if store is not None:
+                self._store = store
+            yield
+        finally:
+            self._owner = None
+            self._lock.release()
 
-    def _release(self) -> None:
-        self._owner = None
-        self._lock.release()
+    def next_seed(self) -> int:
+        """A seed drawn from the LLM's seeded generator (thread-safe): what a call made without
+        its own seed uses."""
+        with self._seed_lock:
+            return int(self._seeds.integers(0, 2 ** 63 - 1))
 
     # ------------------------------------------------------------------------------------------
     # Tokens
@@ -445,7 +191,9 @@ class LLM:
     def detokenize(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special=skip_special)
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt given as text or as ids (each checked against the vocabulary); an
+        empty prompt becomes [BOS] (or [EOS] without one). ConfigError on anything else."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
@@ -472,7 +220,6 @@ class LLM:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The conversation as the model's chat template writes it (sandboxed Jinja; a fallback
         template for a model without one)."""
-        from ringllm.chat_template import render_chat
         tok = self.tokenizer
         return render_chat(self.chat_template, messages, add_generation_prompt, bos_token=tok.bos_token or "",
                            eos_token=tok.eos_token or "", tokenizer=tok, **extra)
@@ -489,15 +236,8 @@ class LLM:
 
     def _sampler(self, params: SamplingParams, seed: int | None) -> Sampler:
         if seed is None:
-            with self._seed_lock:
-                seed = int(self._seeds.integers(0, 2 ** 63 - 1))
+            seed = self.next_seed()
         return Sampler(params, seed)
-
-    @staticmethod
-    def _check_max_tokens(max_tokens) -> None:
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer))
-                                       or max_tokens < 0):
-            raise ConfigError(f"max_tokens must be a non-negative integer or None, got {max_tokens!r}")
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -520,17 +260,12 @@ class LLM:
                                 presence_penalty=presence_penalty, logit_bias=dict(logit_bias or {}),
                                 penalty_last_n=penalty_last_n)
         dec = self._new_decoder(prompt, params, max_tokens, stop, ignore_eos, seed)
-        gen = Generation(dec.record)
 
         def body():
-            self._acquire()
-            try:
-                self._store = dec.store
-                yield from self._run(dec)
-            finally:
-                self._release()
+            with self.engine_lock(dec.store):
+                yield from dec.run()
 
-        gen._it = body()
+        gen = Generation(dec.record, body())
         return gen if stream else gen.result()
 
     def decoder(self, prompt: str | Sequence[int], max_tokens: int | None = DEFAULT_MAX_TOKENS,
@@ -551,13 +286,13 @@ class LLM:
                      seed: int | None) -> Decoder:
         """Checks every argument (ConfigError before anything runs) and builds the Decoder."""
         params.validate(self.n_vocab)
-        self._check_max_tokens(max_tokens)
-        ids = self._prompt_ids(prompt)
+        check_max_tokens(max_tokens)
+        ids = self.prompt_ids(prompt)
         stopper = StopMatcher(stop)
         sampler = self._sampler(params, seed)
         store = self._engine.new_store(self.kv)
         check_room(store, self.spec, len(ids))      # the clear error, before a generator exists
-        return Decoder(self, _Record(), store, ids, list(ids), sampler, max_tokens, stopper, ignore_eos)
+        return Decoder(self, Record(), store, ids, list(ids), sampler, max_tokens, stopper, ignore_eos)
 
     def complete(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         """generate(..., stream=False)."""
@@ -576,8 +311,6 @@ class LLM:
         (finish "stop"), so EOS costs the tokens after it. CPU backend only. The Completion's
         .speculation holds rounds, drafted, accepted, acceptance, tokens_per_round and seconds.
         On this 2-core CPU speculation is slower than plain decoding (bench/results/speculative.md)."""
-        from ringllm.runtime.speculative import make_layer_draft, speculative_generate
-
         if self.backend != "cpu":
             raise ConfigError(f"speculate() needs the cpu backend, this LLM uses {self.backend!r}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
@@ -587,7 +320,7 @@ class LLM:
         kind, _, value = str(draft).partition(":")
         if kind not in ("store", "layers") or not value.isdigit() or int(value) < 1:
             raise ConfigError(f"draft must be 'store:C' or 'layers:N' with a positive integer, got {draft!r}")
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         store = self._engine.new_store(self.kv)
         check_room(store, self.spec, len(ids) + max_tokens + gamma)     # the verify runs gamma rows ahead
         if kind == "layers":
@@ -602,21 +335,17 @@ class LLM:
                 raise ConfigError(f"a draft store needs at least 2 slots, got {draft!r}")
             d_engine, d_kv = self._engine, KVConfig(capacity=int(value), policy="streaming", sinks=min(4, int(value) - 1))
         d_store = d_engine.new_store(d_kv)
-        self._acquire()
-        try:
-            self._store = store
+        with self.engine_lock(store):
             t0 = time.perf_counter()
             toks, stats = speculative_generate(self._engine, store, d_engine, d_store, ids, int(max_tokens), int(gamma))
             wall = time.perf_counter() - t0
-        finally:
-            self._release()
         finish = "length"
         eos = frozenset() if ignore_eos else self.tokenizer.eos_ids
         cut = next((i for i, t in enumerate(toks) if t in eos), None)
         if cut is not None:
             toks, finish = toks[:cut], "stop"
         tm = Timings(prompt_tokens=len(ids), prompt_s=wall - stats["total_s"], gen_tokens=len(toks),
-                     gen_s=stats["total_s"], peak_memory_bytes=self._peak_memory())
+                     gen_s=stats["total_s"], peak_memory_bytes=engine_peak_memory(self._engine))
         return Completion(self.tokenizer.decode(toks), toks, finish, len(ids), tm, stats)
 
     def chat(self, messages: list[dict], stream: bool = False, **kwargs) -> "Generation | Completion":
@@ -628,38 +357,7 @@ class LLM:
     def chat_session(self, system: str | None = None, kv: KVConfig | None = None, seed: int | None = None,
                      **defaults: Any):
         """A multi-turn ChatSession that keeps its KV store between turns (ringllm.session)."""
-        from ringllm.session import ChatSession
         return ChatSession(self, system=system, kv=kv, seed=seed, **defaults)
-
-    def _decode(self, gen: _Record, store, prefill_ids: list[int], history: list[int], sampler: Sampler,
-                max_tokens: int | None, stopper: StopMatcher, ignore_eos: bool) -> Iterator[Chunk]:
-        """Prefill `prefill_ids` into `store`, then sample, step and stream. Runs under the lock.
-        history: the token history the penalties see (extended with every sampled token)."""
-        yield from self._run(Decoder(self, gen, store, prefill_ids, history, sampler, max_tokens, stopper,
-                                     ignore_eos))
-
-    def _run(self, dec: Decoder) -> Iterator[Chunk]:
-        """Drive one Decoder alone (engine.step per token). Runs under the lock."""
-        rec = dec.record
-        dec.prefill()
-        while not dec.done:
-            token = dec.feed()
-            logits = None
-            if token is not None:
-                rec.in_engine = True
-                logits = self._engine.step(token, dec.store)
-                rec.in_engine = False
-            yield dec.advance(logits)
-
-    def _peak_memory(self) -> int:
-        gpu = getattr(self._engine, "peak_memory_bytes", None)
-        extra = 0
-        if gpu is not None:
-            try:
-                extra = int(gpu() if callable(gpu) else gpu)
-            except Exception:       # a backend gauge must never break a generation
-                extra = 0
-        return peak_rss_bytes() + extra
 
     # ------------------------------------------------------------------------------------------
     # Logits and stats
@@ -671,15 +369,12 @@ class LLM:
         store holds when it arrives)."""
         if isinstance(ids, str) or len(ids) == 0:
             raise ConfigError("logits() takes a non-empty list of token ids (use tokenize() for text)")
-        ids = self._prompt_ids(list(ids))
-        self._acquire()
-        try:
+        ids = self.prompt_ids(list(ids))
+        with self.engine_lock():
             store = self._engine.new_store(self.kv)
             check_room(store, self.spec, len(ids))
             self._store = store
             return np.asarray(self._engine.logits(ids, store), dtype=np.float32)
-        finally:
-            self._release()
 
     def kv_stats(self) -> dict:
         """Stats of the KV store of the latest generate()/logits() call (an empty store before

@@ -30,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from ringllm.backends import check_room, store_stats
 from ringllm.chat_template import validate_messages
-from ringllm.llm import Completion, Generation, check_room, store_stats
+from ringllm.decoder import Decoder, check_max_tokens
+from ringllm.generation import Completion, Generation, Record
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.sampling import Sampler, SamplingParams, StopMatcher
@@ -107,8 +109,7 @@ class ChatSession:
         self.defaults = dict(defaults)
         self._split(dict(defaults))          # validate now
         if seed is None:
-            with llm._seed_lock:
-                seed = int(llm._seeds.integers(0, 2 ** 63 - 1))
+            seed = llm.next_seed()
         self.seed = seed
         self.reset()
 
@@ -137,7 +138,7 @@ class ChatSession:
         params.validate(self.llm.n_vocab)
         other = {"max_tokens": kw.get("max_tokens", 256), "stop": kw.get("stop"),
                  "ignore_eos": bool(kw.get("ignore_eos", False))}
-        self.llm._check_max_tokens(other["max_tokens"])
+        check_max_tokens(other["max_tokens"])
         return params, other
 
     def _turn_delta(self, user: dict) -> str:
@@ -178,16 +179,14 @@ class ChatSession:
         stopper = StopMatcher(other["stop"])
         sampler = Sampler(params, 0)
         sampler.set_state(self.sampler_state)
-        handle = Generation()
-        gen = handle.record
+        gen = Record()
 
         def body():
-            llm._acquire()
-            try:
+            with llm.engine_lock():
                 history = self.tokens + ids
                 try:
-                    yield from llm._decode(gen, store, ids, history, sampler, other["max_tokens"], stopper,
-                                           other["ignore_eos"])
+                    yield from Decoder(llm, gen, store, ids, history, sampler, other["max_tokens"], stopper,
+                                       other["ignore_eos"]).run()
                 except GeneratorExit:
                     raise
                 except BaseException as exc:
@@ -205,10 +204,8 @@ class ChatSession:
                         self.messages = self.messages + [user, {"role": "assistant", "content": gen.text}]
                         self.sampler_state = sampler.state()
                         self.turns += 1
-            finally:
-                llm._release()
 
-        handle._it = body()
+        handle = Generation(gen, body())
         return handle if stream else handle.result()
 
     # ------------------------------------------------------------------------------------------
@@ -227,8 +224,7 @@ class ChatSession:
         llm = self.llm
         if self._damaged:
             raise RingLLMError(self._damaged)
-        llm._acquire()          # never save in the middle of a turn of another thread
-        try:
+        with llm.engine_lock():          # never save in the middle of a turn of another thread
             arrays: dict[str, np.ndarray] = {}
             kv_state = None
             if self.store is not None:
@@ -255,8 +251,6 @@ class ChatSession:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
                 raise
-        finally:
-            llm._release()
         return path
 
     @classmethod
@@ -312,6 +306,8 @@ class ChatSession:
             defaults = dict(header["defaults"])
             store = None
             if header["store"] is not None:
+                # imported on use: the KV store module compiles (or loads) its Numba kernels on
+                # import, and only restoring a saved store needs it here
                 from ringllm.runtime.kv_store import KVStore
                 st = header["store"]
                 state = {"kv": st["kv"], "n_seen": int(st["n_seen"]), "hist_layout": st.get("hist_layout"),

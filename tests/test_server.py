@@ -265,7 +265,7 @@ class _BlockingLLM:
 def test_full_queue_answers_503():
     import asyncio
 
-    from ringllm.server import APIError, Worker, _Job
+    from ringllm.server import APIError, Worker, Job as _Job
 
     llm = _BlockingLLM()
     w = Worker(llm, queue_size=1)

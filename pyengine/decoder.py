@@ -1,0 +1,169 @@
+"""The decode loop of one generation: `Decoder`, advanced a token at a time.
+
+A Decoder owns what is particular to one sequence: its KV store, sampler, stop strings, streaming
+detokenizer, token history and Record. It never owns the engine nor its lock: whoever calls the
+engine serializes engine use, either LLM.generate (which holds the LLM's engine lock and drives
+the decoder alone with Decoder.run) or ringllm.batch.BatchDecoder (which steps several decoders
+with one batched engine call per token).
+
+The protocol is prefill(), then feed() and advance() strictly alternating until .done:
+
+    feed()            takes the sampled token into the output and says whether the engine must
+                      run it (its logits give the next token) or the generation ends with it
+    advance(logits)   samples the next token from those logits and returns the token's Chunk
+
+The engine looks one token ahead this way, so the chunk that carries the finish reason is the
+last token's own chunk. The store is only ever cut between tokens; Record.in_engine marks the
+one window in which it is not.
+
+check_max_tokens is the shared check of the max_tokens argument (generate, decoder, sessions).
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+
+from ringllm.backends import check_room, engine_peak_memory
+from ringllm.generation import Chunk, Record
+from ringllm.runtime.errors import ConfigError, RingLLMError
+from ringllm.sampling import Sampler, StopMatcher
+
+__all__ = ["Decoder", "check_max_tokens"]
+
+
+def check_max_tokens(max_tokens) -> None:
+    """ConfigError unless max_tokens is None or a non-negative integer."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer))
+                                   or max_tokens < 0):
+        raise ConfigError(f"max_tokens must be a non-negative integer or None, got {max_tokens!r}")
+
+
+class Decoder:
+    """One generation advanced a token at a time by a caller that runs the engine itself: alone
+    (LLM.generate), or beside other sequences through CPUEngine.step_batch (ringllm.batch).
+
+        dec = llm.decoder(prompt, max_tokens=32)      # a fresh store; nothing computed yet
+        dec.prefill()                                 # engine prefill + first sample (may finish: EOS, max_tokens 0)
+        while not dec.done:
+            token = dec.feed()                        # the token the engine must run next, or None (it ends here)
+            logits = None if token is None else engine.step(token, dec.store)     # (n_vocab,)
+            chunk = dec.advance(logits)               # the Chunk of that token (finish_reason on the last)
+
+    feed() and advance() alternate strictly. The decoder never takes the LLM's lock: whoever calls
+    the engine (and prefill()) serializes engine use. .record holds tokens, text, timings, as a
+    Generation's.
+
+    llm: the LLM (its .engine, .tokenizer and .spec are read); record: the Record to write;
+    store: the sequence's KV store; prefill_ids: the tokens prefill() feeds; history: the token
+    history the penalties see (extended with every sampled token)."""
+
+    def __init__(self, llm, record: Record, store, prefill_ids: list[int], history: list[int],
+                 sampler: Sampler, max_tokens: int | None, stopper: StopMatcher, ignore_eos: bool):
+        self.llm, self.record, self.store = llm, record, store
+        self.prefill_ids, self.history, self.sampler = prefill_ids, history, sampler
+        self.max_tokens, self.stopper = max_tokens, stopper
+        self.eos = frozenset() if ignore_eos else llm.tokenizer.eos_ids
+        self._next: int | None = None           # the sampled token whose chunk comes next
+        self._fed: int | None = None            # the token feed() handed out, awaiting its logits
+        self._pending: tuple[str, bool, str | None] | None = None     # (text, stop hit, finish) of feed()
+        self._index = 0
+        self._t1: float | None = None
+        self._text_dec = None
+
+    @property
+    def done(self) -> bool:
+        return self.record.done
+
+    def prefill(self) -> None:
+        """Prefill the prompt into the store and sample the first token (one engine call)."""
+        rec, tm, llm = self.record, self.record.timings, self.llm
+        ids = self.prefill_ids
+        rec.prompt_tokens = len(ids)
+        t0 = time.perf_counter()
+        rec.in_engine = True
+        logits = llm.engine.prefill(ids, self.store)
+        rec.in_engine = False
+        rec.fed.extend(ids)
+        tm.prompt_tokens, tm.prompt_s = len(ids), time.perf_counter() - t0
+        tm.peak_memory_bytes = engine_peak_memory(llm.engine)
+        if self.max_tokens == 0:
+            rec.finish_reason, rec.done = "length", True
+            return
+        self._text_dec = llm.tokenizer.stream_decoder()
+        self._t1 = time.perf_counter()
+        self._next = self.sampler.sample(logits, self.history)
+        if self._next in self.eos:
+            rec.finish_reason, rec.done = "stop", True
+            tm.gen_s = time.perf_counter() - self._t1
+
+    def feed(self) -> int | None:
+        """Take the sampled token into the output; returns it when the engine must run it (its
+        logits give the next token), None when the generation ends with it (stop string,
+        max_tokens, or a policy-full store that has no room)."""
+        if self.record.done or self._pending is not None or self._text_dec is None:
+            raise RingLLMError("Decoder.feed() out of turn: call prefill() first, then feed() and advance() "
+                               "alternately until done")
+        if self._t1 is None:
+            self._t1 = time.perf_counter()
+        rec, token = self.record, self._next
+        self.history.append(token)
+        rec.tokens.append(token)
+        text, hit = self.stopper.push(self._text_dec.push(token))
+        finish = None
+        if hit:
+            finish = "stop"
+        elif self.max_tokens is not None and len(rec.tokens) >= self.max_tokens:
+            finish = "length"
+        else:
+            try:
+                check_room(self.store, self.llm.spec, 1)
+            except ConfigError:
+                finish = "length"        # policy full and the context is full
+        self._pending = (text, hit, finish)
+        self._fed = token if finish is None else None
+        return self._fed
+
+    def advance(self, logits: np.ndarray | None) -> Chunk:
+        """The Chunk of the token feed() returned. logits (n_vocab,): the engine's output for that
+        token (required when feed() returned a token, None when it returned None)."""
+        if self._pending is None or (logits is None) != (self._fed is None):
+            raise RingLLMError("Decoder.advance() needs the logits of the token feed() returned (None when "
+                               "feed() returned None)")
+        rec, tm = self.record, self.record.timings
+        text, hit, finish = self._pending
+        token = self.history[-1]
+        if logits is not None:
+            rec.fed.append(token)
+            self._next = self.sampler.sample(logits, self.history)
+            if self._next in self.eos:
+                finish = "stop"
+        if finish is not None and not hit:
+            tail, hit2 = self.stopper.push(self._text_dec.flush())
+            text += tail if hit2 else tail + self.stopper.flush()
+        rec.text += text
+        tm.gen_tokens = len(rec.tokens)
+        tm.gen_s += time.perf_counter() - self._t1
+        tm.peak_memory_bytes = engine_peak_memory(self.llm.engine)
+        if finish is not None:
+            rec.finish_reason, rec.done = finish, True
+        chunk = Chunk(text, token, finish, tm, self._index)
+        self._index += 1
+        self._pending, self._fed, self._t1 = None, None, None
+        return chunk
+
+    def run(self) -> Iterator[Chunk]:
+        """Drive this decoder alone: prefill, then one engine.step per token, yielding each Chunk
+        (the last carries the finish reason). The caller holds the LLM's engine lock throughout
+        (LLM.engine_lock())."""
+        rec, engine = self.record, self.llm.engine
+        self.prefill()
+        while not self.done:
+            token = self.feed()
+            logits = None
+            if token is not None:
+                rec.in_engine = True
+                logits = engine.step(token, self.store)
+                rec.in_engine = False
+            yield self.advance(logits)

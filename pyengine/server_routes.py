@@ -1,0 +1,266 @@
+"""The server's route handlers: one method per route, over one LLM and its worker.
+
+    routes = Routes(llm, settings)
+    app = FastAPI(lifespan=routes.lifespan)
+    app.get("/health")(routes.health)           # ringllm.server.create_app registers them all
+
+    health             GET  /health                 liveness, queue length, counters
+    models, model      GET  /v1/models[/{id}]       the loaded model (and its aliases in "model")
+    completions        POST /v1/completions         prompt -> text
+    chat_completions   POST /v1/chat/completions    messages -> message
+
+A generating handler checks the request (model name, unsupported options, max_tokens cap, stop
+strings, logit_bias keys), turns it into prompt ids and LLM.decoder() keywords, and queues a
+Job; everything a request gets wrong is answered before it is queued. It then waits for the
+job's first event, so an error found at admission (a prompt over a policy-full context) is still
+an HTTP error, and answers with one JSON body or, with stream=true, server-sent events ending in
+"data: [DONE]". A client that goes away cancels its job (the worker drops it between tokens).
+
+Handlers are bound methods: FastAPI reads their signatures (self excluded), and their names give
+the OpenAPI operation ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from ringllm.runtime.errors import ConfigError
+from ringllm.server_api import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest, ServerSettings,
+                                error_body)
+from ringllm.server_http import SSEResponse, sse_event
+from ringllm.server_worker import Job, Worker
+
+__all__ = ["Routes", "usage"]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Routes:
+    """The handlers of one app: the LLM, the settings, the model's names and the worker.
+
+    The worker starts with the app (lifespan) and stops with it; an app used without its
+    lifespan (e.g. some test clients) starts one on the first request that needs it."""
+
+    def __init__(self, llm, settings: ServerSettings):
+        self.llm, self.settings = llm, settings
+        self.name = settings.model_name or llm.model_name
+        self.names = {self.name, *settings.aliases}
+        self.created = int(time.time())
+        self._worker: Worker | None = None
+
+    @asynccontextmanager
+    async def lifespan(self, app):
+        self._worker = Worker(self.llm, self.settings.queue_size, self.settings.max_batch)
+        try:
+            yield
+        finally:
+            self._worker.stop()
+
+    def worker(self) -> Worker:
+        if self._worker is None:       # an app used without its lifespan (e.g. some test clients)
+            self._worker = Worker(self.llm, self.settings.queue_size, self.settings.max_batch)
+        return self._worker
+
+    # ---------------------------------------------------------------------------------- routes
+
+    async def health(self):
+        w = self.worker()
+        return {"status": "ok", "model": self.name, "queued": w.jobs.qsize(), "busy": w.busy, "active": w.active,
+                "peak_batch": w.peak_batch, **w.counters}
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                              "owned_by": "ringllm"}]}
+
+    async def model(self, model_id: str):
+        self.check_model(model_id)
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "ringllm"}
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        self.check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
+            prompt = prompt[0]
+        try:
+            if isinstance(prompt, str):
+                ids = self.llm.prompt_ids(prompt)
+            else:
+                ids = self.llm.prompt_ids(list(prompt))
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+        params = self.sampling(req, req.max_tokens, 16)
+        job = await self.submit(request, "completion", ids, params)
+        rid, t, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), self.name
+
+        def chunk(text, finish, first=False, usage=None):
+            if first:
+                text = ""
+            body = {"id": rid, "object": "text_completion", "created": t, "model": name,
+                    "choices": [] if usage else [{"index": 0, "text": text or "", "finish_reason": finish,
+                                                  "logprobs": None}]}
+            if usage:
+                body["usage"] = usage
+            return body
+
+        def final(text, finish, use, timings):
+            return {"id": rid, "object": "text_completion", "created": t, "model": name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                    "usage": use, "timings": timings}
+
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return await self.run(request, job, chunk, final, include, req.stream)
+
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
+        self.check_model(req.model)
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(p.text for p in content)
+            if content is None:
+                content = ""
+            role = "system" if m.role == "developer" else m.role
+            messages.append({"role": role, "content": content})
+        try:
+            ids = self.llm.chat_ids(self.llm.render_chat(messages, add_generation_prompt=True))
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling(req, max_tokens, self.settings.default_max_tokens)
+        job = await self.submit(request, "chat", ids, params)
+        rid, t, name = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), self.name
+
+        def chunk(text, finish, first=False, usage=None):
+            body = {"id": rid, "object": "chat.completion.chunk", "created": t, "model": name,
+                    "system_fingerprint": None}
+            if usage:
+                body["choices"], body["usage"] = [], usage
+                return body
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+            return body
+
+        def final(text, finish, use, timings):
+            return {"id": rid, "object": "chat.completion", "created": t, "model": name, "system_fingerprint": None,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "finish_reason": finish, "logprobs": None}],
+                    "usage": use, "timings": timings}
+
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return await self.run(request, job, chunk, final, include, req.stream)
+
+    # ---------------------------------------------------------------------------------- helpers
+
+    def check_model(self, model: str | None) -> None:
+        """APIError 404 unless model is None or one of this server's names."""
+        if model is not None and model not in self.names:
+            raise APIError(404, f"model {model!r} does not exist; this server has {sorted(self.names)}",
+                           param="model", code="model_not_found")
+
+    def sampling(self, req: SamplingRequest, max_tokens: int | None, default: int) -> dict:
+        """The LLM.decoder() keywords of a request (max_tokens None: default, within the cap)."""
+        s, n_vocab = self.settings, self.llm.n_vocab
+        if max_tokens is None:
+            max_tokens = min(default, s.max_tokens_cap)
+        if max_tokens > s.max_tokens_cap:
+            raise APIError(400, f"max_tokens {max_tokens} exceeds this server's limit of {s.max_tokens_cap}",
+                           param="max_tokens")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 16:
+            raise APIError(400, f"at most 16 stop strings, got {len(stop)}", param="stop")
+        bias: dict[int, float] = {}
+        for k, v in (req.logit_bias or {}).items():
+            if not k.lstrip("-").isdigit() or not 0 <= int(k) < n_vocab:
+                raise APIError(400, f"logit_bias key {k!r} is not a token id of this model (0..{n_vocab - 1})",
+                               param="logit_bias")
+            if not -100.0 <= v <= 100.0:
+                raise APIError(400, f"logit_bias[{k}] = {v} is outside [-100, 100]", param="logit_bias")
+            bias[int(k)] = float(v)
+        out = {"max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
+               "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": req.top_k or 0,
+               "min_p": req.min_p or 0.0, "repeat_penalty": req.repeat_penalty or 1.0,
+               "frequency_penalty": req.frequency_penalty or 0.0, "presence_penalty": req.presence_penalty or 0.0,
+               "logit_bias": bias, "stop": stop or None, "seed": req.seed, "ignore_eos": req.ignore_eos}
+        return out
+
+    async def submit(self, request: Request, kind: str, ids: list[int], params: dict) -> Job:
+        job = Job(kind, ids, params, asyncio.get_running_loop(), asyncio.Queue())
+        self.worker().submit(job)
+        return job
+
+    @staticmethod
+    async def next_event(request: Request, job: Job) -> tuple:
+        """The job's next event; cancels the job when the client goes away while it waits."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    raise asyncio.CancelledError()
+
+    async def first_event(self, request: Request, job: Job) -> tuple:
+        try:
+            ev = await self.next_event(request, job)
+        except BaseException:
+            job.cancel.set()
+            raise
+        if ev[0] == "error":
+            raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
+        return ev
+
+    async def run(self, request: Request, job: Job, make_chunk, make_final, include_usage: bool, stream: bool):
+        """The response of a queued job: one JSON body (make_final), or server-sent events
+        (make_chunk) when stream. Errors before any output become 4xx/5xx responses."""
+        await self.first_event(request, job)
+        if not stream:
+            text = []
+            try:
+                while True:
+                    ev = await self.next_event(request, job)
+                    if ev[0] == "chunk":
+                        text.append(ev[1])
+                    elif ev[0] == "end":
+                        return JSONResponse(make_final("".join(text), ev[1], usage(ev[2], ev[3]), ev[4]))
+                    elif ev[0] == "error":
+                        raise APIError(ev[1], ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
+            finally:
+                job.cancel.set()
+
+        async def events():
+            yield sse_event(make_chunk(None, None, first=True))
+            while True:
+                ev = await job.events.get()
+                if ev[0] == "chunk":
+                    if ev[1]:
+                        yield sse_event(make_chunk(ev[1], None))
+                elif ev[0] == "end":
+                    yield sse_event(make_chunk(None, ev[1]))
+                    if include_usage:
+                        yield sse_event(make_chunk(None, None, usage=usage(ev[2], ev[3])))
+                    break
+                elif ev[0] == "error":
+                    yield sse_event(error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error"))
+                    break
+            yield "data: [DONE]\n\n"
+
+        return SSEResponse(events(), job)

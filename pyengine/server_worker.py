@@ -1,0 +1,173 @@
+"""The server's worker: the one thread that owns the LLM and decodes requests in batches.
+
+    worker = Worker(llm, queue_size=64, max_batch=8)
+    worker.submit(Job("completion", ids, params, loop, asyncio.Queue()))   # APIError 503 when the queue is full
+    ... the job's events arrive on its asyncio queue ...
+    worker.stop()
+
+Up to max_batch requests are decoded together (one engine call per token for all of them,
+ringllm.batch.BatchDecoder), each from its own fresh KV store with its own sampling settings; the
+others wait in the bounded FIFO queue. A request joins the batch between two steps (its prompt
+prefilled alone first) and leaves it when it finishes or its client goes away (job.cancel).
+
+A Job talks to its HTTP handler only through events put on its asyncio queue, from the worker
+thread via the event loop (call_soon_threadsafe):
+
+    ("start",)                                              admitted: the request is valid and prefilled
+    ("chunk", text, token, finish_reason)                   one token
+    ("end", finish_reason, prompt_tokens, completion_tokens, timings dict)
+    ("error", status, message)                              400 for a RingLLMError, 500 for anything else
+
+The worker outlives whatever one request does: every exception becomes that request's error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringllm.batch import BatchDecoder
+from ringllm.runtime.errors import RingLLMError
+from ringllm.server_api import APIError
+
+__all__ = ["Job", "Worker"]
+
+
+@dataclass
+class Job:
+    """One request on its way through the worker: its prompt ids, its LLM.decoder() keywords, and
+    the event loop and queue its events go to. cancel: set when the client is gone."""
+
+    kind: str                    # "completion" | "chat"
+    ids: list[int]
+    params: dict
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, item: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:           # the event loop is gone (shutdown): nobody is listening
+            self.cancel.set()
+
+
+class Worker:
+    """The thread that owns the LLM (see the module docstring); it starts when built."""
+
+    def __init__(self, llm, queue_size: int, max_batch: int = 8):
+        self.llm = llm
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.batch = BatchDecoder(llm, max_batch)
+        self.live: dict[int, tuple[Job, Any]] = {}       # batch tag -> (job, its Decoder)
+        self._tags = itertools.count()
+        self.busy = False
+        self.peak_batch = 0                               # most requests stepped together so far
+        self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ringllm-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> int:
+        return len(self.live)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise APIError(503, f"server busy: {self.jobs.maxsize} requests are already waiting; retry later",
+                           "server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+
+    def stop(self) -> None:
+        """End after the current step (active and queued jobs are dropped); never blocks."""
+        self._stopping = True
+        try:
+            self.jobs.put_nowait(None)
+        except queue.Full:
+            pass
+
+    def _run(self) -> None:
+        while not self._stopping:
+            while not self.batch.full:               # admit: wait when idle, else take only what waits
+                self.busy = bool(self.live)
+                try:
+                    job = self.jobs.get(block=not self.live)
+                except queue.Empty:
+                    break
+                if job is None or self._stopping:
+                    return
+                self.busy = True
+                self._admit(job)
+            if self.live:
+                self._step()
+
+    def _admit(self, job: Job) -> None:
+        """Check the request, prefill it and put it in the batch (or answer it at once)."""
+        if job.cancel.is_set():
+            self.counters["cancelled"] += 1
+            return
+        try:
+            dec = self.llm.decoder(job.ids, **job.params)
+        except RingLLMError as exc:
+            self._fail(job, 400, str(exc))
+            return
+        except BaseException as exc:          # the worker outlives whatever one request did
+            self._fail(job, 500, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        job.emit(("start",))
+        tag = next(self._tags)
+        try:
+            joined = self.batch.join(dec, tag)
+        except RingLLMError as exc:
+            self._fail(job, 400, str(exc))
+            return
+        except BaseException as exc:
+            self._fail(job, 500, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        if joined:
+            self.live[tag] = (job, dec)
+        else:                                 # ended at its prefill (EOS first, max_tokens 0)
+            self._end(job, dec)
+
+    def _step(self) -> None:
+        """Drop cancelled requests, advance the others one token together, stream their chunks."""
+        gone = [tag for tag, (job, _) in self.live.items() if job.cancel.is_set()]
+        for tag in gone:
+            self.batch.leave(tag)
+            del self.live[tag]
+        self.busy = bool(self.live)
+        self.counters["cancelled"] += len(gone)
+        if not self.live:
+            return
+        self.peak_batch = max(self.peak_batch, len(self.live))
+        try:
+            results = self.batch.step()
+        except BaseException as exc:          # an engine failure ends every request of this step
+            status = 400 if isinstance(exc, RingLLMError) else 500
+            msg = str(exc) if status == 400 else f"internal error: {type(exc).__name__}: {exc}"
+            for tag, (job, _) in list(self.live.items()):
+                self.batch.leave(tag)
+                self._fail(job, status, msg)
+            self.live.clear()
+            return
+        for tag, chunk in results:
+            job, dec = self.live[tag]
+            if job.cancel.is_set() and chunk.finish_reason is None:
+                continue                      # dropped before the next step
+            job.emit(("chunk", chunk.text, chunk.token, chunk.finish_reason))
+            if chunk.finish_reason is not None:
+                del self.live[tag]
+                self._end(job, dec)
+
+    def _end(self, job: Job, dec) -> None:
+        rec = dec.record
+        job.emit(("end", rec.finish_reason or "stop", rec.prompt_tokens, len(rec.tokens), rec.timings.to_dict()))
+        self.counters["completed"] += 1
+
+    def _fail(self, job: Job, status: int, message: str) -> None:
+        self.counters["failed"] += 1
+        job.emit(("error", status, message))
