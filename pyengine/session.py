@@ -74,7 +74,7 @@ def model_identity(llm) -> dict:
             "n_head_kv": s.n_head_kv, "head_dim": s.head_dim, "name": llm.model_name, "weights": digest}
 
 
-def _checksum(header: dict, arrays: dict[str, np.ndarray]) -> str:
+def file_checksum(header: dict, arrays: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256(json.dumps(header, sort_keys=True).encode("utf-8"))
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
@@ -239,7 +239,7 @@ class ChatSession:
                       "defaults": self._defaults_json(), "messages": self.messages, "tokens": list(self.tokens),
                       "pending": list(self.pending), "turns": self.turns, "sampler": self.sampler_state,
                       "store": kv_state}
-            header["checksum"] = _checksum(header, arrays)
+            header["checksum"] = file_checksum(header, arrays)
             blob = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
             folder = os.path.dirname(os.path.abspath(path))
             fd, tmp = tempfile.mkstemp(prefix=".session-", suffix=".tmp", dir=folder)
@@ -285,7 +285,7 @@ class ChatSession:
             raise SessionFileError(path, f"session format version {header.get('version')!r}; this ringllm reads "
                                    f"version {SESSION_VERSION}")
         expected = header.pop("checksum", None)
-        if expected != _checksum(header, arrays):
+        if expected != file_checksum(header, arrays):
             raise SessionFileError(path, "checksum mismatch: the file was modified or damaged")
         want, have = header.get("model"), model_identity(llm)
         if want != have:

@@ -11,7 +11,7 @@ import pytest
 
 import ringllm
 from ringllm import ConfigError, KVConfig, SessionFileError
-from ringllm.session import ChatSession, _checksum
+from ringllm.session import ChatSession, file_checksum
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def _rewrite(path, out, mutate):
         header = json.loads(z["__header__"].tobytes())
     header.pop("checksum")
     mutate(header, arrays)
-    header["checksum"] = _checksum(header, arrays)
+    header["checksum"] = file_checksum(header, arrays)
     np.savez_compressed(out, __header__=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
     return str(out)
 
