@@ -71,11 +71,11 @@ def _update_driver():
     them): the first write drops `evict` tokens per head (drop_h), the others append."""
     from numba import njit
 
-    from ringllm.runtime.kv_store import kv_write_policy
+    from ringllm.runtime.kv_write import COUNT, SCORE, SEQ, kv_write_policy
 
     @njit(cache=False, nogil=True)
-    def run(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, kvs, seq0, key_l,
-            drop_h, sinks, by_score, victims, shift, inv_freq, angles, angle_tag, tmp, ksum):
+    def run(lay, kvs, seq0, key_l, drop_h, sinks, by_score, victims, shift, inv_freq, angles, angle_tag, tmp):
+        seq_l, score_l, count_l = lay[SEQ], lay[SCORE], lay[COUNT]
         nkv = seq_l.shape[0]
         for i in range(kvs.shape[0]):
             if i == 0:
@@ -84,9 +84,8 @@ def _update_driver():
                         key_l[h, j] = score_l[h, j] if by_score else seq_l[h, j]
             else:
                 drop_h[:] = 0
-            kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l,
-                            kvs[i, 0], kvs[i, 1], seq0 + i, key_l, 0, drop_h, sinks, 0, True, victims, shift,
-                            0, inv_freq, 1.0, 2 * inv_freq.shape[0], angles, angle_tag, tmp, ksum)
+            kv_write_policy(lay, kvs[i, 0], kvs[i, 1], seq0 + i, (key_l, 0, drop_h, sinks, 0, True, shift), victims,
+                            (0, inv_freq, 1.0, 2 * inv_freq.shape[0], angles, angle_tag, tmp))
     return run
 
 
@@ -120,10 +119,8 @@ def update_table(spec, caches, evict, repeats, policies=("streaming", "h2o")):
                     t0 = time.perf_counter()
                     for il in range(spec.n_layer):
                         drop[:] = evict
-                        run(st.k[il], st.v[il], st.seq[il], st.rank[il], st.pos[il], st.kbase[il], st.score[il],
-                            st.aux[il], st.hist[il], st.count[il], st.evicted[il], kvs, cap + evict - 1, st.key, drop,
-                            4, pol == "h2o", st.victims[0], mode == "shift", st.layer_inv_freq[il],
-                            *st.rotation_cache(il), st.ksum[il])
+                        run(st.layers[il], kvs, cap + evict - 1, st.key, drop, 4, pol == "h2o", st.victims[0],
+                            mode == "shift", st.layer_inv_freq[il], *st.rotation_cache(il))
                     if rep:
                         times[mode].append(time.perf_counter() - t0)
                     assert int(st.evicted[0].sum()) == evict * nkv and int(st.count[0][0]) == cap + evict - 1

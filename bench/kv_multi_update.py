@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, write_results  # noqa: E402
 
 from ringllm.runtime.kv_multi import kv_replace_many  # noqa: E402
-from ringllm.runtime.kv_store import kv_write_streaming  # noqa: E402
+from ringllm.runtime.kv_write import kv_write_streaming  # noqa: E402
 
 
 @njit(cache=False)

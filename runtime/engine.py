@@ -27,8 +27,8 @@ from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
-from ringllm.runtime.policies.base import STEP_GENERIC, Policy
-from ringllm.runtime.policy_step import policy_layer_step, policy_write_attend
+from ringllm.runtime.policies.base import Policy
+from ringllm.runtime.policy_step import policy_write_attend
 from ringllm.runtime.ops import ACT_CODES, add_bias, act_inplace, gated_act, layer_norm_rows, rms_norm_rows, softcap
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.rope import STRATEGIES, AttendScratch, layer_ropes
@@ -110,7 +110,7 @@ class CPUEngine:
         self.no_mass = np.zeros((0, 0), np.float32)
         self.qvar = np.zeros((REBASE_LIMIT, nh, hd), np.float32)     # attend_rebased: query per offset
         self.qvar_have = np.zeros(REBASE_LIMIT, np.int64)
-        # the same per kv head, for policy_step.policy_layer_step (heads on separate threads)
+        # the same per kv head, for the policies' compiled layer steps (heads on separate threads)
         nkv = spec.n_head_kv
         self.head_qvar = np.zeros((nkv, REBASE_LIMIT, nh // nkv, hd), np.float32)
         self.head_have = np.zeros((nkv, REBASE_LIMIT), np.int64)
@@ -379,36 +379,32 @@ class CPUEngine:
     def _attend_policy(self, il: int, b: _Buffers, store: KVStore, policy, seq0: int, t0: int, T: int, kk: np.ndarray,
                        v3: np.ndarray, table, scale: np.float32, mass: np.ndarray, hook) -> None:
         """_attend_dense for a layer where the policy chooses victims, per token: for a policy with a
-        compiled step (Policy.step_kind) and no rollback journal, policy_step.policy_layer_step (keys,
-        eviction, write, attention and observe in one call); otherwise, or when that step declines
-        (gvote evicting), the policy's keys (KVStore.prepare_policy_write; the journal, when one runs,
-        saves the rows the step will change), then eviction, write and attention in one kernel call
+        compiled step (Policy.layer_step) and no rollback journal, that step (victims, write,
+        attention and observe in one call); otherwise, or when the step declines (gvote evicting),
+        the policy's keys (KVStore.prepare_policy_write; the journal, when one runs, saves the rows
+        the step will change), then eviction, write and attention in one kernel call
         (policy_step.policy_write_attend), then the policy's on_insert and observe. Both paths run
         the same kernels in the same order: a rollback's replay and a plain feed agree bitwise."""
         nh, hd = self.spec.n_head, self.spec.head_dim
         sc = self.sc
-        rebase = store.layer_rebase[il]
         if not store.reindexed and seq0 + T + REBASE_LIMIT >= table.cos.shape[0]:
             table.ensure(seq0 + T + REBASE_LIMIT + 1)     # original positions grow with the stream
-        args = (store.k[il], store.v[il], store.seq[il], store.rank[il], store.pos[il], store.kbase[il],
-                store.score[il], store.aux[il], store.hist[il], store.count[il], store.evicted[il])
-        rope = (store.layer_inv_freq[il], store.layer_inv_scale[il], self.spec.rotary_dim)
-        sinks, shift = store.layer_sinks[il], store.update == "shift"
+        lay = store.layers[il]
         inserts = type(policy).on_insert is not Policy.on_insert
-        kind = policy.step_kind if store.journal is None else STEP_GENERIC
-        if kind != STEP_GENERIC:
+        layer_step = policy.layer_step if store.journal is None else None
+        if layer_step is not None:
             kv = store.kv
-            stage = (store.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop)
-            params = policy.step_params(store, il)
+            st = (store.key, policy.key_grid, store.drop_h, store.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop,
+                  store.layer_sinks[il], store.recent, store.reindexed, store.victims, store.update == "shift")
+            rw_rows = store.rotation_args(il, rows=True)
+            pend, prm = store.pending(il), policy.step_params(store, il)
         for t in range(t0, t0 + T):
             seq = seq0 + t - t0
             q_t = b.q[t].reshape(nh, hd)
-            if kind != STEP_GENERIC and policy_layer_step(
-                    kind, *args, kk[t], v3[t], seq, store.key, policy.key_grid, store.drop_h, *stage, sinks,
-                    store.recent, store.reindexed, store.victims, shift, rebase, *rope, store.layer_angles[il],
-                    store.layer_angle_tag[il], store.ktmp, store.ksum[il], sc.out, q_t, table.cos, table.sin,
-                    scale, sc.scores, self.head_qvar, self.head_have, self.head_krot, sc.qrot, sc.qpos, mass,
-                    self.head_offs, store.pend[il], store.pend_drop[il], store.pend_tag[il], *params):
+            if layer_step is not None and layer_step(
+                    lay, kk[t], v3[t], seq, st, rw_rows,
+                    (sc.out, q_t, table.cos, table.sin, scale, sc.scores, self.head_qvar, self.head_have,
+                     self.head_krot, sc.qrot, sc.qpos, mass, self.head_offs), pend, prm):
                 if hook is not None:
                     hook(il, mass, store)
                 b.att[t] = sc.out.reshape(-1)
@@ -416,11 +412,11 @@ class CPUEngine:
             grid = store.prepare_policy_write(il, q_t, seq)
             if store.journal is not None:
                 store.journal.before_policy(store, il, grid)
-            policy_write_attend(*args, kk[t], v3[t], seq, store.key, grid, store.drop_h, sinks, store.recent,
-                                store.reindexed, store.victims[0], shift, rebase, *rope, *store.rotation_cache(il),
-                                store.ksum[il], sc.out, q_t, table.cos, table.sin, scale, sc.scores, self.qvar,
-                                self.qvar_have, sc.krot, sc.qrot, sc.qpos, mass, self.offs)
-            if inserts:          # the policy's per-token state of the new slot (reads neither attention nor out3)
+            policy_write_attend(lay, kk[t], v3[t], seq, store.write_args(il, grid), store.victims[0],
+                                store.rotation_args(il),
+                                (sc.out, q_t, table.cos, table.sin, scale, sc.scores, self.qvar, self.qvar_have,
+                                 sc.krot, sc.qrot, sc.qpos, mass, self.offs))
+            if inserts:          # the policy's per-token state of the new slot (reads neither attention nor out)
                 policy.on_insert(store, il, kk[t], q_t)
             policy.observe(store, il, mass, seq)
             if hook is not None:

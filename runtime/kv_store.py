@@ -37,7 +37,7 @@ runtime/eviction.py; this file carries it out):
     keys among unprotected slots (not among the `sinks` oldest or `recent` newest; ties -> oldest;
     eviction.pick_victims) are evicted; each hole is filled by moving the last occupied slot into it (one slot copy, safe
     because every slot carries its own position), ranks are updated, and the new token takes slot
-    `count`. Nothing is shifted. The compiled policy step (policy_step.policy_layer_step) chooses
+    `count`. Nothing is shifted. A policy's compiled layer step (policy_step.bind_layer_step) chooses
     the victims of a layer's next write at the end of its current step, while the scores are in
     cache, and keeps them in pend/pend_drop tagged with the next sequence index (pend_tag); any
     other change to the layer clears the tag (forget_pending), so they are always the victims the
@@ -50,224 +50,17 @@ configured capacity: their own window, exactly as the model defines it, whatever
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, count_below, keep_after, pick_victims, ring_slot
-from ringllm.runtime.key_sum import key_inv_norm, key_sum_move, key_sums
+from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, keep_after
+from ringllm.runtime.key_sum import key_sums
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
+from ringllm.runtime.kv_write import LAYER_FIELDS, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
 from ringllm.runtime.rope import LAYOUTS, rebase_limit
-from ringllm.runtime.rope_kernels import rotate_key_by, rotate_keys_to
-
-# ---------------------------------------------------------------------------------------------
-# Kernels
-# ---------------------------------------------------------------------------------------------
-
-@njit(cache=True, nogil=True, inline="always")
-def _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new):
-    """Slot `slot` of head h takes token seq_new at logical position pos_new: k_new[h], v_new[h] (hd,)."""
-    seq_l[h, slot] = seq_new
-    pos_l[h, slot] = pos_new
-    for d in range(k_l.shape[2]):
-        k_l[h, slot, d] = k_new[h, d]
-        v_l[h, slot, d] = v_new[h, d]
-
-
-@njit(cache=True, nogil=True)
-def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed):
-    """Write one token into layer storage, evicting the oldest non-sink token when full.
-
-    k_l, v_l (n_kv, cap, hd) f32; seq_l, pos_l (n_kv, cap) i64; count_l, evicted_l (n_kv,) i64;
-    k_new, v_new (n_kv, hd) f32; seq_new: sequence index of the token. Returns None; the slot
-    written is the one holding `seq_new` afterwards.
-    """
-    n_kv, cap = seq_l.shape
-    for h in range(n_kv):
-        slot, pos_new, victim_seq = ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new)
-        if reindexed and victim_seq >= 0:       # every newer token moves down one position
-            for j in range(cap):
-                if seq_l[h, j] > victim_seq:
-                    pos_l[h, j] -= 1
-        _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new)
-
-
-@njit(cache=True, nogil=True)
-def kv_write_shift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed):
-    """The shift-and-append baseline (HF-style StreamingLLM): same arguments as kv_write_streaming,
-    but the store is kept ordered: on eviction every slot after the victim (slot `sinks`, the oldest
-    non-sink) is copied one slot down and the new token is appended at the end. Kept only as the
-    honest baseline of the in-place update in benchmarks."""
-    n_kv, cap = seq_l.shape
-    hd = k_l.shape[2]
-    for h in range(n_kv):
-        n = count_l[h]
-        if n < cap:
-            slot = n
-            count_l[h] = n + 1
-        else:
-            evicted_l[h] += 1
-            for j in range(sinks, cap - 1):
-                seq_l[h, j] = seq_l[h, j + 1]
-                pos_l[h, j] = j if reindexed else pos_l[h, j + 1]
-                for d in range(hd):
-                    k_l[h, j, d] = k_l[h, j + 1, d]
-                    v_l[h, j, d] = v_l[h, j + 1, d]
-            slot = cap - 1
-        _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _move_slot(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, h, dst, src, reindexed):
-    """Slot dst of head h takes everything slot src holds (k, v, seq, rank, pos, kbase, score, aux, hist)."""
-    seq_l[h, dst] = seq_l[h, src]
-    rank_l[h, dst] = rank_l[h, src]
-    kbase_l[h, dst] = kbase_l[h, src]
-    if not reindexed:
-        pos_l[h, dst] = pos_l[h, src]
-    score_l[h, dst] = score_l[h, src]
-    aux_l[h, dst] = aux_l[h, src]
-    for d in range(k_l.shape[2]):
-        k_l[h, dst, d] = k_l[h, src, d]
-        v_l[h, dst, d] = v_l[h, src, d]
-    for i in range(hist_l.shape[1]):
-        hist_l[h, i, dst] = hist_l[h, i, src]
-
-
-@njit(cache=True, nogil=True)
-def evict_slots(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, h, slots,
-                n_slots, reindexed):
-    """Remove the tokens in slots[:n_slots] of head h, keeping slots [0, count) occupied.
-
-    Ranks of the survivors drop by the number of victims older than them (in reindexed mode pos_l is
-    rank_l, so positions follow). Each hole takes the last occupied slot (k, v, seq, rank, pos,
-    kbase, score, aux, hist move together): one slot copy per victim, no shifting.
-    """
-    n = count_l[h]
-    # rank update first, while the victims are still in place: a survivor drops by the number of
-    # victims older than it (binary search over the victims' sorted sequence indices)
-    if n_slots == 1:
-        s0 = seq_l[h, slots[0]]
-        for j in range(n):
-            rank_l[h, j] -= seq_l[h, j] > s0
-    elif n_slots <= 8:               # a few (adakv's per-head share): compare with each, no allocation
-        for j in range(n):
-            sj = seq_l[h, j]
-            c = 0
-            for m in range(n_slots):
-                c += sj > seq_l[h, slots[m]]
-            rank_l[h, j] -= c
-    else:
-        vseq = np.empty(n_slots, np.int64)
-        for m in range(n_slots):
-            vseq[m] = seq_l[h, slots[m]]
-        vseq.sort()
-        for j in range(n):
-            rank_l[h, j] -= count_below(vseq, n_slots, seq_l[h, j])
-    # holes, highest slot first: the last occupied slot is then never a pending victim
-    for a in range(n_slots):          # selection sort of the victims' slots, descending
-        best = a
-        for b in range(a + 1, n_slots):
-            if slots[b] > slots[best]:
-                best = b
-        slots[a], slots[best] = slots[best], slots[a]
-    for m in range(n_slots):
-        j = slots[m]
-        last = n - 1
-        if j != last:
-            _move_slot(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, h, j, last, reindexed)
-        seq_l[h, last] = -1
-        n -= 1
-    count_l[h] = n
-    evicted_l[h] += n_slots
-
-
-@njit(cache=True, nogil=True)
-def evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, h, slots,
-                      n_slots, reindexed):
-    """evict_slots for the shift-and-append baseline (update "shift"): head h's slots stay in sequence
-    order (slot = rank); the victims are removed by copying every later survivor down over them
-    (k, v, seq, pos, kbase, score, aux, hist), as an ordered cache does. Benchmarks only."""
-    n = count_l[h]
-    slots[:n_slots].sort()
-    out = 0
-    m = 0
-    for j in range(n):
-        if m < n_slots and slots[m] == j:
-            m += 1
-            continue
-        if out != j:
-            _move_slot(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, h, out, j, reindexed)
-        rank_l[h, out] = out
-        out += 1
-    for j in range(out, n):
-        seq_l[h, j] = -1
-    count_l[h] = out
-    evicted_l[h] += n_slots
-
-
-@njit(cache=True, nogil=True)
-def kv_write_policy(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, k_new, v_new,
-                    seq_new, key_l, grid, drop_h, sinks, recent, reindexed, victims, shift, rebase, inv_freq,
-                    inv_scale, rotary_dim, angles, angle_tag, tmp, ksum):
-    """Evict drop_h[h] tokens of each head h (lowest key_l among unprotected slots) and write the new token.
-
-    drop_h (n_kv,) i64: equal for every head but under adakv; key_l (n_kv, P) f64 filled by the
-    policy for occupied slots when any drop_h > 0, raw keys compared on grid `grid` (GRID_NONE:
-    compared as they are; see eviction.grid_value; GRID_GIVEN: key_l[h, :drop_h[h]] are the
-    victims' slots, chosen already); victims (>= max drop_h,) i64 scratch; shift: the
-    shift-and-append baseline removes victims by copying survivors down (evict_slots_shift). The new
-    token goes to slot count with rank count, zero score/aux/hist (the policy
-    initialises them afterwards).
-    rebase: 0 stores k_new as given (keys before RoPE, the "fused" strategy); nonzero ("rebased"):
-    k_new (before RoPE) is rotated at its logical position as it is written (kbase = position);
-    survivors whose offset kbase - pos the evictions pushed out of [0, REBASE_LIMIT) are re-rotated
-    by the attention pass that follows (attention.attend_rebased), which reads every key anyway. inv_freq
-    (rotary_dim/2,) f64, inv_scale = 1/rope scale; angles (2, rotary_dim/2) f32 and angle_tag (1,) i64:
-    the layer's cache of the last new key's rotation (cos, sin and the position they are for; in
-    reindexed mode a full store writes at the same position every step, so no cos/sin is
-    computed), tmp (hd,) f32 scratch. ksum (n_kv, hd) i64: when it has rows (keeps_key_sum
-    policies, "fused" layers), the victims' unit keys leave it and the new key's enters, and the new
-    slot's score is its 1/|k| (key_sum_move). Returns None.
-    """
-    n_kv = seq_l.shape[0]
-    w = hist_l.shape[1]
-    for h in range(n_kv):
-        if drop_h[h] > 0:
-            if grid == GRID_GIVEN:   # chosen already (policy_step.choose_next): the slots are in key_l
-                got = drop_h[h]
-                for m in range(got):
-                    victims[m] = np.int64(key_l[h, m])
-            else:
-                got = pick_victims(key_l, grid, h, drop_h[h], seq_l, rank_l, count_l, sinks, recent, victims)
-            if ksum.shape[0] > 0:
-                for m in range(got):
-                    key_sum_move(ksum, k_l, h, victims[m], score_l[h, victims[m]], -1)
-            if shift:
-                evict_slots_shift(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l,
-                                  evicted_l, h, victims, got, reindexed)
-            else:
-                evict_slots(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, h,
-                            victims, got, reindexed)
-        slot = count_l[h]
-        if slot >= seq_l.shape[1]:
-            raise ValueError("kv_write_policy: no slot free after eviction (every held token is protected)")
-        rank_l[h, slot] = slot
-        _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
-        score_l[h, slot] = 0.0
-        aux_l[h, slot] = 0
-        for i in range(w):
-            hist_l[h, i, slot] = 0.0
-        count_l[h] = slot + 1
-        if ksum.shape[0] > 0:
-            score_l[h, slot] = key_inv_norm(k_l, h, slot)
-            key_sum_move(ksum, k_l, h, slot, score_l[h, slot], 1)
-        if rebase != 0:
-            kbase_l[h, slot] = pos_l[h, slot]
-            rotate_key_by(k_l, h, slot, pos_l[h, slot], angle_tag, angles, inv_freq, inv_scale, rotary_dim, tmp)
-
+from ringllm.runtime.rope_kernels import rotate_keys_to
 
 # ---------------------------------------------------------------------------------------------
 # Store
@@ -344,6 +137,8 @@ class KVStore:
         self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
         ks_rows = nkv if self.policy_impl.keeps_key_sum else 0
         self.ksum = [np.zeros((ks_rows, hd), np.int64) for _ in phys]     # rkv: sum of unit keys per head
+        # each layer's arrays as the kernels take them (LAYER_FIELDS)
+        self.layers = [tuple(getattr(self, name)[il] for name in LAYER_FIELDS) for il in range(spec.n_layer)]
         self.key = np.zeros((nkv, max(phys)), np.float64)      # victim keys, filled by the policy
         # victims of the next write into each layer, chosen by the compiled step at the end of the one
         # before (policy_step.choose_next): per layer (n_kv, P) f64 slots, (n_kv,) counts, and the
@@ -414,11 +209,8 @@ class KVStore:
         grid = self.prepare_policy_write(il, q, seq)
         if self.journal is not None:          # journal hook (kv_multi.py): victims chosen, rows saved
             self.journal.before_policy(self, il, grid)
-        kv_write_policy(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.kbase[il],
-                        self.score[il], self.aux[il], self.hist[il], self.count[il], self.evicted[il], k_new, v_new,
-                        seq, self.key, grid, self.drop_h, self.layer_sinks[il], self.recent, self.reindexed,
-                        self.victims[0], self.update == "shift", self.layer_rebase[il], self.layer_inv_freq[il],
-                        self.layer_inv_scale[il], self.spec.rotary_dim, *self.rotation_cache(il), self.ksum[il])
+        kv_write_policy(self.layers[il], k_new, v_new, seq, self.write_args(il, grid), self.victims[0],
+                        self.rotation_args(il))
 
     def prepare_policy_write(self, il: int, q: np.ndarray | None, seq: int) -> int:
         """Before a write into policy layer il: how many tokens each head drops (self.drop_h) and, when
@@ -494,6 +286,23 @@ class KVStore:
                        1.0 / self.spec.rope_scale[il], self.spec.rotary_dim, *self.rotation_cache(il))
         if new == "fused":
             self.kbase[il][...] = 0
+
+    def pending(self, il: int) -> tuple:
+        """(pend, pend_drop, pend_tag) of layer il: the victims its next write drops, chosen ahead by
+        the compiled step (policy_step's `pend`)."""
+        return self.pend[il], self.pend_drop[il], self.pend_tag[il]
+
+    def write_args(self, il: int, grid: int) -> tuple:
+        """kv_write_policy's `wr` for layer il: (key, grid, drop_h, sinks, recent, reindexed, shift)."""
+        return (self.key, grid, self.drop_h, self.layer_sinks[il], self.recent, self.reindexed, self.update == "shift")
+
+    def rotation_args(self, il: int, rows: bool = False) -> tuple:
+        """The write kernels' `rw` for layer il: (rebase, inv_freq, inv_scale, rotary_dim, angles,
+        angle_tag, tmp); rows: the per-kv-head rotation caches and key scratch (n_kv, ...) for the
+        compiled step, else head 0's (rotation_cache) for a write on one thread."""
+        cache = (self.layer_angles[il], self.layer_angle_tag[il], self.ktmp) if rows else self.rotation_cache(il)
+        return (self.layer_rebase[il], self.layer_inv_freq[il], self.layer_inv_scale[il], self.spec.rotary_dim,
+                *cache)
 
     def rotation_cache(self, il: int) -> tuple:
         """(angles (2, rotary_dim/2) f32, angle_tag (1,) i64, tmp (hd,) f32): head 0's rotation cache and

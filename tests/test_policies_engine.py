@@ -168,7 +168,7 @@ def test_shift_baseline_equals_inplace(tiny, policy):
 @pytest.mark.parametrize("policy", ["h2o", "tova", "scissorhands", "snapkv", "pyramidkv", "adakv", "rkv"])
 def test_victims_chosen_ahead_are_the_fresh_choice(tiny, policy):
     """The compiled step chooses a layer's next victims at the end of its step (KVStore.pend,
-    policy_step.choose_next): after every step they are exactly what the store's Python path
+    the policy's choose_next): after every step they are exactly what the store's Python path
     (prepare_policy_write + the write kernel's pick) chooses from the same state, tagged for the next
     token; a rollback clears the tags, and decoding after it matches a store never rolled back."""
     from ringllm.runtime.eviction import GRID_GIVEN, pick_victims
@@ -217,7 +217,7 @@ def test_victims_chosen_ahead_are_the_fresh_choice(tiny, policy):
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "scissorhands", "snapkv", "pyramidkv", "adakv", "rkv", "gvote"])
 def test_compiled_step_alike_at_one_and_two_threads(tiny, policy):
-    """policy_step.policy_layer_step runs a layer's kv heads on separate threads when Numba has more
+    """A policy's compiled layer step (policy_step.bind_layer_step) runs a layer's kv heads on separate threads when Numba has more
     than one and the layer more than one kv head (llama 2, gptneox 4; gemma3's single kv head runs on
     the calling thread): every step's logits and every array of the store equal the one-thread run's,
     bitwise, through a prefill and 30 evicting steps."""

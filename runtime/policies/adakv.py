@@ -28,8 +28,10 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.eviction import grid_cell_bound, grid_value, keep_after
-from ringllm.runtime.policies.base import STEP_ADAKV, step_params
-from ringllm.runtime.policies.snapkv import MASS_FIXED, SnapKV, pool_ranks
+from ringllm.runtime.kv_write import AUX, COUNT, RANK, SEQ
+from ringllm.runtime.policies.base import step_params
+from ringllm.runtime.policies.snapkv import MASS_FIXED, SnapKV, observe_head, pool_ranks
+from ringllm.runtime.policy_step import bind_layer_step
 
 
 @njit(cache=True, nogil=True)
@@ -141,10 +143,21 @@ def select_drops(key, tot_l, seq_l, rank_l, count_l, pool, by_rank, capacity, la
     return got
 
 
+@njit(cache=True, nogil=True)
+def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
+    """The next write's victims (policy_step's contract): one layer-wide selection (select_drops);
+    prm: pool, floor, and the scratch low, order, ptr."""
+    key_l, key_grid, drop_h, capacity, lazy, slack, max_drop, sinks, recent, reindexed, victims_rows, shift = st
+    pool, width, floor, lam, by_rank_rows, s_rows, low, order, ptr, qhist = prm
+    select_drops(pend, lay[AUX], lay[SEQ], lay[RANK], lay[COUNT], pool, by_rank, capacity, lazy, slack, max_drop, sinks,
+                 recent, floor, key_grid, low, order, ptr, pend_drop)
+
+
 class AdaKV(SnapKV):
     name = "adakv"
     ragged = True
-    step_kind = STEP_ADAKV
+    # the selection spans the layer's heads: once for the layer, after every head observed
+    layer_step = staticmethod(bind_layer_step("adakv", choose_next, observe_head, per_head_choice=False))
 
     def __init__(self, kv, spec):
         super().__init__(kv, spec)

@@ -19,12 +19,8 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.eviction import GRID_NONE, grid_keys
-
-# Policy.step_kind: which branch of policy_step.policy_layer_step (one compiled call per layer and
-# token: keys, eviction, write, attention, observe) runs the policy; STEP_GENERIC: the policy's
-# Python methods around policy_step.policy_write_attend.
-(STEP_GENERIC, STEP_H2O, STEP_TOVA, STEP_SCISSORHANDS, STEP_SNAPKV, STEP_ADAKV, STEP_RKV,
- STEP_GVOTE) = range(8)
+from ringllm.runtime.kv_write import COUNT, SCORE
+from ringllm.runtime.policy_step import drops_ahead, pick_ahead
 
 _NO_F64 = np.zeros(0, np.float64)
 _NO_I64 = np.zeros(0, np.int64)
@@ -43,7 +39,10 @@ class Policy:
     key_grid = GRID_NONE      # fill_keys = fill_raw_keys, then the keys mapped onto this grid (see grid_value)
     plain_keys = False        # reads store.k expecting keys before RoPE: the layer keeps the "fused" layout
     keeps_key_sum = False     # the write kernel keeps store.ksum (sum of unit keys per head), score = 1/|k|
-    step_kind = STEP_GENERIC  # the branch of policy_step.policy_layer_step that runs this policy, if any
+    # the policy's compiled layer step (policy_step.bind_layer_step: victims, write, attention and
+    # observe in one call per layer and token), or None: the engine then runs the policy's Python
+    # methods around policy_step.policy_write_attend
+    layer_step = None
 
     def __init__(self, kv, spec):
         self.kv, self.spec = kv, spec
@@ -88,7 +87,7 @@ class Policy:
         """Rebuild derived per-slot state after KVStore.restore (a state saved by an older version)."""
 
     def step_params(self, store, il: int) -> tuple:
-        """The policy's arguments of policy_step.policy_layer_step for layer il, in its order:
+        """The policy's `prm` of its layer_step for layer il (policy_step's argument groups), in order:
         (pool, width, floor, lam, by_rank, s, low, order, ptr, qhist); what a policy does not use is
         0 or an empty array of the same type (one compiled signature for every policy)."""
         return step_params()
@@ -140,3 +139,13 @@ def accumulate_mass(score_l, mass, count_l):
     for h in range(score_l.shape[0]):
         for j in range(count_l[h]):
             score_l[h, j] += mass[h, j]
+
+
+@njit(cache=True, nogil=True)
+def choose_lowest_score(lay, st, prm, by_rank, s, victims, pend, pend_drop):
+    """choose_next (policy_step's contract) of the policies whose key is the slot's score itself (h2o's
+    accumulated mass, tova's latest weight): the lowest scores go."""
+    n_drop = drops_ahead(lay, st, pend_drop)
+    if n_drop > 0:
+        copy_keys(st[0], lay[SCORE], lay[COUNT], 1.0)
+        pick_ahead(lay, st, n_drop, victims, pend, pend_drop)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.policies.base import STEP_GVOTE, Policy, step_params
+from ringllm.runtime.policies.base import Policy, step_params
+from ringllm.runtime.policy_step import bind_layer_step
 from ringllm.runtime.policies.random_policy import splitmix64
 from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
@@ -114,11 +115,28 @@ def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, 
     return budget
 
 
+@njit(cache=True, nogil=True)
+def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
+    """Nothing is chosen ahead: the budget needs the next token's query (fill_keys, Python path)."""
+
+
+@njit(cache=True, nogil=True)
+def observe_head(lay, mass, q, seq_new, hq0, prm):
+    """The new token's query rows join the history ring (prm's qhist (n_head, w, hd), column seq_new
+    mod w), as on_insert does on the Python path."""
+    width, qhist = prm[1], prm[9]
+    col = seq_new % width
+    for i in range(q.shape[0]):
+        for d in range(qhist.shape[2]):
+            qhist[hq0 + i, col, d] = q[i, d]
+
+
 class GVote(Policy):
     name = "gvote"
-
     plain_keys = True         # the synthetic queries vote over keys rotated from before RoPE
-    step_kind = STEP_GVOTE      # the compiled step writes the query history; eviction steps take fill_keys
+    # the compiled step runs the steps that evict nothing (it keeps the query history); eviction
+    # steps take the Python path (fill_keys)
+    layer_step = staticmethod(bind_layer_step("gvote", choose_next, observe_head, chooses_ahead=False))
 
     @staticmethod
     def default_recent(kv) -> int:

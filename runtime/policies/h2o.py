@@ -9,14 +9,25 @@ split between heavy hitters and the recent window.
 """
 from __future__ import annotations
 
+from numba import njit
+
 from ringllm.runtime.eviction import GRID_LOG
-from ringllm.runtime.policies.base import STEP_H2O, Policy, accumulate_mass, score_keys
+from ringllm.runtime.kv_write import COUNT, SCORE
+from ringllm.runtime.policies.base import Policy, accumulate_mass, choose_lowest_score, score_keys
+from ringllm.runtime.policy_step import bind_layer_step
+
+
+@njit(cache=True, nogil=True)
+def observe_head(lay, mass, q, seq_new, hq0, prm):
+    """Every held token's score grows by the mass it just received."""
+    accumulate_mass(lay[SCORE], mass, lay[COUNT])
 
 
 class H2O(Policy):
     name = "h2o"
     needs_mass = True
-    step_kind = STEP_H2O
+    # the victims: the lowest accumulated mass, the slots' score
+    layer_step = staticmethod(bind_layer_step("h2o", choose_lowest_score, observe_head))
 
     key_grid = GRID_LOG
 

@@ -19,8 +19,10 @@ from numba import njit
 
 from ringllm.runtime.eviction import GRID_ABS
 from ringllm.runtime.key_sum import KEY_SUM_FIXED, key_sums
-from ringllm.runtime.policies.base import STEP_RKV, Policy, step_params
-from ringllm.runtime.policies.snapkv import check_window, record_window, window_totals
+from ringllm.runtime.kv_write import AUX, COUNT, K, KSUM, SCORE
+from ringllm.runtime.policies.base import Policy, step_params
+from ringllm.runtime.policies.snapkv import check_window, observe_head, record_window, window_totals
+from ringllm.runtime.policy_step import bind_layer_step, drops_ahead, pick_ahead
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -47,10 +49,20 @@ def rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
             key[h, j] = lam * np.float64(tot_l[h, j]) * top - (1.0 - lam) * red
 
 
+@njit(cache=True, nogil=True)
+def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
+    """The next write's victims (policy_step's contract): importance against redundancy (prm's lam)."""
+    n_drop = drops_ahead(lay, st, pend_drop)
+    if n_drop > 0:
+        rkv_keys(st[0], lay[K], lay[AUX], lay[SCORE], lay[COUNT], lay[KSUM], prm[3], s)
+        pick_ahead(lay, st, n_drop, victims, pend, pend_drop)
+
+
 class RKV(Policy):
     name = "rkv"
     needs_mass = True
-    step_kind = STEP_RKV
+    # observe: the observation window of snapkv (its observe_head)
+    layer_step = staticmethod(bind_layer_step("rkv", choose_next, observe_head))
     plain_keys = True        # redundancy is measured between keys before RoPE
     keeps_key_sum = True     # the write kernel keeps the sum of unit keys (store.ksum) and 1/|k| (score)
 

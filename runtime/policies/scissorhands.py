@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from numba import njit
 
-from ringllm.runtime.policies.base import STEP_SCISSORHANDS, Policy, popcount, step_params
+from ringllm.runtime.kv_write import AUX, COUNT
+from ringllm.runtime.policies.base import Policy, popcount, step_params
+from ringllm.runtime.policy_step import bind_layer_step, drops_ahead, pick_ahead
 
 
 @njit(cache=True, nogil=True)
@@ -33,11 +35,26 @@ def unimportant_keys(key, aux_l, count_l):
             key[h, j] = -popcount(aux_l[h, j])
 
 
+@njit(cache=True, nogil=True)
+def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
+    """The next write's victims (policy_step's contract): the most steps unimportant."""
+    n_drop = drops_ahead(lay, st, pend_drop)
+    if n_drop > 0:
+        unimportant_keys(st[0], lay[AUX], lay[COUNT])
+        pick_ahead(lay, st, n_drop, victims, pend, pend_drop)
+
+
+@njit(cache=True, nogil=True)
+def observe_head(lay, mass, q, seq_new, hq0, prm):
+    """This step's bit of every held token's history (prm's width: the history length)."""
+    count_l = lay[COUNT]
+    update_history(lay[AUX], mass, count_l, q.shape[0] // count_l.shape[0], prm[1])
+
+
 class Scissorhands(Policy):
     name = "scissorhands"
-
     needs_mass = True
-    step_kind = STEP_SCISSORHANDS
+    layer_step = staticmethod(bind_layer_step("scissorhands", choose_next, observe_head))
 
     @staticmethod
     def default_recent(kv) -> int:

@@ -29,7 +29,9 @@ from numba import njit
 
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.eviction import GRID_LOG
-from ringllm.runtime.policies.base import STEP_SNAPKV, Policy, step_params
+from ringllm.runtime.kv_write import AUX, COUNT, HIST, RANK
+from ringllm.runtime.policies.base import Policy, step_params
+from ringllm.runtime.policy_step import bind_layer_step, drops_ahead, pick_ahead
 
 
 MASS_FIXED = 2.0 ** 48     # window totals are kept in fixed point, units of 2^-48 (module docstring)
@@ -103,10 +105,25 @@ def pooled_keys(key, tot_l, rank_l, count_l, pool, by_rank):
             key[h, j] = by_rank[P + rank_l[h, j]]
 
 
+@njit(cache=True, nogil=True)
+def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
+    """The next write's victims (policy_step's contract): the lowest pooled window mass (prm's pool)."""
+    n_drop = drops_ahead(lay, st, pend_drop)
+    if n_drop > 0:
+        pooled_keys(st[0], lay[AUX], lay[RANK], lay[COUNT], prm[0], by_rank)
+        pick_ahead(lay, st, n_drop, victims, pend, pend_drop)
+
+
+@njit(cache=True, nogil=True)
+def observe_head(lay, mass, q, seq_new, hq0, prm):
+    """The step's mass enters the observation window (prm's width: w), column seq_new mod w."""
+    record_window(lay[HIST], lay[AUX], mass, lay[COUNT], seq_new % prm[1])
+
+
 class SnapKV(Policy):
     name = "snapkv"
     needs_mass = True
-    step_kind = STEP_SNAPKV
+    layer_step = staticmethod(bind_layer_step("snapkv", choose_next, observe_head))
 
     @staticmethod
     def default_recent(kv) -> int:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from numba import njit
 
 from ringllm.runtime.eviction import GRID_LOG
-from ringllm.runtime.policies.base import STEP_TOVA, Policy, score_keys
+from ringllm.runtime.kv_write import COUNT, SCORE
+from ringllm.runtime.policies.base import Policy, choose_lowest_score, score_keys
+from ringllm.runtime.policy_step import bind_layer_step
 
 
 @njit(cache=True, nogil=True)
@@ -27,10 +29,24 @@ def latest_mean(score_l, mass, count_l, n_head):
             score_l[h, j] = acc
 
 
+@njit(cache=True, nogil=True)
+def observe_head(lay, mass, q, seq_new, hq0, prm):
+    """Nothing per head: the score is a mean over every head (observe_layer)."""
+
+
+@njit(cache=True, nogil=True)
+def observe_layer(lay, mass, q, prm):
+    """Every slot's score becomes the latest query's weight on it, averaged over the query heads."""
+    latest_mean(lay[SCORE], mass, lay[COUNT], q.shape[0])
+
+
 class TOVA(Policy):
     name = "tova"
     needs_mass = True
-    step_kind = STEP_TOVA
+    # the victims: the lowest mean weight (the slots' score); the mean couples the heads, so one
+    # choice for the layer after every head attended
+    layer_step = staticmethod(bind_layer_step("tova", choose_lowest_score, observe_head, observe_layer,
+                                              per_head_choice=False))
 
     key_grid = GRID_LOG
 

@@ -1,0 +1,63 @@
+"""Numba's disk cache of the policies' compiled layer steps: every policy's step is a copy of one
+function (policy_step.bind_layer_step) with the policy's kernels bound in, cached under its own
+name. A second process must load each from the cache (no compilation) and get the same results;
+a step cached under another policy's name would load that policy's machine code instead."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiny_checkpoints import build_tiny
+
+PROBE = r"""
+import json, sys
+import numpy as np
+from ringllm.models.loader import load_model
+from ringllm.runtime.engine import CPUEngine
+from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.policies import REGISTRY
+
+m = load_model(sys.argv[1], tokenizer=False)
+out = {}
+for name in sys.argv[2:]:
+    eng = CPUEngine(m.spec, m.tensors, n_batch=8)
+    st = eng.new_store(KVConfig(capacity=12, policy=name, sinks=2, window=4, pool=3))
+    logits = eng.logits(np.arange(30) % m.spec.n_vocab, st)
+    stats = REGISTRY[name].layer_step.stats
+    out[name] = {"logits": logits[-3:].round(6).tolist(), "hits": sum(stats.cache_hits.values()),
+                 "misses": sum(stats.cache_misses.values())}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny_cache_llama"))
+    build_tiny("llama", d)
+    return d
+
+
+def _probe(model_dir, policies):
+    """The probe in a new process, with this process's Numba cache directory (inherited)."""
+    res = subprocess.run([sys.executable, "-c", PROBE, model_dir, *policies], env=dict(os.environ),
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_policy_steps_load_from_cache_in_a_new_process(tiny_dir):
+    """Two policies with different flags (per-head choice, layer-wide choice): the first process
+    compiles their steps (unless an earlier one did), the second loads both from the cache, with
+    the same logits. (That the cached code is each policy's own is checked where every policy's
+    logits meet the reference engine's: test_policies_engine.)"""
+    policies = ["h2o", "tova"]
+    first = _probe(tiny_dir, policies)
+    warm = _probe(tiny_dir, policies)
+    for name in policies:
+        assert warm[name]["misses"] == 0 and warm[name]["hits"] >= 1, warm
+        assert warm[name]["logits"] == first[name]["logits"], name
+    assert first["h2o"]["logits"] != first["tova"]["logits"]
