@@ -2,14 +2,14 @@
 
 Numba's OpenMP layer (libgomp) spins for GOMP_SPINCOUNT (default 300,000) iterations before a
 waiting thread sleeps. When another process wants one of the cores, the spinning thread holds it
-while the thread that has work waits for the scheduler: measured here, a 2-thread decode with one
-busy process beside it went from p50 16 ms / p99 179 ms (default) to p50 18 ms / p99 23 ms with a
-spin count of 1,000, at the same speed on an idle machine (bench/results/long_stream.md). Set
-before libgomp is loaded; a value the user exported wins.
+while the thread that has work waits for the scheduler, and a decode step's tail latency grows
+several-fold; a spin count of 1,000 avoids that at the same speed on an idle machine (figures in
+bench/results/long_stream.md). Set before libgomp is loaded; a value the user exported wins.
 
 Numba's on-disk cache (cache=True) checks only the source file a kernel is defined in: a kernel
-that inlines one from another file (policy_step.policy_write_attend inlines the store's write
-kernel and the attention kernel) keeps its stale machine code when only that other file changes.
+that compiles in one from another file (a policy's layer step compiles in the store's write
+kernel, the attention kernel and the policy's own functions) keeps its stale machine code when only
+that other file changes.
 The cache therefore lives in a directory named by a hash of every source file of this package
 (under NUMBA_CACHE_DIR when the user set one, else ~/.cache/ringllm/numba): any change to the
 kernels starts a fresh cache, and the three newest directories are kept.

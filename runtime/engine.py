@@ -107,6 +107,7 @@ class CPUEngine:
         self.logits_buf = np.zeros((n_batch, spec.n_vocab), np.float32)
         nh, hd = spec.n_head, spec.head_dim
         self.sc = AttendScratch(nh, spec.n_head_kv, hd, spec.rotary_dim)     # one token's attention buffers
+        self.adopter_token = object()      # marks the stores adopt_store sized this engine's scratch for
         self.no_mass = np.zeros((0, 0), np.float32)
         self.qvar = np.zeros((REBASE_LIMIT, nh, hd), np.float32)     # attend_rebased: query per offset
         self.qvar_have = np.zeros(REBASE_LIMIT, np.int64)
@@ -167,11 +168,19 @@ class CPUEngine:
             for il, (a, b) in enumerate(zip(old, modes)):
                 store.convert_rope_layout(il, a, b)
         store.layer_rope_mode = modes
+        store.adopter = self.adopter_token
         if {"fused", "rk", "rebased"} & set(modes):
             for rope in self.layer_ropes:
                 rope.table.ensure(cap + REBASE_LIMIT + 1)
                 rope.full.ensure(cap + 1)
         return store
+
+    def _needs_adoption(self, store) -> bool:
+        """Whether `store` must go through adopt_store before this engine feeds it: a dense store this
+        engine has not adopted (new, forked, restored, or last fed by another engine) may need its
+        layout converted and this engine's scratch grown (the kernels index the scratch by slot,
+        unchecked). A paged store lays itself out."""
+        return not getattr(store, "paged", False) and getattr(store, "adopter", None) is not self.adopter_token
 
     def step(self, token: int, store: KVStore) -> np.ndarray:
         """Decode one token; returns its logits (n_vocab,) float32 (a view, valid until the next call)."""
@@ -204,7 +213,7 @@ class CPUEngine:
             if getattr(st, "paged", False):
                 raise ConfigError("step_batch works on dense KVStores; paged stores decode one at a time (step)")
             st.check_room(1)
-            if st.layer_rope_mode is None:
+            if self._needs_adoption(st):
                 self.adopt_store(st)
         if self.n_threads is not None:
             numba.set_num_threads(self.n_threads)
@@ -231,7 +240,7 @@ class CPUEngine:
         if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
             raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
         store.check_room(ids.size)
-        if store.layer_rope_mode is None:
+        if self._needs_adoption(store):
             self.adopt_store(store)
         if self.n_threads is not None:
             numba.set_num_threads(self.n_threads)
@@ -393,10 +402,7 @@ class CPUEngine:
         inserts = type(policy).on_insert is not Policy.on_insert
         layer_step = policy.layer_step if store.journal is None else None
         if layer_step is not None:
-            kv = store.kv
-            st = (store.key, policy.key_grid, store.drop_h, store.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop,
-                  store.layer_sinks[il], store.recent, store.reindexed, store.victims, store.update == "shift")
-            rw_rows = store.rotation_args(il, rows=True)
+            st, rw_rows = store.step_args(il, policy.key_grid), store.rotation_args(il, rows=True)
             pend, prm = store.pending(il), policy.step_params(store, il)
         for t in range(t0, t0 + T):
             seq = seq0 + t - t0

@@ -56,7 +56,7 @@ from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, keep_after
 from ringllm.runtime.key_sum import key_sums
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
-from ringllm.runtime.kv_write import LAYER_FIELDS, kv_write_policy, kv_write_shift, kv_write_streaming
+from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
 from ringllm.runtime.rope import LAYOUTS, rebase_limit
@@ -155,6 +155,7 @@ class KVStore:
         # GQA group), read by observe and mass_hook; every layer writes it in turn
         self.mass = np.zeros((nkv, max(phys)), np.float32)
         self._layer_rope_mode = None      # per layer "stored" | "fused" | "rk" | "kshift" | "rebased", set by the engine
+        self.adopter = None               # the token of the engine that adopted this store last (CPUEngine.adopt_store)
         self.layer_rebase = [0] * spec.n_layer    # REBASE_LIMIT on "rebased" layers, else 0 (follows layer_rope_mode)
         self.layer_inv_scale = [1.0 / spec.rope_scale[il] for il in range(spec.n_layer)]
         # RoPE of "rebased" policy layers, rotated as keys are written (kv_write_policy): per layer
@@ -292,6 +293,13 @@ class KVStore:
         the compiled step (policy_step's `pend`)."""
         return self.pend[il], self.pend_drop[il], self.pend_tag[il]
 
+    def step_args(self, il: int, key_grid: int) -> tuple:
+        """A policy layer step's `st` for layer il (policy_step's argument groups): (key, key_grid,
+        drop_h, capacity, lazy, slack, max_drop, sinks, recent, reindexed, victims, shift)."""
+        kv = self.kv
+        return (self.key, key_grid, self.drop_h, self.layer_capacity[il], kv.lazy, kv.slack, kv.max_drop,
+                self.layer_sinks[il], self.recent, self.reindexed, self.victims, self.update == "shift")
+
     def write_args(self, il: int, grid: int) -> tuple:
         """kv_write_policy's `wr` for layer il: (key, grid, drop_h, sinks, recent, reindexed, shift)."""
         return (self.key, grid, self.drop_h, self.layer_sinks[il], self.recent, self.reindexed, self.update == "shift")
@@ -319,6 +327,49 @@ class KVStore:
     def uses_policy(self, il: int) -> bool:
         """Whether layer il runs the policy (False: the plain ring of streaming/full or a sliding window)."""
         return not self.layer_ring[il]
+
+    def evict(self, il: int, slots) -> None:
+        """Remove chosen tokens from policy layer il: slots[h] (a sequence of ints per kv head, n_kv of
+        them) are the occupied slots head h drops, chosen by the caller (a press that compresses a
+        prefilled prompt; the store itself never decides). Ranks (and positions in reindexed mode)
+        follow, each hole takes the last occupied slot (kv_write.evict_slots), the policy's per-slot
+        state moves with its slot, rkv's key sums are rebuilt. ConfigError, with nothing changed, on a
+        ring layer, during a rollback journal, or for a slot that is empty, out of range or named twice."""
+        if not 0 <= il < self.spec.n_layer:
+            raise ConfigError(f"layer {il} out of range 0..{self.spec.n_layer - 1}")
+        if not self.uses_policy(il):
+            raise ConfigError(f"layer {il} is a ring (streaming, full or a sliding window): its slots are not evicted "
+                              "by choice")
+        if self.journal is not None:
+            raise ConfigError("evict during a rollback journal: commit() or rollback() first")
+        nkv = self.spec.n_head_kv
+        if len(slots) != nkv:
+            raise ConfigError(f"evict needs one list of slots per kv head ({nkv}); got {len(slots)}")
+        rows = []
+        for h in range(nkv):
+            row = np.asarray(slots[h], dtype=np.int64).reshape(-1)
+            n = int(self.count[il][h])
+            if row.size and (row.min() < 0 or row.max() >= n):
+                raise ConfigError(f"evict: head {h}'s slots must be occupied, in 0..{n - 1}; got {row.tolist()}")
+            if np.unique(row).size != row.size:
+                raise ConfigError(f"evict: head {h} names a slot twice: {row.tolist()}")
+            rows.append(row)
+        self.forget_pending(il)
+        for h, row in enumerate(rows):
+            if row.size:
+                self.victims[h, :row.size] = row
+                evict_slots(self.layers[il], h, self.victims[h], row.size, self.reindexed)
+        if self.ksum[il].shape[0] > 0:
+            key_sums(self.ksum[il], self.k[il], self.score[il], self.count[il])
+
+    def fork(self) -> "KVStore":
+        """An independent copy of this store (its tokens, positions and policy state): the copy and this
+        store can each be fed on from here, and each decodes exactly as this store would have (a chat
+        branch, a prompt prefix shared by several requests). The copy belongs to no engine yet: the
+        engine adopts it on its first use. ConfigError during a rollback journal."""
+        if self.journal is not None:
+            raise ConfigError("fork during a rollback journal: commit() or rollback() first")
+        return KVStore.restore(self.spec, self.state())
 
     def stats(self) -> dict:
         return {"capacity": self.capacity, "length": int(max(int(c.max()) for c in self.count)),

@@ -203,7 +203,7 @@ def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray) -> None:
     once into a small float32 scratch (n_cols x rows per thread, allocated per call) and multiplied
     with all T rows (register tiles of 4 tokens x 16 rows); tiles are split over
     numba.get_num_threads() threads. No BLAS: NumPy's OpenBLAS threads and Numba's OpenMP threads
-    spin against each other on a small machine (a 20-30x slowdown measured on 2 cores).
+    spin against each other on a small machine (many times slower on 2 cores).
 
     Raises:
         ConfigError: wrong type, dtype or shape of out or X.

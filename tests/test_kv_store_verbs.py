@@ -1,0 +1,118 @@
+"""The KV store's verbs beyond write: fork (an independent copy that decodes exactly as the original),
+evict (tokens chosen by the caller leave a policy layer), and adoption by an engine (a store fed to
+an engine that did not lay it out is adopted first, or refused when its layout cannot be)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringllm.models.loader import load_model
+from ringllm.runtime.engine import CPUEngine
+from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.key_sum import key_sums
+from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.kv_store import KVStore
+
+from tiny_checkpoints import build_tiny
+
+IDS = np.random.default_rng(11).permutation(256)[:60].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny_verbs_llama"))
+    build_tiny("llama", d)
+    return load_model(d, tokenizer=False)
+
+
+def _held(st, il):
+    return [sorted(st.seq[il][h, :st.count[il][h]].tolist()) for h in range(st.seq[il].shape[0])]
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "rkv", "adakv"])
+def test_fork_decodes_like_the_original(tiny, policy):
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    kv = KVConfig(capacity=16, policy=policy, sinks=2, window=4, pool=3)
+    a, ref = eng.new_store(kv), eng.new_store(kv)
+    eng.prefill(IDS[:30], a)
+    eng.prefill(IDS[:30], ref)
+    b = a.fork()
+    assert b.adopter is None                        # the copy is laid out by the engine on first use
+    for t in IDS[30:45]:
+        la, lb = eng.step(t, a).copy(), eng.step(t, b).copy()
+        np.testing.assert_array_equal(la, lb)
+        np.testing.assert_array_equal(la, eng.step(t, ref))
+    for name in a.array_fields:                     # the copy shares no array with the original
+        for x, y in zip(getattr(a, name), getattr(b, name)):
+            assert not np.shares_memory(x, y)
+            np.testing.assert_array_equal(x, y)
+
+
+def test_fork_during_a_journal_is_refused(tiny):
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    st = eng.new_store(KVConfig(capacity=16, policy="h2o", sinks=2))
+    eng.prefill(IDS[:20], st)
+    st.begin_journal(4)
+    with pytest.raises(ConfigError, match="journal"):
+        st.fork()
+    with pytest.raises(ConfigError, match="journal"):
+        st.evict(0, [[0], [0]])
+    st.commit()
+    st.fork()
+
+
+@pytest.mark.parametrize("policy", ["h2o", "rkv"])
+def test_evict_removes_the_chosen_tokens(tiny, policy):
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    st = eng.new_store(KVConfig(capacity=32, policy=policy, sinks=2, window=4))
+    eng.prefill(IDS[:24], st)                        # nothing evicted yet: 24 held per head
+    before = _held(st, 1)
+    gone = [[5, 9, 17], [0, 23]]                     # sequence indices per kv head
+    slots = [[int(np.flatnonzero(st.seq[1][h] == s)[0]) for s in gone[h]] for h in range(2)]
+    kept_score = {(h, int(st.seq[1][h, j])): st.score[1][h, j] for h in range(2) for j in range(24)}
+    st.evict(1, slots)
+    for h in range(2):
+        n = int(st.count[1][h])
+        assert _held(st, 1)[h] == [s for s in before[h] if s not in gone[h]]
+        assert int(st.evicted[1][h]) == len(gone[h])
+        seq = st.seq[1][h, :n]
+        np.testing.assert_array_equal(st.rank[1][h, :n], np.argsort(np.argsort(seq)))   # ranks follow
+        assert (st.seq[1][h, n:] == -1).all()
+        for j in range(n):                           # per-slot policy state moved with its token
+            assert st.score[1][h, j] == kept_score[(h, int(seq[j]))]
+    if st.ksum[1].shape[0]:                           # rkv: the key sums equal a rebuild
+        ks, sc = st.ksum[1].copy(), st.score[1].copy()
+        key_sums(ks, st.k[1], sc, st.count[1])
+        np.testing.assert_array_equal(ks, st.ksum[1])
+    assert all(len(x) == 24 for x in _held(st, 0))   # other layers untouched
+    logits = eng.step(IDS[24], st)                   # and decoding goes on
+    assert np.isfinite(logits).all()
+
+
+def test_evict_bad_input_changes_nothing(tiny):
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    ring = eng.new_store(KVConfig(capacity=16, policy="streaming", sinks=2))
+    eng.prefill(IDS[:10], ring)
+    with pytest.raises(ConfigError, match="ring"):
+        ring.evict(0, [[1], [1]])
+    st = eng.new_store(KVConfig(capacity=16, policy="h2o", sinks=2))
+    eng.prefill(IDS[:10], st)
+    snapshot = {k: v.copy() for k, v in st.state()["arrays"].items()}
+    for il, slots, msg in [(0, [[1]], "one list of slots per kv head"), (0, [[10], []], "occupied"),
+                           (0, [[-1], []], "occupied"), (0, [[2, 2], []], "twice"), (7, [[1], [1]], "out of range")]:
+        with pytest.raises(ConfigError, match=msg):
+            st.evict(il, slots)
+    for k, v in st.state()["arrays"].items():
+        np.testing.assert_array_equal(v, snapshot[k])
+
+
+def test_a_store_fed_to_another_engine_is_adopted_or_refused(tiny):
+    a = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    st = a.new_store(KVConfig(capacity=12, policy="streaming", sinks=2))
+    a.prefill(IDS[:20], st)
+    restored = KVStore.restore(tiny.spec, st.state())
+    b = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)           # a fresh engine: scratch not sized yet
+    np.testing.assert_array_equal(b.step(IDS[20], restored), a.step(IDS[20], st))
+    fused = CPUEngine(tiny.spec, tiny.tensors, n_batch=8, rope="fused")
+    with pytest.raises(ConfigError, match="laid out"):       # keys rotated for "stored": not silently misread
+        fused.step(IDS[21], st)
