@@ -59,8 +59,7 @@ from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_m
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
-from ringllm.runtime.rope import LAYOUTS, rebase_limit
-from ringllm.runtime.rope_kernels import rotate_keys_to
+from ringllm.runtime.rope import LAYOUTS, rebase_limit, relayout_keys
 
 # ---------------------------------------------------------------------------------------------
 # Store
@@ -272,21 +271,8 @@ class KVStore:
         return out
 
     def convert_rope_layout(self, il: int, old: str, new: str) -> None:
-        """Re-lay the keys of policy layer il from RoPE strategy `old` to `new`, both in ("fused",
-        "rebased"): keys before RoPE (a store saved before "rebased" existed, or an engine built with
-        rope "fused") or rotated at kbase. Exact up to float32 rounding of one rotation."""
-        if old == new:
-            return
-        self.forget_pending(il)
-        if {old, new} != {"fused", "rebased"}:
-            raise ConfigError(f"cannot convert layer {il}'s keys from RoPE strategy {old!r} to {new!r}")
-        if old == "fused":
-            self.kbase[il][...] = 0
-        target = self.pos[il] if new == "rebased" else np.zeros_like(self.kbase[il])
-        rotate_keys_to(self.k[il], self.kbase[il], target, self.count[il], self.layer_inv_freq[il],
-                       1.0 / self.spec.rope_scale[il], self.spec.rotary_dim, *self.rotation_cache(il))
-        if new == "fused":
-            self.kbase[il][...] = 0
+        """Re-lay the keys of policy layer il from layout `old` to `new` (rope.relayout_keys)."""
+        relayout_keys(self, il, old, new)
 
     def pending(self, il: int) -> tuple:
         """(pend, pend_drop, pend_tag) of layer il: the victims its next write drops, chosen ahead by

@@ -33,7 +33,8 @@ from __future__ import annotations
 import numpy as np
 
 from ringllm.runtime.attention import attend, attend_rk, attend_stored
-from ringllm.runtime.rope_kernels import REBASE_LIMIT, kv_write_kshift, rk_write, rope_rows_at
+from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.rope_kernels import REBASE_LIMIT, kv_write_kshift, rk_write, rope_rows_at, rotate_keys_to
 
 # ---------------------------------------------------------------------------------------------
 # Tables
@@ -150,10 +151,16 @@ class RopeStrategy:
     Every strategy holds the same tokens and gives the same scores up to float32 rounding.
 
     table_rows: rows the RopeTables start with (strategies that read table rows at every position
-    start large; the others compute angles directly and need none up front)."""
+    start large; the others compute angles directly and need none up front). rebase: the write
+    kernels' `rebase` argument for a layer in this layout (kv_write.kv_write_policy): REBASE_LIMIT
+    when keys are rotated at their base position as they are written, else 0 (keys stored as given).
+    A policy layer ("fused" or "rebased") is written and attended by the policy's compiled step or
+    policy_step.policy_write_attend, which take the layout through `rebase`; write/attend serve the
+    ring layers."""
 
     name = ""
     table_rows = 1
+    rebase = 0
 
     def write(self, store, il: int, rope: LayerRope, k: np.ndarray, v: np.ndarray, seq: int,
               sc: AttendScratch) -> None:
@@ -236,13 +243,46 @@ class RKCacheRope(RopeStrategy):
                   sc.qrot, mass)
 
 
+class RebasedRope(RopeStrategy):
+    """Policy layers: keys rotated at a per-slot base position kbase as they are written, kept within
+    REBASE_LIMIT of the slot's position (the attention pass re-rotates those the evictions pushed
+    out); the query is rotated once per offset in use (attention.attend_rebased). A policy permutes
+    and re-ranks slots freely, so the offsets of "stored" would vary from slot to slot; these stay
+    few. Written and attended through the policy step (class docstring of RopeStrategy)."""
+
+    name = "rebased"
+    table_rows = 4096
+    rebase = REBASE_LIMIT
+
+
 # the strategies an engine may use for its ring layers, by name
 STRATEGIES: dict[str, RopeStrategy] = {s.name: s for s in (StoredRope(), FusedRope(), RKCacheRope(), KShiftRope())}
 # every layout a store's layer may be in: the ring strategies and the policy layers' "rebased"
-LAYOUTS = tuple(STRATEGIES) + ("rebased",)
+LAYOUT_STRATEGIES: dict[str, RopeStrategy] = {**STRATEGIES, "rebased": RebasedRope()}
+LAYOUTS = tuple(LAYOUT_STRATEGIES)
 
 
 def rebase_limit(layout: str | None) -> int:
-    """The write kernels' `rebase` argument for a layer laid out as `layout`: REBASE_LIMIT for
-    "rebased" (keys rotated at kbase as they are written), else 0 (keys stored as given)."""
-    return REBASE_LIMIT if layout == "rebased" else 0
+    """The write kernels' `rebase` argument for a layer laid out as `layout` (RopeStrategy.rebase; 0
+    for a layer not laid out yet)."""
+    return 0 if layout is None else LAYOUT_STRATEGIES[layout].rebase
+
+
+def relayout_keys(store, il: int, old: str, new: str) -> None:
+    """Re-lay the keys of policy layer il of `store` (a KVStore) from layout `old` to `new`, both in
+    ("fused", "rebased"): keys before RoPE (a store saved before "rebased" existed, or one an engine
+    built with rope "fused" laid out) or rotated at kbase. Exact up to float32 rounding of one
+    rotation. ConfigError for any other pair: ring layouts are fixed for a store's life."""
+    if old == new:
+        return
+    if {old, new} != {"fused", "rebased"}:
+        raise ConfigError(f"cannot convert layer {il}'s keys from RoPE strategy {old!r} to {new!r}")
+    store.forget_pending(il)
+    kbase = store.kbase[il]
+    if old == "fused":
+        kbase[...] = 0
+    target = store.pos[il] if new == "rebased" else np.zeros_like(kbase)
+    rotate_keys_to(store.k[il], kbase, target, store.count[il], store.layer_inv_freq[il], store.layer_inv_scale[il],
+                   store.spec.rotary_dim, *store.rotation_cache(il))
+    if new == "fused":
+        kbase[...] = 0
