@@ -15,6 +15,7 @@ from __future__ import annotations
 from numba import njit
 
 from ringllm.runtime.attention import group_scores, scale_group, softmax_inplace
+from ringllm.runtime.eviction import count_below
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import rotate_into
 
@@ -33,14 +34,7 @@ def gather_slots(slots, spos, seq_l, table, n_table, held, n_held, reindexed):
             if s < 0:
                 continue
             if reindexed:
-                lo, hi = 0, n_held
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if held[mid] < s:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                spos[j] = lo
+                spos[j] = count_below(held, n_held, s)
             else:
                 spos[j] = s
             slots[j] = blk * B + o

@@ -45,6 +45,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.eviction import count_below
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -161,13 +162,7 @@ def held_insert(held_l, n, s):
 @njit(cache=True, nogil=True)
 def held_remove(held_l, n, s):
     """Remove token s from the sorted held_l[:n]. Returns its rank, -1 when absent."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if held_l[mid] < s:
-            lo = mid + 1
-        else:
-            hi = mid
+    lo = count_below(held_l, n, s)
     if lo >= n or held_l[lo] != s:
         return -1
     for j in range(lo, n - 1):

@@ -50,7 +50,7 @@ class Policy:
     @staticmethod
     def default_recent(kv) -> int:
         """Newest held tokens protected when KVConfig.recent is None (KVConfig.resolved_recent); kv is
-        the config, validated up to its recent window. None by default."""
+        the config, validated up to its recent window. 0 (none protected) by default."""
         return 0
 
     def layer_budgets(self, capacity: int, n_layer: int) -> list[int]:
