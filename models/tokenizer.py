@@ -156,11 +156,18 @@ _BYTE_TO_CHAR = byte_alphabet()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
+# str.translate table: each byte-alphabet character -> the character of its byte (U+0000..U+00FF, so
+# latin-1 encodes it to that byte); each other character below U+0100 -> one latin-1 cannot encode
+_TO_LATIN1 = {**{i: "\U0010FFFF" for i in range(256)}, **{ord(c): chr(b) for c, b in _CHAR_TO_BYTE.items()}}
+
+
 def _byte_level_bytes(token: str) -> bytes:
-    """The bytes a byte-level vocabulary token stands for."""
-    if all(c in _CHAR_TO_BYTE for c in token):
-        return bytes(_CHAR_TO_BYTE[c] for c in token)
-    return token.encode("utf-8")
+    """The bytes a byte-level vocabulary token stands for: its characters' bytes when all are in the
+    byte alphabet, else (a token written as plain text) its UTF-8."""
+    try:
+        return token.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        return token.encode("utf-8")
 
 
 def _spm_bytes(token: str) -> bytes:

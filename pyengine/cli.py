@@ -89,10 +89,19 @@ def _load(args, tokenizer: bool = True):
     return model
 
 
-def _llm(args):
+def _llm(args, warmup: bool = False):
+    """The LLM the arguments describe. warmup: compile (or load) its kernels before returning (chat and
+    serve, which wait for input anyway) rather than at the first prompt (generate, where the
+    compile time is reported apart: "compiled kernels in N s")."""
     from ringllm.llm import LLM
     return LLM(args.model, kv=_kv_config(args), backend=args.engine, n_threads=args.threads,
-               seed=args.seed if args.seed is not None else 0, progress=not args.no_progress)
+               seed=args.seed if args.seed is not None else 0, progress=not args.no_progress, warmup=warmup)
+
+
+def _say_compiled(seconds: float) -> None:
+    """One stderr line for kernels compiled in this run (none: nothing printed)."""
+    if seconds >= 0.05:
+        print(f"[compiled kernels in {seconds:.1f} s; later runs load them from the cache]", file=sys.stderr)
 
 
 def _sampling(args) -> dict:
@@ -140,6 +149,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         sys.stdout.write("\n")
+        _say_compiled(llm.compile_s + tm.compile_s)
         print(f"[{len(ids)} prompt tokens at {result['prompt_tok_s']} tok/s, {len(gen.tokens)} generated at "
               f"{result['gen_tok_s']} tok/s, {args.engine} engine, finish: {result['finish_reason']}]",
               file=sys.stderr)
@@ -171,6 +181,7 @@ def _speculate(args: argparse.Namespace, llm, ids: list[int], t_load: float) -> 
         print(json.dumps(result))
     else:
         print(out.text)
+        _say_compiled(llm.compile_s + tm.compile_s)
         print(f"[{len(ids)} prompt tokens, {len(out.tokens)} generated at {result['gen_tok_s']} tok/s, draft "
               f"{args.speculative} gamma {args.gamma}: acceptance {sp['acceptance']:.2f}, "
               f"{sp['tokens_per_round']:.2f} tokens/round, finish: {out.finish_reason}]", file=sys.stderr)
@@ -209,7 +220,7 @@ _CHAT_HELP = ("commands: /reset (forget the conversation), /save FILE, /load FIL
 
 
 def _chat(args: argparse.Namespace) -> int:
-    llm = _llm(args)
+    llm = _llm(args, warmup=True)
     defaults = {k: v for k, v in _sampling(args).items() if v is not None}
     session = llm.chat_session(system=args.system, seed=args.seed, max_tokens=args.n_predict, **defaults)
     if args.load:
@@ -355,7 +366,8 @@ def _bench(args: argparse.Namespace) -> int:
         kv = _kv_config(args)
     rng = np.random.default_rng(0)
     prompt = rng.integers(min(100, model.spec.n_vocab - 1), min(5000, model.spec.n_vocab), args.pp).tolist()
-    eng.prefill(prompt[:16], eng.new_store(kv))   # warm-up: JIT from cache, page in the weights
+    from ringllm.runtime.warmup import warm
+    warm(eng, kv)              # compile or load every kernel the runs use, page in the weights
     tg, pp = [], []
     for _ in tqdm(range(args.repeats), desc="bench", file=sys.stderr, disable=args.no_progress, leave=False):
         st = eng.new_store(kv)
@@ -394,7 +406,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from ringllm.server import ServerSettings, serve
 
-    llm = _llm(args)
+    llm = _llm(args, warmup=True)
     key = args.api_key if args.api_key is not None else os.environ.get("RINGLLM_API_KEY") or None
     settings = ServerSettings(api_key=key, max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
                               queue_size=args.queue_size, max_batch=args.max_batch, model_name=args.model_name,
@@ -403,6 +415,35 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"ringllm serve: model {name!r} on http://{args.host}:{args.port}/v1 "
           f"({'API key required' if key else 'no API key'}; docs at /docs)", file=sys.stderr, flush=True)
     serve(llm, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
+    return 0
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    from ringllm.kernel_warmup import warmup
+
+    if args.engine != "cpu":
+        raise ConfigError("warmup compiles the cpu engine's kernels (the cuda backend is built at install time)")
+    policies = args.policy or None
+    t0 = time.perf_counter()
+
+    def report(r):
+        if not args.json:
+            what = "shared kernels" if r.policy == "full" else f"policy {r.policy}"
+            print(f"  {what}: compiled {r.signatures} kernel signatures in {r.compile_s:.1f} s", file=sys.stderr,
+                  flush=True)
+
+    if not args.json:
+        print(f"ringllm warmup: compiling kernels for this CPU into {os.environ.get('NUMBA_CACHE_DIR') or 'the cache'}",
+              file=sys.stderr, flush=True)
+    results = warmup(args.model, policies, jobs=args.jobs, knobs={"positions": args.positions}, report=report)
+    wall = time.perf_counter() - t0
+    total = sum(r.compile_s for r in results)
+    if args.json:
+        print(json.dumps({"cache_dir": os.environ.get("NUMBA_CACHE_DIR"), "wall_s": round(wall, 3),
+                          "compile_s": round(total, 3), "results": [vars(r) for r in results]}))
+    else:
+        print(f"[warm: {sum(r.signatures for r in results)} signatures compiled ({total:.1f} s of compiling) in "
+              f"{wall:.1f} s; a new process now loads them from the cache]", file=sys.stderr)
     return 0
 
 
@@ -503,10 +544,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--seed", type=int, default=None, help="seed of requests that give none")
     s.set_defaults(func=_serve)
+
+    w = sub.add_parser("warmup", help="compile a model's kernels now (once per CPU and ringllm version), so later "
+                                      "runs start without compiling")
+    w.add_argument("-m", "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    w.add_argument("--engine", "--backend", dest="engine", choices=("cpu", "cuda", "reference"), default="cpu")
+    w.add_argument("--policy", action="append", choices=POLICIES, default=None,
+                   help="eviction policy to compile for (repeatable; default: every policy)")
+    w.add_argument("--positions", choices=POSITION_MODES, default="reindexed")
+    w.add_argument("-j", "--jobs", type=int, default=None, help="processes compiling side by side (default: cores)")
+    w.add_argument("--json", action="store_true", help="print one JSON object")
+    w.set_defaults(func=_warmup)
     return p
 
 
-_POSITIVE = ("threads", "kv_capacity", "chunks", "tokens", "tg", "pp", "repeats", "max_tokens_cap", "max_body_bytes",
+_POSITIVE = ("threads", "jobs", "kv_capacity", "chunks", "tokens", "tg", "pp", "repeats", "max_tokens_cap", "max_body_bytes",
              "queue_size", "max_batch", "default_max_tokens")
 _NON_NEGATIVE = ("n_predict", "seed", "port")
 

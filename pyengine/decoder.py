@@ -27,6 +27,8 @@ import numpy as np
 
 from ringllm.backends import check_room, engine_peak_memory
 from ringllm.generation import Chunk, Record
+from ringllm.runtime import compile_clock
+from ringllm.runtime.compile_clock import CompileSpan
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.sampling import Sampler, StopMatcher
 
@@ -69,7 +71,8 @@ class Decoder:
         self._fed: int | None = None            # the token feed() handed out, awaiting its logits
         self._pending: tuple[str, bool, str | None] | None = None     # (text, stop hit, finish) of feed()
         self._index = 0
-        self._t1: float | None = None
+        self._t1: float | None = None         # wall clock and compile seconds when the token clock started
+        self._c1 = 0.0
         self._text_dec = None
 
     @property
@@ -83,20 +86,33 @@ class Decoder:
         rec.prompt_tokens = len(ids)
         t0 = time.perf_counter()
         rec.in_engine = True
-        logits = llm.engine.prefill(ids, self.store)
+        with CompileSpan() as compiling:
+            logits = llm.engine.prefill(ids, self.store)
         rec.in_engine = False
         rec.fed.extend(ids)
-        tm.prompt_tokens, tm.prompt_s = len(ids), time.perf_counter() - t0
+        tm.prompt_tokens, tm.prompt_s = len(ids), time.perf_counter() - t0 - compiling.seconds
+        tm.compile_s += compiling.seconds
         tm.peak_memory_bytes = engine_peak_memory(llm.engine)
         if self.max_tokens == 0:
             rec.finish_reason, rec.done = "length", True
             return
         self._text_dec = llm.tokenizer.stream_decoder()
-        self._t1 = time.perf_counter()
+        self._start_clock()
         self._next = self.sampler.sample(logits, self.history)
         if self._next in self.eos:
             rec.finish_reason, rec.done = "stop", True
-            tm.gen_s = time.perf_counter() - self._t1
+            self._stop_clock()
+
+    def _start_clock(self) -> None:
+        """Start timing generated tokens (wall time and the process's compile seconds)."""
+        self._t1, self._c1 = time.perf_counter(), compile_clock.totals()[0]
+
+    def _stop_clock(self) -> None:
+        """Add the time since _start_clock to gen_s, less the kernels compiled meanwhile (compile_s)."""
+        tm = self.record.timings
+        compiled = compile_clock.totals()[0] - self._c1
+        tm.gen_s += time.perf_counter() - self._t1 - compiled
+        tm.compile_s += compiled
 
     def feed(self) -> int | None:
         """Take the sampled token into the output; returns it when the engine must run it (its
@@ -106,7 +122,7 @@ class Decoder:
             raise RingLLMError("Decoder.feed() out of turn: call prefill() first, then feed() and advance() "
                                "alternately until done")
         if self._t1 is None:
-            self._t1 = time.perf_counter()
+            self._start_clock()
         rec, token = self.record, self._next
         self.history.append(token)
         rec.tokens.append(token)
@@ -144,7 +160,7 @@ class Decoder:
             text += tail if hit2 else tail + self.stopper.flush()
         rec.text += text
         tm.gen_tokens = len(rec.tokens)
-        tm.gen_s += time.perf_counter() - self._t1
+        self._stop_clock()
         tm.peak_memory_bytes = engine_peak_memory(self.llm.engine)
         if finish is not None:
             rec.finish_reason, rec.done = finish, True

@@ -35,13 +35,16 @@ def peak_rss_bytes() -> int:
 @dataclass
 class Timings:
     """Speed of one generation. prompt_*: the prefill; gen_*: the generated tokens (time spent
-    producing them, not the caller's time between chunks); peak_memory_bytes: the process's peak
-    resident memory so far (plus the GPU's peak where the backend reports one)."""
+    producing them, not the caller's time between chunks); compile_s: time spent compiling kernels
+    met for the first time during this generation, left out of prompt_s and gen_s (0 once the
+    kernels are compiled or loaded from the cache); peak_memory_bytes: the process's peak resident
+    memory so far (plus the GPU's peak where the backend reports one)."""
 
     prompt_tokens: int = 0
     prompt_s: float = 0.0
     gen_tokens: int = 0
     gen_s: float = 0.0
+    compile_s: float = 0.0
     peak_memory_bytes: int = 0
 
     @property

@@ -45,9 +45,11 @@ from ringllm.chat_template import check_template_kwargs, render_chat
 from ringllm.decoder import Decoder, check_max_tokens
 from ringllm.generation import Chunk, Completion, Generation, Record, Timings
 from ringllm.models.loader import load_model
+from ringllm.runtime.compile_clock import CompileSpan
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.speculative import make_layer_draft, speculative_generate
+from ringllm.runtime.warmup import warm
 from ringllm.sampling import Sampler, SamplingParams, StopMatcher
 from ringllm.session import ChatSession
 
@@ -69,12 +71,15 @@ class LLM:
         seed: seeds the generator that seeds each call made without its own seed.
         progress: tqdm bars while loading (None: only when stderr is a terminal).
         chat_template: overrides the model's chat template.
+        warmup: run every kernel this LLM's KV config uses once now (runtime/warmup.py), so the first
+            generation does not pay for compiling them; .compile_s holds the seconds that took.
+            Without it, kernels compile when first used and Timings.compile_s reports that time.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, kv: KVConfig | dict | None = None,
                  backend: str = "cpu", n_threads: int | None = None, seed: int = 0, *,
                  n_batch: int = 64, progress: bool | None = None, chat_template: str | None = None,
-                 warmup: bool = True):
+                 warmup: bool = False):
         if kv is None:
             kv = KVConfig()
         elif isinstance(kv, dict):
@@ -101,12 +106,13 @@ class LLM:
             self.spec, self.tokenizer = self.model.spec.for_context(reach), self.model.tokenizer
             self.kv, self.backend, self.n_threads, self.seed = kv, backend, n_threads, int(seed)
             self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch)
+            self.compile_s = 0.0
             bar.update(1)
             if warmup and backend != "reference":
                 bar.set_description("warming up")
-                st = self._engine.new_store(KVConfig(capacity=4, policy="full"))
-                self._engine.prefill([0, 0], st)
-                self._engine.step(0, st)
+                with CompileSpan() as compiling:
+                    warm(self._engine, kv)
+                self.compile_s = compiling.seconds
                 bar.update(1)
         finally:
             bar.close()
@@ -340,15 +346,18 @@ class LLM:
         d_store = d_engine.new_store(d_kv)
         with self.engine_lock(store):
             t0 = time.perf_counter()
-            toks, stats = speculative_generate(self._engine, store, d_engine, d_store, ids, int(max_tokens), int(gamma))
-            wall = time.perf_counter() - t0
+            with CompileSpan() as compiling:
+                toks, stats = speculative_generate(self._engine, store, d_engine, d_store, ids, int(max_tokens),
+                                                   int(gamma))
+            wall = time.perf_counter() - t0 - compiling.seconds
         finish = "length"
         eos = frozenset() if ignore_eos else self.tokenizer.eos_ids
         cut = next((i for i, t in enumerate(toks) if t in eos), None)
         if cut is not None:
             toks, finish = toks[:cut], "stop"
         tm = Timings(prompt_tokens=len(ids), prompt_s=wall - stats["total_s"], gen_tokens=len(toks),
-                     gen_s=stats["total_s"], peak_memory_bytes=engine_peak_memory(self._engine))
+                     gen_s=stats["total_s"], compile_s=compiling.seconds,
+                     peak_memory_bytes=engine_peak_memory(self._engine))
         return Completion(self.tokenizer.decode(toks), toks, finish, len(ids), tm, stats)
 
     def chat(self, messages: list[dict], stream: bool = False, chat_template_kwargs: dict | None = None,

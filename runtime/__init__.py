@@ -11,17 +11,20 @@ that compiles in one from another file (a policy's layer step compiles in the st
 kernel, the attention kernel and the policy's own functions) keeps its stale machine code when only
 that other file changes.
 The cache therefore lives in a directory named by a hash of every source file of this package
-(under NUMBA_CACHE_DIR when the user set one, else ~/.cache/ringllm/numba): any change to the
-kernels starts a fresh cache, and the three newest directories are kept.
+(under NUMBA_CACHE_DIR when the user set one, else ~/.cache/ringllm/numba, else the temporary
+directory): any change to the kernels starts a fresh cache, and the three newest directories are kept.
 """
 import hashlib
 import os
 import shutil
+import sys
+import tempfile
 
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
-def _numba_cache_dir() -> str:
+def _source_digest() -> str:
+    """Hash of every source file of this package: names the cache directory of this exact code."""
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha1()
     for root, dirs, files in os.walk(here):
@@ -30,19 +33,46 @@ def _numba_cache_dir() -> str:
             if name.endswith(".py"):
                 with open(os.path.join(root, name), "rb") as f:
                     digest.update(name.encode() + b"\0" + f.read())
-    base = os.environ["RINGLLM_NUMBA_CACHE_BASE"] or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ringllm", "numba")
-    path = os.path.join(base, digest.hexdigest()[:16])
-    try:
-        os.makedirs(path, exist_ok=True)
-        os.utime(path)
-        olds = sorted((e for e in os.scandir(base) if e.is_dir() and len(e.name) == 16 and e.path != path),
-                      key=lambda e: e.stat().st_mtime, reverse=True)
-        for e in olds[2:]:
-            shutil.rmtree(e.path, ignore_errors=True)
-    except OSError:
-        return ""          # unwritable: Numba falls back to its own locations
+    return digest.hexdigest()[:16]
+
+
+def _claim(base: str, digest: str) -> str:
+    """base/digest created, touched and shown writable (the two newest others kept, older removed);
+    raises OSError when it cannot be written."""
+    path = os.path.join(base, digest)
+    os.makedirs(path, exist_ok=True)
+    os.utime(path)
+    probe = os.path.join(path, f".write-probe-{os.getpid()}")
+    with open(probe, "w"):
+        pass
+    os.remove(probe)
+    olds = sorted((e for e in os.scandir(base) if e.is_dir() and len(e.name) == 16 and e.path != path),
+                  key=lambda e: e.stat().st_mtime, reverse=True)
+    for e in olds[2:]:
+        shutil.rmtree(e.path, ignore_errors=True)
     return path
+
+
+def _numba_cache_dir() -> str:
+    """The kernel cache directory: under the user's NUMBA_CACHE_DIR or ~/.cache/ringllm/numba; when
+    that cannot be written (a read-only home in a container), under the system's temporary directory,
+    said once on stderr. "" when no directory can be written (Numba then compiles in every process)."""
+    digest = _source_digest()
+    preferred = os.environ["RINGLLM_NUMBA_CACHE_BASE"] or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ringllm", "numba")
+    fallback = os.path.join(tempfile.gettempdir(), f"ringllm-numba-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    for base in (preferred, fallback):
+        try:
+            path = _claim(base, digest)
+        except OSError as exc:
+            reason = exc
+            continue
+        if base != preferred and not os.environ.get("RINGLLM_CACHE_FALLBACK_SAID"):
+            os.environ["RINGLLM_CACHE_FALLBACK_SAID"] = "1"      # once, child processes included
+            print(f"ringllm: cannot write the kernel cache under {preferred} ({reason.strerror or reason}); "
+                  f"using {base} instead (set NUMBA_CACHE_DIR to choose)", file=sys.stderr)
+        return path
+    return ""
 
 
 def _set_numba_cache_dir() -> None:
@@ -57,3 +87,7 @@ def _set_numba_cache_dir() -> None:
 
 
 _set_numba_cache_dir()
+
+from ringllm.runtime import compile_clock  # noqa: E402  (after the cache directory is set)
+
+compile_clock.set_cache_dir(os.environ.get("NUMBA_CACHE_DIR"))

@@ -29,7 +29,8 @@ from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies.base import Policy
 from ringllm.runtime.policy_step import policy_write_attend
-from ringllm.runtime.ops import ACT_CODES, add_bias, act_inplace, gated_act, layer_norm_rows, rms_norm_rows, softcap
+from ringllm.runtime.ops import (ACT_CODES, act_inplace, add_bias, gated_act, gated_act_fused, layer_norm_rows,
+                                 rms_norm_rows, softcap)
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.rope import STRATEGIES, AttendScratch, layer_ropes
 from ringllm.runtime.rope_kernels import REBASE_LIMIT
@@ -445,9 +446,8 @@ class CPUEngine:
         p = f"blk.{il}."
         gate_up = self.mats.get(p + "ffn_gate_up.weight")
         if gate_up is not None and p + "ffn_gate.bias" not in self.vecs and p + "ffn_up.bias" not in self.vecs:
-            n_ff = self.spec.n_ff
             self._matmul(b.ff_gu, gate_up, b.h)
-            gated_act(b.ff_a, b.ff_gu[:, :n_ff], b.ff_gu[:, n_ff:], self.act)
+            gated_act_fused(b.ff_a, b.ff_gu, self.act)
             self._linear(b.h2, p + "ffn_down", b.ff_a)
             return
         self._linear(b.ff_b, p + "ffn_up", b.h)

@@ -1,32 +1,34 @@
 """Prefill matmul of packed weights, and the tile decoder it shares with unpack.
 
-matmul_tiles(out, buf, X, family, kind, nb, wts): out (T, n_rows) float32 = X @ W.T for X (T, n_cols)
+MATMUL_TILES[family](out, buf, X, kind, nb, wts): out (T, n_rows) float32 = X @ W.T for X (T, n_cols)
 float32, W a packed matrix (buf from pack, layout in quant_tiles.py). Each tile of W (16 or 24 rows)
 is decoded once into a small float32 scratch, transposed (n_cols, rows), and multiplied with all T
 rows of X in register tiles of up to 4 tokens x 24 rows; the tiles are split into contiguous runs,
 one per prange iteration. The weights are thus read and decoded once per call instead of once per
 token; for a few tokens, one matvec per token is faster (mv.matmul picks, see MATMUL_MIN_T there).
 
-unpack_tiles decodes tiles into a caller's array (mv.unpack, mv.unpack_rows). Decoded values equal
-ggml's dequantization (d * q + m evaluated with one fma, so within an ulp of gguf's separately
+UNPACK_TILES[family] decodes tiles into a caller's array (mv.unpack, mv.unpack_rows). Decoded values
+equal ggml's dequantization (d * q + m evaluated with one fma, so within an ulp of gguf's separately
 rounded d * q + m).
 
-Types are named by (family, kind), runtime ints, so one compiled decoder serves every type: family 0
-the legacy blocks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (kind 0..4); family 1 the K-quants Q4_K, Q5_K, Q6_K
-(kind 0..2); family 2 the float types F16 (kind 0), F32 (kind 1), BF16 (kind 2); family 3 the low-bit
-and non-linear types Q2_K, Q3_K, IQ4_NL, IQ4_XS (kind 0..3). matvec_kernels.KERNELS
-maps each GGMLType to its pair. Kernels trust their arguments; mv.matmul and mv.unpack_rows check.
+Types are named by (family, kind): family 0 the legacy blocks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (kind
+0..4); family 1 the K-quants Q4_K, Q5_K, Q6_K (kind 0..2); family 2 the float types F16 (kind 0), F32
+(kind 1), BF16 (kind 2); family 3 the low-bit and non-linear types Q2_K, Q3_K, IQ4_NL, IQ4_XS (kind
+0..3). matvec_kernels.KERNELS maps each GGMLType to its pair. Each family has its own compiled entry
+kernels (kernel_copies.py), so a model compiles its own families' decoders only; the kind is a run-time
+int within the family. Kernels trust their arguments; mv.matmul and mv.unpack_rows check.
 """
 import numpy as np
 from numba import njit, prange
 
+from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.quant_tiles import (IQ4_LUT, QK, QK_K, REC_F16, REC_F32, REC_IQ4_NL, REC_IQ4_XS, REC_Q2_K,
                                          REC_Q3_K, REC_Q4_0, REC_Q4_1, REC_Q4_K, REC_Q5_0, REC_Q5_1, REC_Q5_K,
                                          REC_Q6_K, REC_Q8_0)
 from ringllm.runtime.simd import (andf, iand, isrl, ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, ld_u8i, lut16,
                                   srlf, vadd, vbcast, vfma, vload, vmul, vsplat, vstore, vsub, vzero)
 
-__all__ = ["unpack_tiles", "matmul_tiles"]
+__all__ = ["UNPACK_TILES", "MATMUL_TILES"]
 
 
 # ==================================================================================================
@@ -177,25 +179,11 @@ def _unpack_tile_lowbit(wt, col0, buf, kind, t, nb):
                             vstore(wt[c0 + 8 * s + i], c, vfma(dv, andf(isrl(w, 4 * i), 15), mv))
 
 
-@njit(cache=True, nogil=True)
-def _unpack_tile(wt, col0, buf, family, kind, t, nb):
-    """Tile t of any family -> wt[:, col0:col0 + 16]."""
-    if family == 0:
-        _unpack_tile_legacy(wt, col0, buf, kind, t, nb)
-    elif family == 1:
-        _unpack_tile_kquant(wt, col0, buf, kind, t, nb)
-    elif family == 2:
-        _unpack_tile_float(wt, col0, buf, kind, t, nb)
-    else:
-        _unpack_tile_lowbit(wt, col0, buf, kind, t, nb)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def unpack_tiles(wt, buf, family, kind, rows, t0, t1, nb):
+def _unpack_tiles(wt, buf, kind, rows, t0, t1, nb):
     """Tiles t0..t1 of `rows` rows each -> wt (n_cols, >= rows (t1 - t0)) float32:
-    wt[:, rows (t - t0) + r] = W[rows t + r, :]."""
+    wt[:, rows (t - t0) + r] = W[rows t + r, :]. Source of UNPACK_TILES' copies (unpack_tile bound)."""
     for t in prange(t0, t1):
-        _unpack_tile(wt, (t - t0) * rows, buf, family, kind, t, nb)
+        unpack_tile(wt, (t - t0) * rows, buf, kind, t, nb)
 
 
 # ==================================================================================================
@@ -422,7 +410,7 @@ def _gemm_tile(out, X, wt, r0, tmp):
     ld = wt.shape[1]
     n_rows = out.shape[1]
     w = wt.reshape(-1)
-    t0 = 0
+    t0 = np.int64(0)          # not the literal 0: callees would compile once for Literal[int](0), once for int64
     while t0 < T:
         nt = min(4, T - t0)
         if nt == 3:
@@ -444,11 +432,11 @@ def _gemm_tile(out, X, wt, r0, tmp):
         t0 += nt
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def matmul_tiles(out, buf, X, family, kind, nb, wts):
+def _matmul_tiles(out, buf, X, kind, nb, wts):
     """out (T, n_rows) float32 = X @ W.T, X (T, n_cols) float32 C-contiguous; wts (n_chunks, n_cols,
     rows per tile) float32 scratch: the tiles are split into n_chunks contiguous runs, one per prange
-    iteration; each tile is decoded once into its chunk's scratch and multiplied with all T rows of X."""
+    iteration; each tile is decoded once into its chunk's scratch and multiplied with all T rows of X.
+    Source of MATMUL_TILES' copies (unpack_tile bound to one family's decoder)."""
     n_rows = out.shape[1]
     rows = wts.shape[2]
     n_tiles = (n_rows + rows - 1) // rows
@@ -457,5 +445,24 @@ def matmul_tiles(out, buf, X, family, kind, nb, wts):
         wt = wts[ch]
         tmp = np.empty(4 * rows, np.float32)
         for t in range(ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks):
-            _unpack_tile(wt, 0, buf, family, kind, t, nb)
+            unpack_tile(wt, 0, buf, kind, t, nb)
             _gemm_tile(out, X, wt, t * rows, tmp)
+
+
+# ==================================================================================================
+# Entry kernels, one per family: a model compiles the decoders of its own types only
+# ==================================================================================================
+
+def _family_entries(source, name: str) -> tuple:
+    """(family 0, 1, 2, 3) compiled copies of `source` with unpack_tile bound to that family's decoder."""
+    entries = []
+    for family, unpack in enumerate((_unpack_tile_legacy, _unpack_tile_kquant, _unpack_tile_float,
+                                     _unpack_tile_lowbit)):
+        namespace = dict(globals(), unpack_tile=unpack)
+        entries.append(njit(cache=True, nogil=True, parallel=True)(bind_copy(source, f"{name}_{family}", namespace)))
+    return tuple(entries)
+
+
+# UNPACK_TILES[family](wt, buf, kind, rows, t0, t1, nb); MATMUL_TILES[family](out, buf, X, kind, nb, wts)
+UNPACK_TILES = _family_entries(_unpack_tiles, "unpack_tiles")
+MATMUL_TILES = _family_entries(_matmul_tiles, "matmul_tiles")

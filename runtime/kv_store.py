@@ -56,6 +56,7 @@ from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, keep_after
 from ringllm.runtime.key_sum import key_sums
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
+from ringllm.runtime.host_memory import small_pages
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
@@ -121,8 +122,10 @@ class KVStore:
             phys.append(p)
         self.layer_physical = phys
         hw = self.policy_impl.history_width
-        self.k = [np.zeros((nkv, p, hd), np.float32) for p in phys]
-        self.v = [np.zeros((nkv, p, hd), np.float32) for p in phys]
+        with small_pages():           # a new store's first token would fault in huge pages (host_memory.py)
+            self.k = [np.zeros((nkv, p, hd), np.float32) for p in phys]
+            self.v = [np.zeros((nkv, p, hd), np.float32) for p in phys]
+            self.hist = [np.zeros((nkv, hw, p), np.float32) for p in phys]
         self.seq = [np.full((nkv, p), -1, np.int64) for p in phys]
         self.rank = [np.zeros((nkv, p), np.int64) for p in phys]
         self.pos = self.rank if self.reindexed else [np.zeros((nkv, p), np.int64) for p in phys]
@@ -131,7 +134,6 @@ class KVStore:
         self.evicted = [np.zeros(nkv, np.int64) for _ in phys]
         self.score = [np.zeros((nkv, p), np.float64) for p in phys]
         self.aux = [np.zeros((nkv, p), np.int64) for p in phys]
-        self.hist = [np.zeros((nkv, hw, p), np.float32) for p in phys]
         # per-layer policy state that is not per slot (GVote's recent queries), shape from the policy
         self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
         ks_rows = nkv if self.policy_impl.keeps_key_sum else 0

@@ -20,7 +20,7 @@ to the power-of-two pre-scaling of x (quant_tiles.py); their products are far be
 resolution of any real dot product.
 
 Threads: the kernels follow the house style (destination first, return None, nogil, cache); only the
-entry kernels (`matvec_<type>`, `unpack_tiles`, `matmul_tiles`) are parallel. matvec runs prange over
+entry kernels (`matvec_<type>`, `UNPACK_TILES`, `MATMUL_TILES`) are parallel. matvec runs prange over
 tiles, honours numba.set_num_threads, and stays on the calling thread when one thread is set or the
 matrix is small, where fork/join would cost more than it saves. `PackedMatrix.kernel` is the entry
 kernel itself, callable from other Numba code; `kernel.inspect_asm(kernel.signatures[0])` shows the
@@ -34,7 +34,7 @@ import numba
 import numpy as np
 
 from ringllm.runtime.errors import ConfigError, UnsupportedModelError
-from ringllm.runtime.gemm import matmul_tiles, unpack_tiles
+from ringllm.runtime.gemm import MATMUL_TILES, UNPACK_TILES
 from ringllm.runtime.matvec_kernels import KERNELS, x_scales
 from ringllm.runtime.packing import pack_records
 from ringllm.runtime.qtensor import QTensor
@@ -186,7 +186,7 @@ def unpack_rows(wt: np.ndarray, pm: PackedMatrix, t0: int, t1: int) -> None:
             or wt.shape[1] < (t1 - t0) * R or not wt.flags.c_contiguous):
         raise ConfigError(f"unpack_rows {pm.name}: wt must be C-contiguous float32 ({pm.n_cols}, >= "
                           f"{(t1 - t0) * R})")
-    unpack_tiles(wt, pm.buf, pm.family, pm.kind, R, t0, t1, pm.n_blocks)
+    UNPACK_TILES[pm.family](wt, pm.buf, pm.kind, R, t0, t1, pm.n_blocks)
 
 
 def unpack(pm: PackedMatrix) -> np.ndarray:
@@ -233,6 +233,6 @@ def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray) -> None:
     dst = out if out.flags.c_contiguous else np.empty((T, pm.n_rows), np.float32)
     n_chunks = min(numba.get_num_threads(), pm.n_tiles)
     wts = np.empty((n_chunks, pm.n_cols, pm.tile_rows), np.float32)
-    matmul_tiles(dst, pm.buf, X, pm.family, pm.kind, pm.n_blocks, wts)
+    MATMUL_TILES[pm.family](dst, pm.buf, X, pm.kind, pm.n_blocks, wts)
     if dst is not out:
         out[...] = dst

@@ -132,7 +132,8 @@ def _finish_tail(out, tail, r0):
 
 # The body every entry kernel shares. {tile}, {rec}, {rows} and {nb} are filled in with the names of
 # quant_tiles' kernels and constants, so the generated code reads (and compiles) as a hand-written
-# kernel would: Numba freezes the constants as it freezes any global.
+# kernel would: Numba freezes the constants as it freezes any global. The tail's row offset is
+# np.int64(0), not 0: a literal would compile the tile kernel a second time, for Literal[int](0).
 _ENTRY_SOURCE = '''
 def matvec_{name}(out, buf, x, scratch):
     """{type}: out (n_rows,) float32 = W @ x; buf from pack()."""
@@ -149,7 +150,7 @@ def matvec_{name}(out, buf, x, scratch):
             {tile}(out, t * {rows}, buf, t * stride, nb, {x_args})
     if n_full * {rows} < n_rows:
         tail = scratch[32:56]
-        {tile}(tail, 0, buf, n_full * stride, nb, {x_args})
+        {tile}(tail, np.int64(0), buf, n_full * stride, nb, {x_args})
         _finish_tail(out, tail, n_full * {rows})
 '''
 

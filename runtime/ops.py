@@ -64,6 +64,17 @@ def gated_act(out, gate, up, kind):
 
 
 @njit(cache=True, nogil=True)
+def gated_act_fused(out, gate_up, kind):
+    """out (T, n_ff) = act(gate) * up, gate_up (T, 2 n_ff) = [gate | up] (the stacked projection's
+    output). One signature whatever T: slices of gate_up would be C-contiguous for T = 1 only, and
+    compile gated_act twice."""
+    T, n = out.shape
+    for t in range(T):
+        for i in range(n):
+            out[t, i] = _act(gate_up[t, i], kind) * gate_up[t, n + i]
+
+
+@njit(cache=True, nogil=True)
 def act_inplace(x, kind):
     """x (T, n_ff) = act(x)."""
     T, n = x.shape

@@ -97,8 +97,17 @@ def _u32_at(blocks: np.ndarray, off: int) -> np.ndarray:
 
 def _nib_dwords(q: np.ndarray) -> np.ndarray:
     """q (R, nb, 32) values -> (R, nb, 4) uint32: dword s holds columns 8s + i at bits 4i (low 4 bits)."""
-    q = (q.reshape(q.shape[:-1] + (4, 8)) & 15).astype(np.uint32)
-    return np.bitwise_or.reduce(q << (4 * np.arange(8, dtype=np.uint32)), axis=-1)
+    pairs = q.astype(np.uint8, copy=False).reshape(q.shape[:-1] + (16, 2)) & 15
+    b = np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4))          # byte k of dword s: columns 8s + 2k, +1
+    return b.view("<u4").reshape(q.shape[:-1] + (4,))
+
+
+def _nib_dwords_of_qs(qs: np.ndarray) -> np.ndarray:
+    """_nib_dwords of the 32 values a Q4_0 / Q4_1 block stores in qs (R, nb, 16) uint8 (column j in the
+    low nibble of byte j, column j + 16 in its high nibble), without unpacking them first."""
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    b = np.concatenate([(even & 15) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+    return b.view("<u4").reshape(qs.shape[:-1] + (4,))
 
 
 def _fields5(q: np.ndarray) -> np.ndarray:
@@ -269,13 +278,13 @@ def pack_records(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int) ->
     if qtype in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
         off = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q5_1: 8}[qtype]
         qs = blocks[..., off:off + 16]
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1)
         if qtype in (GGMLType.Q5_0, GGMLType.Q5_1):
+            q = np.concatenate([qs & 15, qs >> 4], axis=-1)
             qh = _u32_at(blocks, off - 4)
             hb = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
             parts = [lanes(_fields5(q | (hb << 4)))]
         else:
-            parts = [lanes(_nib_dwords(q))]
+            parts = [lanes(_nib_dwords_of_qs(qs))]
         parts.append(lanes(_f16_at(blocks, 0)))
         if qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
             parts.append(lanes(_f16_at(blocks, 2)))

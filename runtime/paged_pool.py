@@ -45,6 +45,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.host_memory import zeros_small_pages
 from ringllm.runtime.eviction import count_below
 
 # ---------------------------------------------------------------------------------------------
@@ -229,8 +230,8 @@ class PagedKVPool:
         self.n_blocks, self.block_size = int(n_blocks), int(block_size)
         self.n_layer, self.n_kv_head, self.head_dim = int(n_layer), int(n_kv_head), int(head_dim)
         shape = (self.n_layer, self.n_blocks, self.n_kv_head, self.block_size, self.head_dim)
-        self.k = np.zeros(shape, np.float32)
-        self.v = np.zeros(shape, np.float32)
+        self.k = zeros_small_pages(shape, np.float32)       # blocks fill as sequences grow (host_memory.py)
+        self.v = zeros_small_pages(shape, np.float32)
         self.seq = np.full((self.n_layer, self.n_blocks, self.block_size), -1, np.int64)
         self.ref = np.zeros(self.n_blocks, np.int64)
         self._free = list(range(self.n_blocks - 1, -1, -1))    # stack: the lowest free block comes first

@@ -56,12 +56,12 @@ Argument groups (tuples, unpacked at the top of each kernel):
 """
 from __future__ import annotations
 
-import types
-
+import numpy as np
 from numba import njit, prange
 
 from ringllm.runtime.attention import attend, attend_rebased
 from ringllm.runtime.eviction import GRID_GIVEN, keep_after, pick_victims
+from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.kv_write import COUNT, RANK, SEQ, kv_write_policy
 from ringllm.runtime.simd import num_threads
 
@@ -200,8 +200,8 @@ def _layer_step(lay, k_new, v_new, seq_new, st, rw, at, pend, prm):
     pend_tag[0] = -1
     args = lay + (k_new, v_new, seq_new) + st + (grid,) + rw + at + pend + prm
     if n_kv > 1 and num_threads() > 1:
-        for h in prange(n_kv):
-            head_step(h, args)
+        for h in prange(n_kv):       # prange's index is unsigned: as int64, head_step compiles once, not twice
+            head_step(np.int64(h), args)
     else:
         for h in range(n_kv):
             head_step(h, args)
@@ -212,16 +212,6 @@ def _layer_step(lay, k_new, v_new, seq_new, st, rw, at, pend, prm):
         choose_next(lay, st, prm, prm[4][0], prm[5][0], victims[0], pend_l, pend_drop)
     pend_tag[0] = seq_new + 1
     return True
-
-
-def _bind(fn, name: str, namespace: dict):
-    """A copy of fn whose globals are `namespace`, named `name`. Numba's disk cache keys a function by
-    its module and qualified name: each policy's copy needs a name of its own, or a process would
-    load another policy's machine code from the cache."""
-    bound = types.FunctionType(fn.__code__, namespace, name, fn.__defaults__)
-    bound.__qualname__ = name
-    bound.__doc__ = fn.__doc__
-    return bound
 
 
 def bind_layer_step(policy: str, choose_next, observe_head, observe_layer=observe_nothing, per_head_choice=True,
@@ -236,5 +226,5 @@ def bind_layer_step(policy: str, choose_next, observe_head, observe_layer=observ
     # __name__ stays this module's: Numba rebuilds a cached kernel's environment by importing it
     namespace.update(choose_next=choose_next, observe_head=observe_head, observe_layer=observe_layer,
                      PER_HEAD_CHOICE=per_head_choice, CHOOSES_AHEAD=chooses_ahead)
-    namespace["head_step"] = njit(cache=True, nogil=True)(_bind(_head_step, f"{policy}_head_step", namespace))
-    return njit(cache=True, nogil=True, parallel=True)(_bind(_layer_step, f"{policy}_layer_step", namespace))
+    namespace["head_step"] = njit(cache=True, nogil=True)(bind_copy(_head_step, f"{policy}_head_step", namespace))
+    return njit(cache=True, nogil=True, parallel=True)(bind_copy(_layer_step, f"{policy}_layer_step", namespace))

@@ -1,0 +1,47 @@
+"""Host allocations that are cheap to start using: KV storage without transparent huge pages.
+
+NumPy asks the kernel for transparent huge pages (madvise MADV_HUGEPAGE) on every allocation of
+4 MiB or more. For a KV store that is the wrong trade: a store sized for the model's context
+(hundreds of MB, each kv head's rows 2 MiB or more apart) is written one slot at a time from its
+start, so the first token touches one fresh huge page per head, array and layer, and under the
+common `defrag=madvise` setting each of those faults may compact memory to find 2 MiB before zeroing
+it: the first token of a new sequence then costs tenths of a second (SmolLM2's 30 layers at an 8192
+context), paid again by every new store. With ordinary 4 KiB pages each fault zeroes one page,
+and a sequence pays for the memory it fills, as it fills it.
+
+`small_pages()` turns NumPy's advice off while the arrays allocated inside it are created (the
+setting is process-wide, so it is restored on exit; arrays allocated by other threads meanwhile
+merely miss the advice). Where NumPy lacks the switch, it does nothing.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+
+try:
+    from numpy._core.multiarray import _set_madvise_hugepage
+except ImportError:         # NumPy < 2 keeps it under numpy.core; without it, huge pages stay as they are
+    try:
+        from numpy.core.multiarray import _set_madvise_hugepage
+    except ImportError:
+        _set_madvise_hugepage = None
+
+
+@contextmanager
+def small_pages():
+    """Arrays allocated inside this block are not advised to use transparent huge pages."""
+    if _set_madvise_hugepage is None:
+        yield
+        return
+    previous = _set_madvise_hugepage(False)
+    try:
+        yield
+    finally:
+        _set_madvise_hugepage(previous)
+
+
+def zeros_small_pages(shape, dtype=np.float32) -> np.ndarray:
+    """np.zeros(shape, dtype) allocated under small_pages()."""
+    with small_pages():
+        return np.zeros(shape, dtype)
