@@ -36,6 +36,7 @@ from ringllm.runtime import matvec as mv
 from ringllm.runtime.errors import ModelFileError
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
+from ringllm.runtime.random_weights import random_qtensor
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 LAYER_MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -182,26 +183,6 @@ def token_case(f: GGUFFile, n_layer: int, stacked: bool, reps: int) -> dict:
             "tok_per_s": 1.0 / float(tot.min()), "tok_per_s_median": 1.0 / float(np.median(tot))}
 
 
-def random_tensor(qtype: GGMLType, n_rows: int, n_cols: int, rng) -> QTensor:
-    block, size = BLOCK_LAYOUT[qtype]
-    if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
-        v = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
-        if qtype == GGMLType.F16:
-            v = v.astype(np.float16)
-        elif qtype == GGMLType.BF16:
-            v = (v.view(np.uint32) >> 16).astype(np.uint16)
-        data = v.view(np.uint8).reshape(n_rows, -1)
-    else:
-        data = rng.integers(0, 256, (n_rows, n_cols // block, size), dtype=np.uint8)
-        # byte offsets of each block's f16 scales (the rest may be any bytes): d, dmin where the type has one
-        off = {GGMLType.Q6_K: [208], GGMLType.Q2_K: [80, 82], GGMLType.Q3_K: [108]}.get(
-            qtype, [0, 2] if qtype in (GGMLType.Q4_1, GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q5_K) else [0])
-        for o in off:
-            data[..., o:o + 2] = np.array([0.01], np.float16).view(np.uint8)
-        data = data.reshape(n_rows, -1)
-    return QTensor(f"random_{qtype.name}", qtype, (n_rows, n_cols), data)
-
-
 def type_cases(reps: int) -> list[dict]:
     """One streamed case per GGML type: Gemma 3's tensors where installed, random blocks otherwise."""
     cases = {}
@@ -219,7 +200,7 @@ def type_cases(reps: int) -> list[dict]:
               GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.F16,
               GGMLType.BF16, GGMLType.F32):
         if q not in cases:
-            cases[q] = ([random_tensor(q, 1536, 1024 if BLOCK_LAYOUT[q][0] == 256 else 576, rng)],
+            cases[q] = ([random_qtensor(q, 1536, 1024 if BLOCK_LAYOUT[q][0] == 256 else 576, rng)],
                         "random blocks")
     out = []
     for q, (ts, src) in cases.items():
@@ -254,7 +235,7 @@ def matmul_case(f: GGUFFile, reps: int) -> list[dict]:
 
 def overhead_case(reps: int) -> dict:
     rng = np.random.default_rng(4)
-    t = random_tensor(GGMLType.Q4_1, 32, 64, rng)
+    t = random_qtensor(GGMLType.Q4_1, 32, 64, rng)
     pm = mv.pack(t)
     x = rng.standard_normal(64).astype(np.float32)
     out = np.zeros(32, np.float32)

@@ -428,14 +428,15 @@ def _warmup(args: argparse.Namespace) -> int:
 
     def report(r):
         if not args.json:
-            what = "shared kernels" if r.policy == "full" else f"policy {r.policy}"
+            what = "shared kernels and policy full" if r.what == "policy full" else r.what
             print(f"  {what}: compiled {r.signatures} kernel signatures in {r.compile_s:.1f} s", file=sys.stderr,
                   flush=True)
 
     if not args.json:
         print(f"ringllm warmup: compiling kernels for this CPU into {os.environ.get('NUMBA_CACHE_DIR') or 'the cache'}",
               file=sys.stderr, flush=True)
-    results = warmup(args.model, policies, jobs=args.jobs, knobs={"positions": args.positions}, report=report)
+    results = warmup(args.model, policies, jobs=args.jobs, knobs={"positions": args.positions},
+                     all_types=args.all_types, report=report)
     wall = time.perf_counter() - t0
     total = sum(r.compile_s for r in results)
     if args.json:
@@ -552,6 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--policy", action="append", choices=POLICIES, default=None,
                    help="eviction policy to compile for (repeatable; default: every policy)")
     w.add_argument("--positions", choices=POSITION_MODES, default="reindexed")
+    w.add_argument("--all-types", action="store_true",
+                   help="also compile every supported weight type's kernels (for models not at hand)")
     w.add_argument("-j", "--jobs", type=int, default=None, help="processes compiling side by side (default: cores)")
     w.add_argument("--json", action="store_true", help="print one JSON object")
     w.set_defaults(func=_warmup)

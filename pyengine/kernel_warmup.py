@@ -7,9 +7,11 @@ the cache.
 
 What gets compiled: for each KV configuration asked for (by default every eviction policy with its
 default knobs), everything a generation with it runs (runtime/warmup.py: prefill of few rows and of
-many, decode, eviction by the policy). The kernels shared by all configurations (the model's weight
-types, attention, norms, RoPE) are compiled first, in this process; the policies' own kernels are
-then compiled by `jobs` processes side by side, each loading the shared ones from the cache.
+many, decode, eviction by the policy); with all_types, also every supported weight type's kernels
+(for models not at hand). The kernels shared by all configurations (the model's weight types,
+attention, norms, RoPE) are compiled first, in this process; the rest (each policy's own kernels,
+each weight type's) are then compiled by `jobs` processes side by side, each loading the shared ones
+from the cache.
 """
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ _worker_state: dict = {}
 
 @dataclass
 class WarmupResult:
-    """One configuration's warm-up: its policy, compile seconds, signatures compiled, wall seconds."""
+    """One item's warm-up: what ("policy NAME", "type NAME"; "policy full" also holds the shared
+    kernels), compile seconds, signatures compiled, wall seconds."""
 
-    policy: str
+    what: str
     compile_s: float
     signatures: int
     wall_s: float
@@ -42,13 +45,18 @@ def _engine_for(model):
     return CPUEngine(loaded.spec, loaded.tensors)
 
 
-def _warm_one(engine, policy: str, knobs: dict) -> WarmupResult:
-    from ringllm.runtime.warmup import warm
-    kv = KVConfig(policy=policy, capacity=None if policy == "full" else 64, **knobs)
+def _warm_one(engine, item: str, knobs: dict) -> WarmupResult:
+    """Compile item "policy NAME" (the engine's code paths under that policy) or "type NAME"."""
+    from ringllm.runtime.quant_types import GGMLType
+    from ringllm.runtime.warmup import warm, warm_weight_type
+    kind, name = item.split(" ")
     t0 = time.perf_counter()
     with CompileSpan() as span:
-        warm(engine, kv)
-    return WarmupResult(policy, span.seconds, span.signatures, time.perf_counter() - t0)
+        if kind == "type":
+            warm_weight_type(GGMLType[name])
+        else:
+            warm(engine, KVConfig(policy=name, capacity=None if name == "full" else 64, **knobs))
+    return WarmupResult(item, span.seconds, span.signatures, time.perf_counter() - t0)
 
 
 def _worker_init(model, knobs: dict) -> None:
@@ -58,16 +66,18 @@ def _worker_init(model, knobs: dict) -> None:
     _worker_state["knobs"] = knobs
 
 
-def _worker_run(policy: str) -> WarmupResult:
-    return _warm_one(_worker_state["engine"], policy, _worker_state["knobs"])
+def _worker_run(item: str) -> WarmupResult:
+    return _warm_one(_worker_state["engine"], item, _worker_state["knobs"])
 
 
 def warmup(model=None, policies: list[str] | None = None, jobs: int | None = None, knobs: dict | None = None,
-           report=None) -> list[WarmupResult]:
+           all_types: bool = False, report=None) -> list[WarmupResult]:
     """Compile (or find cached) every kernel `model` runs under each policy in `policies` (default: all of
-    POLICIES). jobs: processes compiling policies side by side (default: the CPU count). knobs: other
-    KVConfig fields every configuration takes (e.g. {"positions": "original"}). report(WarmupResult):
-    called as each configuration finishes. Returns the results, the shared kernels first (as "full")."""
+    POLICIES), and with all_types every supported weight type's kernels. jobs: processes compiling side by
+    side (default: the CPU count). knobs: other KVConfig fields every configuration takes (e.g.
+    {"positions": "original"}). report(WarmupResult): called as each item finishes. Returns the results,
+    "policy full" (the shared kernels) first."""
+    from ringllm.runtime.quant_types import SUPPORTED_TYPES
     policies = list(POLICIES) if policies is None else list(dict.fromkeys(policies))
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -78,12 +88,14 @@ def warmup(model=None, policies: list[str] | None = None, jobs: int | None = Non
     from ringllm.runtime import compile_clock
     compile_clock.quiet()
     engine = _engine_for(model)
-    results = [_warm_one(engine, "full", knobs)]          # the kernels every configuration shares
+    results = [_warm_one(engine, "policy full", knobs)]          # the kernels every configuration shares
     report(results[0])
-    rest = [p for p in policies if p != "full"]
+    rest = [f"policy {p}" for p in policies if p != "full"]
+    if all_types:
+        rest += [f"type {t.name}" for t in sorted(SUPPORTED_TYPES)]
     if len(rest) <= 1 or jobs == 1:
-        for p in rest:
-            results.append(_warm_one(engine, p, knobs))
+        for item in rest:
+            results.append(_warm_one(engine, item, knobs))
             report(results[-1])
         return results
     ctx = multiprocessing.get_context("spawn")       # a fresh interpreter: no forked Numba or OpenMP state

@@ -45,11 +45,12 @@ from ringllm.chat_template import check_template_kwargs, render_chat
 from ringllm.decoder import Decoder, check_max_tokens
 from ringllm.generation import Chunk, Completion, Generation, Record, Timings
 from ringllm.models.loader import load_model
+from ringllm.runtime import compile_clock
 from ringllm.runtime.compile_clock import CompileSpan
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.speculative import make_layer_draft, speculative_generate
-from ringllm.runtime.warmup import warm
+from ringllm.runtime.warmup import estimate_compile_seconds, warm
 from ringllm.sampling import Sampler, SamplingParams, StopMatcher
 from ringllm.session import ChatSession
 
@@ -105,6 +106,9 @@ class LLM:
             reach = kv.capacity if kv.capacity is not None and kv.positions == "reindexed" else self.model.spec.n_ctx
             self.spec, self.tokenizer = self.model.spec.for_context(reach), self.model.tokenizer
             self.kv, self.backend, self.n_threads, self.seed = kv, backend, n_threads, int(seed)
+            if backend == "cpu":         # what the first-compile notice quotes, should one be needed
+                compile_clock.expect(estimate_compile_seconds(
+                    {t.qtype for t in self.model.tensors.values() if len(t.shape) == 2}, kv))
             self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch)
             self.compile_s = 0.0
             bar.update(1)

@@ -57,7 +57,7 @@ def _first_compile_notice() -> None:
             return
         _notice["printed"] = True
     est = _notice["estimate"]
-    about = f" (about {est:.0f} s)" if est else ""
+    about = f" (about {est:.0f} s on a 2-core machine)" if est else ""
     where = f" in {_notice['cache_dir']}" if _notice["cache_dir"] else ""
     print(f"ringllm: compiling kernels for this CPU, once{about}; they are cached{where} for later runs "
           "(`ringllm warmup` compiles them ahead of time)", file=sys.stderr, flush=True)

@@ -12,15 +12,22 @@ compiles what a long one needs, provided it takes every code path the long one t
 
 `warm(engine, kv)` does that on a small store of the same configuration: its capacity is the
 smallest of a few sizes the configuration accepts, so the run costs a few dozen tokens however large
-the real store is.
+the real store is. `warm_weight_type(qtype)` compiles one weight type's kernels (matvec, matmul,
+embedding-row dequantization) on a small random matrix, for models not at hand.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from ringllm.runtime import matvec as mv
+from ringllm.runtime.dequant import dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.matvec import MATMUL_MIN_T
+from ringllm.runtime.quant_types import GGMLType
+from ringllm.runtime.random_weights import random_qtensor
 
 _SMALL_CAPACITIES = (16, 32, 64, 128)
 
@@ -55,3 +62,33 @@ def warm(engine, kv: KVConfig) -> None:
     many = max(many, MATMUL_MIN_T)
     engine.prefill([(7 * t + 3) % n_vocab for t in range(many)], store)   # the matrix-matrix path
     engine.step(1 % n_vocab, store)
+
+
+def warm_weight_type(qtype: GGMLType) -> None:
+    """Run the kernels a weight of `qtype` uses (decode matvec, prefill matmul, embedding rows) once,
+    on a random 48 x 512 matrix (512: a whole number of blocks of every type)."""
+    rng = np.random.default_rng(0)
+    t = random_qtensor(qtype, 48, 512, rng)
+    pm = mv.pack(t)
+    x = rng.standard_normal((MATMUL_MIN_T, 512)).astype(np.float32)
+    out = np.empty((MATMUL_MIN_T, 48), np.float32)
+    mv.matvec(out[0], pm, x[0])
+    mv.matmul(out, pm, x)
+    dequantize_rows(t.data, qtype, 512, np.arange(3))
+
+
+# Cold-compile seconds per unit on a 2-core x86-64 (bench/results/startup_profile.md): the kernels every
+# model runs (attention, RoPE, norms, the store's write, embedding rows), each weight type's decode
+# matvec, each weight family's prefill matmul, and a policy's compiled layer step.
+_COMPILE_S = {"shared": 4.0, "matvec": 1.5, "matmul": 4.5, "policy_step": 40.0}
+
+
+def estimate_compile_seconds(qtypes, kv: KVConfig) -> float:
+    """Rough cold-compile time of a model whose matrices have types `qtypes` under `kv`, for the
+    first-compile notice (a machine slower or faster than the one measured scales it)."""
+    from ringllm.runtime.matvec_kernels import KERNELS
+    qtypes = {GGMLType(int(q)) for q in qtypes} & set(KERNELS)
+    families = {KERNELS[q][1] for q in qtypes}
+    ring = kv.policy in ("full", "streaming") and not kv.staged
+    return (_COMPILE_S["shared"] + _COMPILE_S["matvec"] * len(qtypes) + _COMPILE_S["matmul"] * len(families)
+            + (0.0 if ring else _COMPILE_S["policy_step"]))

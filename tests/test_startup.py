@@ -91,7 +91,7 @@ def test_warmup_command_fills_the_cache_a_policy_run_loads(tmp_path):
     w = _run(["warmup", "--policy", "streaming", "--json"], tmp_path)
     assert w.returncode == 0, w.stderr[-3000:]
     report = json.loads(w.stdout)
-    assert [r["policy"] for r in report["results"]] == ["full", "streaming"]
+    assert [r["what"] for r in report["results"]] == ["policy full", "policy streaming"]
     assert report["results"][0]["signatures"] > 0 and report["compile_s"] > 0
     assert report["cache_dir"].startswith(str(tmp_path))
     gen = _run(["generate", "-p", PROMPT, "-n", "4", "--ignore-eos", "--kv-policy", "streaming", "--kv-capacity", "16",
