@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ringllm.models.merges_cache import cached_merges
 from ringllm.runtime.errors import ConfigError, ModelFileError, UnsupportedModelError
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerWarning", "PRE_TOKENIZER_REGEXES", "SUPPORTED_GGUF_MODELS"]
@@ -444,7 +445,7 @@ class Tokenizer:
                                          "tokens separated by one space")
                 merges.append((parts[0], parts[1]))
         elif gemma:
-            merges = derive_merges(vocab_tokens, [-i for i in range(len(vocab_tokens))])
+            merges = cached_merges(vocab_tokens, [-i for i in range(len(vocab_tokens))], derive_merges)
         else:
             scores = metadata.get("tokenizer.ggml.scores")
             if scores is None:
@@ -454,7 +455,7 @@ class Tokenizer:
             if len(scores) != len(tokens):
                 raise ModelFileError(path, f"tokenizer.ggml.scores has {len(scores)} entries but "
                                      f"tokenizer.ggml.tokens has {len(tokens)}")
-            merges = derive_merges(vocab_tokens, [float(s) for s in scores])
+            merges = cached_merges(vocab_tokens, [float(s) for s in scores], derive_merges)
         vocab = {t: i for i, t in enumerate(vocab_tokens)}
         if unk_id is not None:
             unk = vocab_tokens[unk_id]

@@ -616,3 +616,27 @@ def test_gemma_fallback_with_the_model(gemma3):
     sot, eot = tok.token_to_id("<start_of_turn>"), tok.token_to_id("<end_of_turn>")
     assert ids[:2] == [tok.bos_id, sot] and ids.count(sot) == 2 and ids.count(eot) == 1
     assert ids == model.oracle(text)["input_ids"]
+
+
+def test_derived_merges_are_cached_by_vocabulary(tmp_path, monkeypatch):
+    """cached_merges derives once per vocabulary and ranks, reads the file afterwards, and derives
+    again (rewriting it) when the file is damaged or the vocabulary differs."""
+    from ringllm.models import merges_cache
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def derive(tokens, ranks):
+        calls.append(len(tokens))
+        return derive_merges(tokens, ranks)
+
+    tokens, ranks = ["a", "b", "c", "ab", "bc", "abc"], [0, 0, 0, 5, 7, 6]
+    first = merges_cache.cached_merges(tokens, ranks, derive)
+    assert first == derive_merges(tokens, ranks) and len(calls) == 1
+    assert merges_cache.cached_merges(tokens, ranks, derive) == first and len(calls) == 1
+    files = list((tmp_path / "ringllm" / "merges").iterdir())
+    assert len(files) == 1
+    files[0].write_bytes(b"not an array")
+    assert merges_cache.cached_merges(tokens, ranks, derive) == first and len(calls) == 2
+    assert merges_cache.cached_merges(tokens, ranks, derive) == first and len(calls) == 2
+    other = merges_cache.cached_merges(tokens, [0, 0, 0, 7, 5, 6], derive)     # other ranks, other file
+    assert other == derive_merges(tokens, [0, 0, 0, 7, 5, 6]) and len(calls) == 3

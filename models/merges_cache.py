@@ -1,0 +1,72 @@
+"""On-disk cache of the BPE merges derived from a SentencePiece vocabulary.
+
+tokenizer.derive_merges turns a vocabulary without merges (Gemma's, Llama 2's) into BPE merges by
+trying every split of every token: for Gemma's 262,144 tokens that is two million dictionary
+lookups and a sort, seconds of every start. The result depends on the tokens and their ranks only,
+so it is kept under ringllm's cache directory ($XDG_CACHE_HOME or ~/.cache, then ringllm/merges) in
+a file named by a hash of both: each merge as the vocabulary ids of its two parts, an (n, 2) int32
+.npy array (loaded in milliseconds, no pickle). A file that cannot be read, or whose ids do not fit
+the vocabulary, is derived again and rewritten; a directory that cannot be written only costs the
+derivation each time.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import Callable, Sequence
+
+import numpy as np
+
+FORMAT = 1
+
+
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ringllm", "merges")
+
+
+def _key(tokens: Sequence[str], ranks: Sequence[float]) -> str:
+    digest = hashlib.sha256()
+    digest.update(f"v{FORMAT}\0{len(tokens)}\0".encode())
+    digest.update("\0".join(tokens).encode("utf-8", "surrogatepass"))
+    digest.update(np.asarray(ranks, np.float64).tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _read(path: str, tokens: Sequence[str]) -> list[tuple[str, str]] | None:
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if ids.ndim != 2 or ids.shape[1] != 2 or ids.dtype != np.int32 or (ids.size and (
+            ids.min() < 0 or ids.max() >= len(tokens))):
+        return None
+    return [(tokens[a], tokens[b]) for a, b in ids.tolist()]
+
+
+def _write(path: str, tokens: Sequence[str], merges: list[tuple[str, str]]) -> None:
+    index = {t: i for i, t in enumerate(tokens)}
+    ids = np.array([(index[a], index[b]) for a, b in merges], np.int32).reshape(-1, 2)
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, ids, allow_pickle=False)
+        os.replace(tmp, path)           # whole or absent: a reader never sees half a file
+    except OSError:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def cached_merges(tokens: Sequence[str], ranks: Sequence[float],
+                  derive: Callable[[Sequence[str], Sequence[float]], list]) -> list[tuple[str, str]]:
+    """derive(tokens, ranks) (merges whose parts are tokens of the vocabulary), read from the cache
+    when an earlier process derived it."""
+    path = os.path.join(cache_dir(), _key(tokens, ranks) + ".npy")
+    merges = _read(path, tokens)
+    if merges is None:
+        merges = derive(tokens, ranks)
+        _write(path, tokens, merges)
+    return merges
