@@ -42,7 +42,8 @@ def _read(path: str, tokens: Sequence[str]) -> list[tuple[str, str]] | None:
     if ids.ndim != 2 or ids.shape[1] != 2 or ids.dtype != np.int32 or (ids.size and (
             ids.min() < 0 or ids.max() >= len(tokens))):
         return None
-    return [(tokens[a], tokens[b]) for a, b in ids.tolist()]
+    at = tokens.__getitem__
+    return list(zip(map(at, ids[:, 0].tolist()), map(at, ids[:, 1].tolist())))
 
 
 def _write(path: str, tokens: Sequence[str], merges: list[tuple[str, str]]) -> None:

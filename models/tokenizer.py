@@ -172,7 +172,8 @@ def _byte_level_bytes(token: str) -> bytes:
 
 
 def _spm_bytes(token: str) -> bytes:
-    m = _BYTE_TOKEN.match(token)
+    """The bytes a SentencePiece token stands for: <0xNN> its byte, else its text with ▁ as space."""
+    m = _BYTE_TOKEN.match(token) if token.startswith("<0x") else None
     if m:
         return bytes([int(m.group(1), 16)])
     return token.replace(SPIECE_SPACE, " ").encode("utf-8")
