@@ -240,7 +240,7 @@ class Constraint:
 
     mask(logits) applies the grammar to one step's logits; allows(token) asks about one token
     without the whole mask (greedy decoding checks its argmax first); accept(token) moves on.
-    .tokens lists the tokens accepted, .mask_s the seconds spent computing masks."""
+    .tokens lists the tokens accepted; .mask_s, .n_masks and .time_s say what it cost."""
 
     def __init__(self, grammar: Grammar, matcher):
         self.grammar, self._m = grammar, matcher
@@ -249,8 +249,9 @@ class Constraint:
         self._bits = np.zeros((n + 31) // 32, dtype=np.int32)
         self._eos = frozenset(grammar.tokenizer.eos_ids)
         self.tokens: list[int] = []
-        self.mask_s = 0.0
-        self.n_masks = 0
+        self.mask_s = 0.0          # seconds computing and applying whole masks
+        self.n_masks = 0           # whole masks computed (greedy decoding often needs none)
+        self.time_s = 0.0          # seconds in the constraint altogether (masks, checks, accepts)
 
     @property
     def done(self) -> bool:
@@ -268,11 +269,13 @@ class Constraint:
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows `token` next (end tokens: only where it accepts)."""
+        t0 = time.perf_counter()
         if token in self._eos:
-            return self._m.is_accepting()
-        if token >= self._n_tok:
-            return False
-        return self._m.validate_tokens([token]) == 1
+            ok = self._m.is_accepting()
+        else:
+            ok = token < self._n_tok and self._m.validate_tokens([token]) == 1
+        self.time_s += time.perf_counter() - t0
+        return ok
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """Set the logits of every token the grammar forbids next to -inf, in place.
@@ -285,7 +288,9 @@ class Constraint:
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=n).view(bool)
         logits[:n][~allowed] = -np.inf
         logits[n:] = -np.inf
-        self.mask_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.mask_s += dt
+        self.time_s += dt
         self.n_masks += 1
         if not np.isfinite(logits).any():
             raise GrammarError(f"the {self.grammar.kind} constraint and logit_bias together leave no token to "
@@ -294,10 +299,12 @@ class Constraint:
 
     def accept(self, token: int) -> None:
         """Advance by `token` (which the grammar must allow). GrammarError otherwise."""
+        t0 = time.perf_counter()
         if not self._m.consume_token(int(token)):
             raise GrammarError(f"the {self.grammar.kind} constraint refused token {token}: "
                                f"{self._m.get_error().strip() or 'not allowed here'}")
         self.tokens.append(int(token))
+        self.time_s += time.perf_counter() - t0
 
     def state(self) -> dict:
         """What restores this state: the grammar text and kind, and the tokens accepted (JSON-ready)."""
