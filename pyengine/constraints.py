@@ -238,8 +238,7 @@ class Grammar:
 class Constraint:
     """The parser state of one answer under a Grammar. Not thread-safe: one per request.
 
-    mask(logits) applies the grammar to one step's logits; allows(token) asks about one token
-    without the whole mask (greedy decoding checks its argmax first); accept(token) moves on.
+    mask(logits) applies the grammar to one step's logits; accept(token) moves on.
     .tokens lists the tokens accepted; .mask_s, .n_masks and .time_s say what it cost."""
 
     def __init__(self, grammar: Grammar, matcher):
@@ -247,11 +246,10 @@ class Constraint:
         n = grammar._llg_tok.vocab_size
         self._n_tok = n
         self._bits = np.zeros((n + 31) // 32, dtype=np.int32)
-        self._eos = frozenset(grammar.tokenizer.eos_ids)
         self.tokens: list[int] = []
         self.mask_s = 0.0          # seconds computing and applying whole masks
-        self.n_masks = 0           # whole masks computed (greedy decoding often needs none)
-        self.time_s = 0.0          # seconds in the constraint altogether (masks, checks, accepts)
+        self.n_masks = 0
+        self.time_s = 0.0          # seconds in the constraint altogether (masks and accepts)
 
     @property
     def done(self) -> bool:
@@ -266,16 +264,6 @@ class Constraint:
     def _check(self) -> None:
         if self._m.is_error():
             raise GrammarError(f"the {self.grammar.kind} constraint failed: {self._m.get_error().strip()}")
-
-    def allows(self, token: int) -> bool:
-        """Whether the grammar allows `token` next (end tokens: only where it accepts)."""
-        t0 = time.perf_counter()
-        if token in self._eos:
-            ok = self._m.is_accepting()
-        else:
-            ok = token < self._n_tok and self._m.validate_tokens([token]) == 1
-        self.time_s += time.perf_counter() - t0
-        return ok
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """Set the logits of every token the grammar forbids next to -inf, in place.

@@ -9,10 +9,9 @@ llama.cpp's order:
 
 The grammar mask (a ringllm.constraints.Constraint, when the request has a response_format,
 grammar or regex) sets every token the grammar forbids to -inf; the sampled token then advances
-the constraint. Greedy decoding asks the constraint about its argmax first and computes the whole
-mask only when the grammar refuses it: masking only removes tokens and the penalties act on each
-token alone, so an allowed argmax of the unmasked logits is the argmax of the masked ones (ties
-included: the lowest id).
+the constraint. The whole mask is computed at every token, greedy included: llguidance's check of
+a single token accepts some tokens its mask leaves out (a lone " " before a quote the vocabulary
+writes as one ' "' token), so checking the argmax alone would not give the masked argmax.
 
 `temperature <= 0` is greedy decoding: the argmax after bias and penalties (ties: the lowest id).
 The draw uses one uniform number of a numpy Generator (PCG64) per token, so the same seed and
@@ -261,13 +260,6 @@ class Sampler:
         p, c = self.params, self.constraint
         x = np.array(logits, dtype=np.float64).reshape(-1)   # a copy: the engine's buffer stays as is
         apply_logit_bias(x, p.logit_bias)
-        if c is not None and p.greedy:
-            y = apply_penalties(x.copy(), history, p.repeat_penalty, p.frequency_penalty, p.presence_penalty,
-                                p.penalty_last_n)
-            token = greedy(y)
-            if np.isfinite(y[token]) and c.allows(token):     # the module docstring says why this is exact
-                c.accept(token)
-                return token
         if c is not None:
             c.mask(x)
         apply_penalties(x, history, p.repeat_penalty, p.frequency_penalty, p.presence_penalty, p.penalty_last_n)
