@@ -2,9 +2,12 @@
 generations per schema) and bench/structured.py (200 per schema): every output must parse with
 json.loads and validate with jsonschema.
 
-Each schema bounds its strings (maxLength) so that an answer ends within MAX_TOKENS whatever the
-sampler draws; everything else (nesting, enums, array bounds, number ranges, optional keys, anyOf)
-is what the constraint has to get right.
+Each schema bounds its strings (maxLength) and its numbers' digits (integers in a range, or a
+multipleOf that binary floats hold exactly) so that an answer ends within MAX_TOKENS whatever the
+sampler draws: a plain JSON "number" lets a model sampled at temperature 1 write digits until
+max_tokens (Gemma 3 did: 21.4545776666... for a temperature), an unfinished answer and not a
+constraint failure. Everything else (nesting, enums, array bounds, number ranges, optional keys,
+anyOf) is what the constraint has to get right.
 """
 from __future__ import annotations
 
@@ -41,8 +44,8 @@ SCHEMAS: dict[str, dict] = {
     "number_ranges": {
         "type": "object",
         "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
-                       "score": {"type": "number", "minimum": 0, "maximum": 1},
-                       "temperature_c": {"type": "number", "minimum": -50, "maximum": 60}},
+                       "score": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
+                       "temperature_c": {"type": "number", "minimum": -50, "maximum": 60, "multipleOf": 0.5}},
         "required": ["age", "score", "temperature_c"], "additionalProperties": False,
     },
     "optional_keys": {
