@@ -28,7 +28,7 @@ only where the grammar accepts the text so far; `done` turns True once the gramm
 further token, so a decoder ends the answer there without spending a step on the end token.
 
 The vocabulary llguidance sees is the model's own: each token's bytes as ringllm's tokenizer
-decodes them and its encoder (`llg_tokenizer`), built once per tokenizer and cached on it. Token
+decodes them (Tokenizer.token_bytes) and its encoder (`llg_tokenizer`), built once per tokenizer and cached on it. Token
 ids the tokenizer does not cover (a logits row longer than the vocabulary) are always masked.
 
 A Constraint's state is the grammar plus the tokens accepted so far (`state()`), which is how a
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,7 @@ __all__ = ["Constraint", "Grammar", "GrammarError", "compile_grammar", "constrai
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _LLG_LOCK = threading.Lock()
+_LLG_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # Tokenizer -> LLTokenizer
 
 
 class GrammarError(ConfigError):
@@ -78,7 +80,7 @@ class _EncoderAdapter:
         self._tok = tokenizer
         self.eos_token_id = tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
-        self.tokens = list(tokenizer._piece_table())
+        self.tokens = tokenizer.token_bytes()
         self.special_token_ids = sorted(tokenizer.special_ids)
 
     def __call__(self, text):
@@ -88,19 +90,20 @@ class _EncoderAdapter:
 
 
 def llg_tokenizer(tokenizer):
-    """The llguidance.LLTokenizer of a ringllm Tokenizer (built once, ~0.2 s for 49k tokens, ~1.4 s
-    for 262k; cached on the tokenizer). Its end tokens are the tokenizer's eos_ids."""
-    cached = getattr(tokenizer, "_llg_tokenizer", None)
+    """The llguidance.LLTokenizer of a ringllm Tokenizer (built once per tokenizer and kept while the
+    tokenizer lives; a fraction of a second for 49k tokens, about a second for 262k). Its end
+    tokens are the tokenizer's eos_ids."""
+    cached = _LLG_TOKENIZERS.get(tokenizer)
     if cached is not None:
         return cached
     llg = _llguidance()
     with _LLG_LOCK:
-        cached = getattr(tokenizer, "_llg_tokenizer", None)
+        cached = _LLG_TOKENIZERS.get(tokenizer)
         if cached is None:
             eos = sorted(tokenizer.eos_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else None)
             cached = llg.LLTokenizer(llg.TokenizerWrapper(_EncoderAdapter(tokenizer)), n_vocab=tokenizer.n_vocab,
                                      eos_token=eos)
-            tokenizer._llg_tokenizer = cached
+            _LLG_TOKENIZERS[tokenizer] = cached
     return cached
 
 
