@@ -306,6 +306,9 @@ class LLM:
         """Checks every argument (ConfigError before anything runs) and builds the Decoder."""
         params.validate(self.n_vocab)
         check_max_tokens(max_tokens)
+        if grammar is not None and grammar.tokenizer is not self.tokenizer:
+            raise ConfigError("this grammar was compiled for another model's vocabulary; compile it with this "
+                              "LLM's compile_grammar()")
         if grammar is not None and ignore_eos:
             raise ConfigError("ignore_eos cannot be combined with a response_format, grammar or regex: the "
                               "grammar decides where the answer ends")

@@ -121,10 +121,11 @@ class ToolSyntax:
     several: bool
 
     def grammar_text(self, tools: list[dict], names: list[str], forced: bool, several: bool,
-                     special_opener: bool) -> str:
+                     special: frozenset[str] = frozenset()) -> str:
         """The Lark grammar (llguidance's dialect) of an answer: calls of `names` only, their
         arguments under each tool's schema; forced: calls only, else free text or calls (lazy:
-        constrained once the opener appears). special_opener: the opener is one special token."""
+        constrained once the opener appears). special: which of the opener and the closer's tag
+        are one special token of the vocabulary (written <tag> in the grammar, not as text)."""
         schemas = []
         for t in tools:
             fn = t["function"]
@@ -138,16 +139,21 @@ class ToolSyntax:
             lines.append("start: body" if forced else "start: FREE | body")
             lines.append(r"FREE: /[^{](.|\n)*/")
             return "\n".join(lines) + "\n"
-        opener = f"<{self.opener[1:-1]}>" if special_opener else json.dumps(self.opener)
-        lines.append(f"call: {opener} \"\\n\" body {json.dumps(self.closer)}")
+
+        def lit(text: str) -> str:
+            return f"<{text[1:-1]}>" if text in special else json.dumps(text)
+
+        tag = self.closer.strip()
+        close = f"{json.dumps(self.closer[:self.closer.index(tag)])} {lit(tag)}"
+        lines.append(f"call: {lit(self.opener)} \"\\n\" body {close}")
         more = " (SEP call)*" if several else ""
         if forced:
             lines.append(f"start: call{more}")
-        elif special_opener:                      # TEXT cannot hold a special token: no ambiguity
+        elif self.opener in special:              # TEXT cannot hold a special token: no ambiguity
             lines.append(f"start: TEXT | TEXT? call{more}")
         else:                                     # the lazy head ends at the first opener
             lines.append(f"start: TEXT | first{more}")
-            lines.append(f"first: head \"\\n\" body {json.dumps(self.closer)}")
+            lines.append(f"first: head \"\\n\" body {close}")
             lines.append(f"head[lazy]: TEXT {json.dumps(self.opener)}")
         return "\n".join(lines) + "\n"
 
@@ -370,9 +376,11 @@ class ToolPlan:
                               "its model writes a call (known: Hermes/Qwen <tool_call>, Llama 3 JSON)")
         names = [name] if mode == "named" else [t["function"]["name"] for t in tools]
         several = syntax.several and parallel_tool_calls and mode != "named"
-        special = bool(syntax.opener) and llm.tokenizer.token_to_id(syntax.opener) in llm.tokenizer.special_ids
+        tok = llm.tokenizer
+        special = frozenset(t for t in (syntax.opener, syntax.closer.strip())
+                            if t and tok.token_to_id(t) in tok.special_ids)
         text = syntax.grammar_text(tools, names, forced=mode in ("required", "named"), several=several,
-                                   special_opener=special)
+                                   special=special)
         grammar = lark_grammar(llm.tokenizer, text, kind="tool_calls")
         return cls(tools, mode, name, syntax, grammar, parallel_tool_calls)
 
