@@ -217,11 +217,13 @@ class Grammar:
         if matcher.is_error():
             raise GrammarError(f"invalid {kind.replace('_', ' ')}: {matcher.get_error().strip()}")
         self._template = matcher
+        self._copy_lock = threading.Lock()     # one Grammar may serve requests of several threads
         self.compile_s = time.perf_counter() - t0
 
     def start(self) -> "Constraint":
         """A fresh parser state (a copy of the compiled one: no recompilation)."""
-        return Constraint(self, self._template.deep_copy())
+        with self._copy_lock:
+            return Constraint(self, self._template.deep_copy())
 
     def restore(self, tokens: list[int]) -> "Constraint":
         """The state after `tokens` were accepted (replayed); GrammarError if the grammar refuses them."""
