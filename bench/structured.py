@@ -71,8 +71,11 @@ def speed(args) -> dict:
                     ctime.append(c.time_s / n)
                     masks.append(c.mask_s / c.n_masks)
         best_free, best_cons = max(free), max(cons)
+        paired = sorted(f / c for f, c in zip(free, cons))        # each round's two runs, back to back
         out[mode] = {"tok_s_free": best_free, "tok_s_schema": best_cons,
                      "slowdown_pct": 100.0 * (best_free / best_cons - 1.0),
+                     "slowdown_pct_median_pair": 100.0 * (paired[len(paired) // 2] - 1.0),
+                     "constraint_share_pct": 100.0 * min(ctime) * best_cons,
                      "constraint_ms_per_token": 1e3 * min(ctime), "mask_ms_per_token": 1e3 * min(masks),
                      "ttft_ms_free": 1e3 * min(ttft_free), "ttft_ms_schema": 1e3 * min(ttft_cons),
                      "all_tok_s_free": free, "all_tok_s_schema": cons}
@@ -116,13 +119,19 @@ def report() -> str:
                   f"commit {m.get('commit', '?')}. Command: `{s['command']}`.", "",
                   f"{s['tokens']} decoded tokens per run, best of {s['rounds']} interleaved rounds. The schema asks "
                   "for a long array of objects, so both runs decode the same number of tokens.", "",
-                  "| sampling | tok/s free | tok/s schema | slower | mask ms/token | constraint ms/token | "
-                  "first token free (ms) | first token schema (ms) |", "|---|---|---|---|---|---|---|---|"]
+                  "| sampling | tok/s free (best) | tok/s schema (best) | slower, best vs best | slower, median "
+                  "of pairs | mask ms/token | constraint ms/token | constraint share of a schema token | "
+                  "first token free (ms) | first token schema (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for mode in ("greedy", "sampled"):
             r = s[mode]
             lines.append(f"| {mode} | {r['tok_s_free']:.1f} | {r['tok_s_schema']:.1f} | {r['slowdown_pct']:+.1f}% | "
-                         f"{r['mask_ms_per_token']:.3f} | {r['constraint_ms_per_token']:.3f} | "
+                         f"{r['slowdown_pct_median_pair']:+.1f}% | {r['mask_ms_per_token']:.3f} | "
+                         f"{r['constraint_ms_per_token']:.3f} | {r['constraint_share_pct']:.1f}% | "
                          f"{r['ttft_ms_free']:.1f} | {r['ttft_ms_schema']:.1f} |")
+        lines += ["", "The machine is shared: tokens/s move by tens of percent between runs, more than the "
+                  "constraint costs, so the two slowdown columns scatter around the cost the constraint "
+                  "itself measures (its time per token over the time of a token: the share column), "
+                  "which is the figure to read against the 10% target."]
         lines += ["", f"Grammar compilation of that schema: {s['compile_ms']:.2f} ms (part of the first-token "
                   f"latency above). The llguidance tokenizer of the vocabulary is built once per model: "
                   f"{1e3 * s['llg_tokenizer_build_s']:.0f} ms for SmolLM2's 49,152 tokens.", ""]
@@ -137,7 +146,7 @@ def report() -> str:
                   f"conversations; sampled: temperature 1.0, top_p 0.95, n seeds. max_tokens {v['max_tokens']}. "
                   "Valid = json.loads parses it and jsonschema validates it.", "",
                   "| schema | greedy valid | sampled valid | tokens / answer | s / answer |", "|---|---|---|---|---|"]
-        names = sorted({k.split("/")[0] for k in v["schemas"]}, key=list(v["schemas"]).index)
+        names = list(dict.fromkeys(k.split("/")[0] for k in v["schemas"]))
         for name in names:
             g, s_ = v["schemas"].get(f"{name}/greedy"), v["schemas"].get(f"{name}/sampled")
             cells = [f"{r['valid']}/{r['n']}" if r else "not run" for r in (g, s_)]
