@@ -2,6 +2,7 @@
 
     python bench/structured.py speed [--rounds 7] [-t 2]        # SmolLM2: tok/s with and without a schema
     python bench/structured.py validity --model smollm2 -n 200  # 200 generations per schema, greedy and sampled
+    python bench/structured.py validity --model gemma3 -n 150 --first 50 --schemas enums,any_of   # more, added up
     python bench/structured.py report                           # bench/results/structured.md from the JSONs
 
 speed: decode tokens/s of one prompt with and without a JSON Schema constraint (same prompt,
@@ -94,17 +95,32 @@ def speed(args) -> dict:
 def validity(args) -> dict:
     import structured_cases as sc
     llm = load(args.model, args.threads)
-    path = os.path.join(RESULTS, f"structured_validity_{args.model}.json")
+    part = f"_from{args.first}_{args.schemas.replace(',', '_')}" if args.first or args.schemas else ""
+    path = os.path.join(RESULTS, f"structured_validity_{args.model}{part}.json")
     out = {"model": llm.model_name, "n": args.n, "max_tokens": sc.MAX_TOKENS, "schemas": {}, "machine": machine(),
            "command": "python bench/structured.py validity " + " ".join(sys.argv[2:])}
-    for name in sc.SCHEMAS:
+    names = args.schemas.split(",") if args.schemas else list(sc.SCHEMAS)
+    for name in names:
         for mode in ("greedy", "sampled"):
-            r = sc.run_schema(llm, name, args.n, sampled=mode == "sampled")
+            r = sc.run_schema(llm, name, args.n, sampled=mode == "sampled", first=args.first)
             r["failures"] = r["failures"][:5]
             out["schemas"][f"{name}/{mode}"] = r
             print(args.model, name, mode, f"{r['valid']}/{r['n']}", f"{r['seconds']:.0f} s", flush=True)
             with open(path, "w") as fh:          # after every schema: a cut run keeps what it did
                 json.dump(out, fh, indent=2)
+    return out
+
+
+def merge_validity(runs: list[dict]) -> dict:
+    """One validity record from several runs (other generation indices or schemas): counts added."""
+    out = {"model": runs[0]["model"], "max_tokens": runs[0]["max_tokens"], "machine": runs[0]["machine"],
+           "commands": [r["command"] for r in runs], "schemas": {}}
+    for run in runs:
+        for key, r in run["schemas"].items():
+            acc = out["schemas"].setdefault(key, {"n": 0, "valid": 0, "tokens": 0, "seconds": 0.0, "failures": []})
+            for k in ("n", "valid", "tokens", "seconds"):
+                acc[k] += r[k]
+            acc["failures"] += r["failures"]
     return out
 
 
@@ -136,15 +152,16 @@ def report() -> str:
                   f"latency above). The llguidance tokenizer of the vocabulary is built once per model: "
                   f"{1e3 * s['llg_tokenizer_build_s']:.0f} ms for SmolLM2's 49,152 tokens.", ""]
     for model in ("smollm2", "gemma3"):
-        vp = os.path.join(RESULTS, f"structured_validity_{model}.json")
-        if not os.path.exists(vp):
+        parts = sorted(f for f in os.listdir(RESULTS) if f.startswith(f"structured_validity_{model}"))
+        if not parts:
             continue
-        v = json.load(open(vp))
+        v = merge_validity([json.load(open(os.path.join(RESULTS, f))) for f in parts])
         m = v["machine"]
         lines += [f"## Validity: {v['model']}", "",
-                  f"Machine: {m['cpu']}, {m['cores']} cores. Command: `{v['command']}`. Greedy: n different "
-                  f"conversations; sampled: temperature 1.0, top_p 0.95, n seeds. max_tokens {v['max_tokens']}. "
-                  "Valid = json.loads parses it and jsonschema validates it.", "",
+                  f"Machine: {m['cpu']}, {m['cores']} cores. Commands (their results added up): "
+                  + ", ".join(f"`{c}`" for c in v["commands"]) + ". Greedy: generation i answers conversation "
+                  f"i; sampled: conversation i at temperature 1.0, top_p 0.95, seed i. max_tokens "
+                  f"{v['max_tokens']}. Valid = json.loads parses it and jsonschema validates it.", "",
                   "| schema | greedy valid | sampled valid | tokens / answer | s / answer |", "|---|---|---|---|---|"]
         names = list(dict.fromkeys(k.split("/")[0] for k in v["schemas"]))
         for name in names:
@@ -168,6 +185,8 @@ def main() -> None:
     ap.add_argument("what", choices=["speed", "validity", "report"])
     ap.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
     ap.add_argument("-n", type=int, default=200, help="generations per schema and mode (validity)")
+    ap.add_argument("--first", type=int, default=0, help="index of the first generation (validity: to add runs)")
+    ap.add_argument("--schemas", default="", help="comma-separated schema names (validity; default: all)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=128)

@@ -88,9 +88,9 @@ def messages(schema_name: str, i: int) -> list[dict]:
             {"role": "user", "content": ask.format(s=subject)}]
 
 
-def run_schema(llm, schema_name: str, n: int, sampled: bool, seed0: int = 0) -> dict:
-    """n generations of `schema_name` (greedy: n different conversations; sampled: temperature 1.0,
-    top_p 0.95, seeds seed0.. over those conversations), each parsed and validated. Returns
+def run_schema(llm, schema_name: str, n: int, sampled: bool, first: int = 0) -> dict:
+    """Generations first..first+n-1 of `schema_name` (greedy: conversation i; sampled: conversation
+    i at temperature 1.0, top_p 0.95, seed i), each parsed and validated. Returns
     {"n", "valid", "failures": [(i, text, finish_reason, why)], "tokens", "seconds"}."""
     import jsonschema
 
@@ -100,8 +100,8 @@ def run_schema(llm, schema_name: str, n: int, sampled: bool, seed0: int = 0) -> 
     validator = jsonschema.Draft202012Validator(schema)
     valid, failures, tokens = 0, [], 0
     t0 = time.perf_counter()
-    for i in range(n):
-        kw = dict(temperature=1.0, top_p=0.95, seed=seed0 + i) if sampled else {}
+    for i in range(first, first + n):
+        kw = dict(temperature=1.0, top_p=0.95, seed=i) if sampled else {}
         r = llm.chat(messages(schema_name, i), max_tokens=MAX_TOKENS, grammar=grammar, **kw)
         tokens += len(r.tokens)
         try:
