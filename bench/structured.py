@@ -172,6 +172,11 @@ def report() -> str:
             secs = sum(r["seconds"] for r in done) / max(1, sum(r["n"] for r in done))
             lines.append(f"| {name} | {cells[0]} | {cells[1]} | {toks:.1f} | {secs:.2f} |")
         fails = [(k, f) for k, r in v["schemas"].items() for f in r["failures"]]
+        cut = [f for _, f in fails if f[2] == "length"]
+        if cut:
+            lines += ["", f"{len(cut)} of the failures ended with finish_reason \"length\": max_tokens cut an "
+                      "unfinished answer (a prefix of a valid one; e.g. a plain JSON number whose digits the model "
+                      "kept writing: " + repr(cut[0][1][-60:]) + ")."]
         lines += ["", "Failures: " + ("none." if not fails else "; ".join(f"{k} #{f[0]} ({f[2]}): {f[3]}"
                                                                           for k, f in fails[:10])), ""]
     md = "\n".join(lines)
