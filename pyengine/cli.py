@@ -2,12 +2,15 @@
 
     ringllm generate   [-m MODEL] -p PROMPT [-n N] [--chat] [sampling] [KV options] [--engine E] [-t T] [--json]
                        [--speculative store:C|layers:N [--gamma G]]
+                       [--json-object | --json-schema SCHEMA | --grammar FILE | --regex RE] [--chat-template FILE]
     ringllm chat       [-m MODEL] [--system TEXT] [-n N] [--load FILE] [sampling] [KV options] [-t T]
+                       [--chat-template FILE]
     ringllm perplexity [-m MODEL] -f FILE [--protocol chunked|streaming] [--ctx N] [--chunks K] [--tokens N]
                        [KV options] [-t T] [--json]
     ringllm bench      [-m MODEL] [--tg 128] [--pp 512] [--repeats 3] [KV options] [-t T] [--json]
     ringllm serve      [-m MODEL] [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--max-tokens-cap N]
                        [--max-body-bytes B] [--queue-size Q] [--max-batch N] [KV options] [-t T]
+                       [--chat-template FILE]
 
 KV options: --kv-policy (any of KVConfig's policies), --kv-capacity C, --kv-sinks S,
 --positions reindexed|original, and the policy knobs --kv-recent, --kv-lazy, --kv-slack,
@@ -89,19 +92,50 @@ def _load(args, tokenizer: bool = True):
     return model
 
 
+def _read_text(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} file {path!r}: {exc.strerror or exc}") from None
+
+
 def _llm(args, warmup: bool = False):
     """The LLM the arguments describe. warmup: compile (or load) its kernels before returning (chat and
     serve, which wait for input anyway) rather than at the first prompt (generate, where the
     compile time is reported apart: "compiled kernels in N s")."""
     from ringllm.llm import LLM
+    template = getattr(args, "chat_template", None)
     return LLM(args.model, kv=_kv_config(args), backend=args.engine, n_threads=args.threads,
-               seed=args.seed if args.seed is not None else 0, progress=not args.no_progress, warmup=warmup)
+               seed=args.seed if args.seed is not None else 0, progress=not args.no_progress, warmup=warmup,
+               chat_template=_read_text(template, "chat template") if template else None)
 
 
 def _say_compiled(seconds: float) -> None:
     """One stderr line for kernels compiled in this run (none: nothing printed)."""
     if seconds >= 0.05:
         print(f"[compiled kernels in {seconds:.1f} s; later runs load them from the cache]", file=sys.stderr)
+
+
+def _constraint(args) -> dict:
+    """generate's --json-object / --json-schema / --grammar / --regex as LLM.generate keywords."""
+    out: dict = {}
+    if args.json_object:
+        out["response_format"] = {"type": "json_object"}
+    if args.json_schema is not None:
+        text = _read_text(args.json_schema, "JSON Schema") if os.path.isfile(args.json_schema) else args.json_schema
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"--json-schema is neither a file nor valid JSON: {exc}") from None
+        if "response_format" in out:
+            raise ConfigError("give --json-object or --json-schema, not both")
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
+    if args.grammar is not None:
+        out["grammar"] = _read_text(args.grammar, "grammar")
+    if args.regex is not None:
+        out["regex"] = args.regex
+    return out
 
 
 def _sampling(args) -> dict:
@@ -128,7 +162,7 @@ def _generate(args: argparse.Namespace) -> int:
     t_load = time.perf_counter() - t0
     if args.speculative:
         return _speculate(args, llm, ids, t_load)
-    gen = llm.generate(ids, max_tokens=args.n_predict, seed=args.seed, **_sampling(args))
+    gen = llm.generate(ids, max_tokens=args.n_predict, seed=args.seed, **_sampling(args), **_constraint(args))
     stop = _Interrupt()
     with stop:
         for chunk in gen:
@@ -167,6 +201,9 @@ def _speculate(args: argparse.Namespace, llm, ids: list[int], t_load: float) -> 
         if value != default]
     if changed:
         raise ConfigError(f"--speculative decodes greedily; drop {', '.join(changed)}")
+    if _constraint(args):
+        raise ConfigError("--speculative does not constrain its output; drop --json-object, --json-schema, "
+                          "--grammar and --regex")
     out = llm.speculate(ids, max_tokens=args.n_predict, draft=args.speculative, gamma=args.gamma,
                         ignore_eos=args.ignore_eos)
     tm, sp = out.timings, out.speculation
@@ -488,6 +525,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def _add_chat_template(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file instead of the model's (e.g. one with tool syntax)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringllm", description="Embeddable LLM runtime with an in-place KV store.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -503,6 +545,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy speculative decoding with draft store:C (this model, streaming store of C) or "
                         "layers:N (its first N layers); output printed when done")
     g.add_argument("--gamma", type=int, default=3, help="tokens drafted per round (with --speculative)")
+    _add_chat_template(g)
+    k = g.add_argument_group("structured output (one of them)")
+    k.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    k.add_argument("--json-schema", default=None, metavar="SCHEMA", help="the answer follows this JSON Schema "
+                   "(a file, or the schema's JSON text)")
+    k.add_argument("--grammar", default=None, metavar="FILE", help="the answer follows this Lark or GBNF grammar")
+    k.add_argument("--regex", default=None, help="the answer matches this regular expression")
     g.set_defaults(func=_generate)
 
     c = sub.add_parser("chat", help="interactive chat (reads stdin; /reset /save /load /quit)")
@@ -510,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(c)
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("-n", "--n-predict", type=int, default=512, help="tokens per answer at most")
+    _add_chat_template(c)
     c.add_argument("--load", default=None, help="start from a saved session file")
     c.add_argument("-v", "--verbose", action="store_true", help="speed and KV length after each answer")
     c.set_defaults(func=_chat)
@@ -544,6 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batched steps)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--seed", type=int, default=None, help="seed of requests that give none")
+    _add_chat_template(s)
     s.set_defaults(func=_serve)
 
     w = sub.add_parser("warmup", help="compile a model's kernels now (once per CPU and ringllm version), so later "

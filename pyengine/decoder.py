@@ -13,7 +13,8 @@ The protocol is prefill(), then feed() and advance() strictly alternating until 
     advance(logits)   samples the next token from those logits and returns the token's Chunk
 
 The engine looks one token ahead this way, so the chunk that carries the finish reason is the
-last token's own chunk. The store is only ever cut between tokens; Record.in_engine marks the
+last token's own chunk. With a grammar constraint (the sampler's), the answer also ends, "stop",
+at the token that completes the grammar, without an engine step for the end token. The store is only ever cut between tokens; Record.in_engine marks the
 one window in which it is not.
 
 check_max_tokens is the shared check of the max_tokens argument (generate, decoder, sessions).
@@ -128,8 +129,9 @@ class Decoder:
         rec.tokens.append(token)
         text, hit = self.stopper.push(self._text_dec.push(token))
         finish = None
-        if hit:
-            finish = "stop"
+        constraint = self.sampler.constraint
+        if hit or (constraint is not None and constraint.done):
+            finish = "stop"        # a stop string, or the grammar is complete: nothing but EOS could follow
         elif self.max_tokens is not None and len(rec.tokens) >= self.max_tokens:
             finish = "length"
         else:

@@ -83,11 +83,24 @@ class Completion:
     prompt_tokens: int
     timings: Timings = field(default_factory=Timings)
     speculation: dict | None = None     # LLM.speculate(): rounds, drafted, accepted, acceptance, seconds
+    tool_calls: list[dict] | None = None    # LLM.chat(tools=...): OpenAI tool_calls parsed from .text
+    content: str | None = None          # with tools: .text without its calls (None when only calls)
 
     @property
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
                 "total_tokens": self.prompt_tokens + len(self.tokens)}
+
+    @property
+    def message(self) -> dict:
+        """The answer as an OpenAI assistant message (append it to the conversation to go on):
+        {"role": "assistant", "content": ..., "tool_calls": [...] when the model called tools}."""
+        if self.tool_calls is None:
+            return {"role": "assistant", "content": self.text}
+        msg = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = [dict(c, function=dict(c["function"])) for c in self.tool_calls]
+        return msg
 
 
 class Record:
@@ -107,6 +120,9 @@ class Record:
         self.fed: list[int] = []          # tokens this generation fed into the store
         self.done = False
         self.in_engine = False            # True while an engine call runs (a store cut there is unusable)
+        self.tool_calls: list[dict] | None = None     # chat with tools: the calls parsed at the end
+        self.content: str | None = None
+        self.constraint = None            # the request's grammar state (ringllm.constraints), if any
 
 
 class Generation:
@@ -147,4 +163,5 @@ class Generation:
         for _ in self:
             pass
         r = self.record
-        return Completion(r.text, list(r.tokens), r.finish_reason, r.prompt_tokens, r.timings)
+        return Completion(r.text, list(r.tokens), r.finish_reason, r.prompt_tokens, r.timings,
+                          tool_calls=r.tool_calls, content=r.content)

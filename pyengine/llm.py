@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from ringllm.backends import BACKENDS, check_room, engine_peak_memory, make_engine, store_stats
 from ringllm.chat_template import check_template_kwargs, render_chat
+from ringllm.constraints import Grammar, compile_grammar, json_schema_of
 from ringllm.decoder import Decoder, check_max_tokens
 from ringllm.generation import Chunk, Completion, Generation, Record, Timings
 from ringllm.models.loader import load_model
@@ -53,6 +54,7 @@ from ringllm.runtime.speculative import make_layer_draft, speculative_generate
 from ringllm.runtime.warmup import estimate_compile_seconds, warm
 from ringllm.sampling import Sampler, SamplingParams, StopMatcher
 from ringllm.session import ChatSession
+from ringllm.tools import ToolPlan
 
 # Chunk, Completion, Generation, Timings (ringllm.generation), Decoder (ringllm.decoder), BACKENDS
 # and the store helpers check_room, store_stats (ringllm.backends) are importable from here too.
@@ -257,7 +259,8 @@ class LLM:
                  repeat_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  logit_bias: dict[int, float] | None = None, stop: str | Sequence[str] | None = None,
                  ignore_eos: bool = False, seed: int | None = None, stream: bool = True,
-                 penalty_last_n: int = 64) -> "Generation | Completion":
+                 penalty_last_n: int = 64, response_format: dict | None = None, grammar: Any = None,
+                 regex: str | None = None) -> "Generation | Completion":
         """Generate after `prompt` (text, or token ids) from a fresh KV store.
 
         max_tokens: tokens to generate at most (None: until EOS, a stop string or a full context).
@@ -265,14 +268,18 @@ class LLM:
         stop: strings that end the generation (not included in the text).
         seed: the sampler's seed (None: drawn from the LLM's seeded generator).
         stream: True returns a Generation (iterator of Chunk); False runs it and returns a Completion.
-        Errors (ConfigError) for bad arguments and for a prompt longer than a policy-full context
-        are raised here, before any chunk.
+        response_format / grammar / regex (at most one): constrain the answer to JSON, a JSON Schema,
+        a Lark or GBNF grammar (or a Grammar from compile_grammar) or a regex (ringllm.constraints);
+        the answer ends ("stop") where the grammar is complete. Not with ignore_eos.
+        Errors (ConfigError; GrammarError for a constraint that does not compile) for bad arguments
+        and for a prompt longer than a policy-full context are raised here, before any chunk.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                                 presence_penalty=presence_penalty, logit_bias=dict(logit_bias or {}),
                                 penalty_last_n=penalty_last_n)
-        dec = self._new_decoder(prompt, params, max_tokens, stop, ignore_eos, seed)
+        compiled = self.compile_grammar(response_format=response_format, grammar=grammar, regex=regex)
+        dec = self._new_decoder(prompt, params, max_tokens, stop, ignore_eos, seed, compiled)
 
         def body():
             with self.engine_lock(dec.store):
@@ -283,6 +290,7 @@ class LLM:
 
     def decoder(self, prompt: str | Sequence[int], max_tokens: int | None = DEFAULT_MAX_TOKENS,
                 stop: str | Sequence[str] | None = None, ignore_eos: bool = False, seed: int | None = None,
+                response_format: dict | None = None, grammar: Any = None, regex: str | None = None,
                 **sampling: Any) -> Decoder:
         """A Decoder of `prompt` from a fresh KV store, for a caller that drives the engine itself
         (e.g. several sequences batched by ringllm.batch.BatchDecoder). Keywords as generate();
@@ -293,19 +301,36 @@ class LLM:
             raise ConfigError(f"unknown sampling option(s) {sorted(unknown)}; valid: "
                               f"{sorted(SamplingParams.__dataclass_fields__)}")
         sampling["logit_bias"] = dict(sampling.get("logit_bias") or {})
-        return self._new_decoder(prompt, SamplingParams(**sampling), max_tokens, stop, ignore_eos, seed)
+        compiled = self.compile_grammar(response_format=response_format, grammar=grammar, regex=regex)
+        return self._new_decoder(prompt, SamplingParams(**sampling), max_tokens, stop, ignore_eos, seed, compiled)
+
+    def compile_grammar(self, response_format: dict | None = None, grammar: Any = None,
+                        regex: str | None = None) -> Grammar | None:
+        """The constraint a request asks for, compiled against this model's vocabulary (None when
+        it asks for none); pass it as generate(grammar=...) to reuse it. GrammarError (a ConfigError)
+        names what does not compile. ringllm.constraints says what each keyword takes."""
+        return compile_grammar(self.tokenizer, response_format=response_format, grammar=grammar, regex=regex)
 
     def _new_decoder(self, prompt, params: SamplingParams, max_tokens, stop, ignore_eos: bool,
-                     seed: int | None) -> Decoder:
+                     seed: int | None, grammar: Grammar | None = None) -> Decoder:
         """Checks every argument (ConfigError before anything runs) and builds the Decoder."""
         params.validate(self.n_vocab)
         check_max_tokens(max_tokens)
+        if grammar is not None and grammar.tokenizer is not self.tokenizer:
+            raise ConfigError("this grammar was compiled for another model's vocabulary; compile it with this "
+                              "LLM's compile_grammar()")
+        if grammar is not None and ignore_eos:
+            raise ConfigError("ignore_eos cannot be combined with a response_format, grammar or regex: the "
+                              "grammar decides where the answer ends")
         ids = self.prompt_ids(prompt)
         stopper = StopMatcher(stop)
         sampler = self._sampler(params, seed)
         store = self._engine.new_store(self.kv)
         check_room(store, self.spec, len(ids))      # the clear error, before a generator exists
-        return Decoder(self, Record(), store, ids, list(ids), sampler, max_tokens, stopper, ignore_eos)
+        record = Record()
+        if grammar is not None:
+            sampler.constraint = record.constraint = grammar.start()
+        return Decoder(self, record, store, ids, list(ids), sampler, max_tokens, stopper, ignore_eos)
 
     def complete(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         """generate(..., stream=False)."""
@@ -365,16 +390,52 @@ class LLM:
         return Completion(self.tokenizer.decode(toks), toks, finish, len(ids), tm, stats)
 
     def chat(self, messages: list[dict], stream: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None, tool_choice: Any = None, parallel_tool_calls: bool = True,
              **kwargs) -> "Generation | Completion":
         """Answer a conversation (list of {"role", "content"}) with the chat template, from a fresh
-        store. Same keywords as generate(); non-streaming by default.
+        store. Same keywords as generate() (response_format, grammar, regex included);
+        non-streaming by default.
 
         chat_template_kwargs: extra variables for the template, as apply_chat_template's keywords
         and the OpenAI servers' field of that name: {"enable_thinking": False} for Qwen3 and
-        SmolLM3, "tools", Llama 3's "date_string", ... (checked by check_template_kwargs)."""
+        SmolLM3, Llama 3's "date_string", ... (checked by check_template_kwargs).
+        tools, tool_choice ("auto" | "none" | "required" | {"type": "function", "function": {"name"}}),
+        parallel_tool_calls: OpenAI's function calling (ringllm.tools). The result's .tool_calls
+        lists the calls (OpenAI's shape; finish_reason "tool_calls"), .content the text beside them,
+        .message the assistant message to append; messages with role "tool" give the results back.
+        With stream=True the chunks carry the raw text and the Generation's .tool_calls and
+        .content are set when it ends."""
         extra = check_template_kwargs(chat_template_kwargs)
-        text = self.render_chat(messages, add_generation_prompt=True, **extra)
-        return self.generate(self.chat_ids(text), stream=stream, **kwargs)
+        if tools is None:
+            if tool_choice is not None:
+                raise ConfigError("tool_choice needs tools")
+            text = self.render_chat(messages, add_generation_prompt=True, **extra)
+            return self.generate(self.chat_ids(text), stream=stream, **kwargs)
+        if "tools" in extra:
+            raise ConfigError("give tools either as tools= or in chat_template_kwargs, not both")
+        plan = ToolPlan.build(self, messages, tools, tool_choice, parallel_tool_calls, extra)
+        if plan.grammar is not None:
+            asked = [k for k in ("response_format", "grammar", "regex") if kwargs.get(k) is not None
+                     and not (k == "response_format" and json_schema_of(kwargs[k]) is None)]
+            if asked:
+                raise ConfigError(f"{asked[0]} cannot be combined with tools unless tool_choice is 'none'")
+            kwargs["grammar"] = plan.grammar
+        text = self.render_chat(messages, add_generation_prompt=True, **{**extra, **plan.template_kwargs})
+        gen = self.generate(self.chat_ids(text), stream=True, **kwargs)
+        record = gen.record
+
+        def parsed():
+            for chunk in gen:
+                if chunk.finish_reason is not None:
+                    record.content, record.tool_calls = plan.parse(record.text)
+                    if record.tool_calls:
+                        record.finish_reason = chunk.finish_reason = "tool_calls"
+                yield chunk
+            if record.tool_calls is None and record.done:       # ended at its prefill: no chunk
+                record.content, record.tool_calls = plan.parse(record.text)
+
+        out = Generation(record, parsed())
+        return out if stream else out.result()
 
     def chat_session(self, system: str | None = None, kv: KVConfig | None = None, seed: int | None = None,
                      **defaults: Any):

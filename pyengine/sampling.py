@@ -4,8 +4,14 @@ Each filter takes logits (a float64 array it may modify in place) and returns th
 tokens it rules out set to -inf; none of them touches the random generator. The chain, in
 llama.cpp's order:
 
-    logit_bias -> repetition / frequency / presence penalties -> (temperature 0: argmax)
+    logit_bias -> grammar mask -> repetition / frequency / presence penalties -> (temperature 0: argmax)
     -> top_k -> top_p -> min_p -> temperature -> draw from the softmax
+
+The grammar mask (a ringllm.constraints.Constraint, when the request has a response_format,
+grammar or regex) sets every token the grammar forbids to -inf; the sampled token then advances
+the constraint. The whole mask is computed at every token, greedy included: llguidance's check of
+a single token accepts some tokens its mask leaves out (a lone " " before a quote the vocabulary
+writes as one ' "' token), so checking the argmax alone would not give the masked argmax.
 
 `temperature <= 0` is greedy decoding: the argmax after bias and penalties (ties: the lowest id).
 The draw uses one uniform number of a numpy Generator (PCG64) per token, so the same seed and
@@ -240,26 +246,34 @@ class Sampler:
     """The chain with its seeded generator. `sample(logits, history)` -> token id.
 
     The generator advances by exactly one draw per non-greedy token; greedy sampling leaves it
-    untouched."""
+    untouched. constraint: the request's grammar state (ringllm.constraints.Constraint) or None;
+    every sampled token is accepted into it."""
 
-    def __init__(self, params: SamplingParams | None = None, seed: int | None = 0):
+    def __init__(self, params: SamplingParams | None = None, seed: int | None = 0, constraint=None):
         self.params = params or SamplingParams()
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise ConfigError(f"seed must be a non-negative integer or None, got {seed!r}")
         self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.constraint = constraint
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        p = self.params
+        p, c = self.params, self.constraint
         x = np.array(logits, dtype=np.float64).reshape(-1)   # a copy: the engine's buffer stays as is
         apply_logit_bias(x, p.logit_bias)
+        if c is not None:
+            c.mask(x)
         apply_penalties(x, history, p.repeat_penalty, p.frequency_penalty, p.presence_penalty, p.penalty_last_n)
         if p.greedy:
-            return greedy(x)
-        top_k(x, p.top_k)
-        top_p(x, p.top_p)
-        min_p(x, p.min_p)
-        temperature(x, p.temperature)
-        return draw(x, self.rng)
+            token = greedy(x)
+        else:
+            top_k(x, p.top_k)
+            top_p(x, p.top_p)
+            min_p(x, p.min_p)
+            temperature(x, p.temperature)
+            token = draw(x, self.rng)
+        if c is not None:
+            c.accept(token)
+        return token
 
     # generator state, for sessions
     def state(self) -> dict:

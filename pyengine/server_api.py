@@ -2,7 +2,9 @@
 
 Request schemas are strict pydantic models (no silent coercion: "1" is not an int, 1 is not a
 bool) that ignore unknown fields, as OpenAI's API does; the ranges they declare are checked
-before a request is queued. Every error a client can see has OpenAI's body,
+before a request is queued. OpenAI fields the server knows but does not implement are declared
+all the same so that a handler can refuse them with a 400 instead of dropping them (logprobs,
+echo, suffix, the deprecated functions / function_call). Every error a client can see has OpenAI's body,
 {"error": {"message", "type", "param", "code"}}, and a message that names the problem: APIError
 carries one from a handler or the worker to the response; error_response builds one; and
 validation_message turns pydantic's validation errors into one line.
@@ -71,6 +73,10 @@ class SamplingRequest(StrictModel):
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     ignore_eos: bool = Field(False, description="extension: keep going past end-of-sequence")
     user: str | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}')
+    grammar: str | None = Field(None, description="extension: a Lark (llguidance) or GBNF grammar the answer follows")
+    regex: str | None = Field(None, description="extension: a regular expression the whole answer matches")
 
 
 class CompletionRequest(SamplingRequest):
@@ -90,6 +96,8 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant's calls, as this server returns them")
+    tool_call_id: str | None = Field(None, description="on a tool message: the call it answers")
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -98,6 +106,12 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description='extension (vLLM, llama-server): extra chat template variables, e.g. {"enable_thinking": false}')
+    tools: list[dict[str, Any]] | None = Field(None, description="function tools, rendered by the chat template")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"auto" (default with tools), "none", "required" or {"type": "function", "function": {"name"}}')
+    parallel_tool_calls: bool | None = Field(None, description="several calls in one answer (default true)")
+    functions: list[Any] | None = Field(None, description="deprecated by OpenAI; refused (use tools)")
+    function_call: str | dict[str, Any] | None = Field(None, description="deprecated by OpenAI; refused (use tool_choice)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@
     chat_completions   POST /v1/chat/completions    messages -> message
 
 A generating handler checks the request (model name, unsupported options, max_tokens cap, stop
-strings, logit_bias keys), turns it into prompt ids and LLM.decoder() keywords, and queues a
-Job; everything a request gets wrong is answered before it is queued. It then waits for the
+strings, logit_bias keys, response_format / grammar / regex and tools, compiled here), turns it
+into prompt ids and LLM.decoder() keywords, and queues a Job; everything a request gets wrong is
+answered before it is queued. A chat request with tools is answered with OpenAI's tool_calls
+(finish_reason "tool_calls"); streamed, as delta.tool_calls pieces (ringllm.tools.ToolCallParser). It then waits for the
 job's first event, so an error found at admission (a prompt over a policy-full context) is still
 an HTTP error, and answers with one JSON body or, with stream=true, server-sent events ending in
 "data: [DONE]". A client that goes away cancels its job (the worker drops it between tokens).
@@ -35,8 +37,20 @@ from ringllm.server_api import (APIError, ChatCompletionRequest, CompletionReque
                                 error_body)
 from ringllm.server_http import SSEResponse, sse_event
 from ringllm.server_worker import Job, Worker
+from ringllm.tools import ToolPlan
 
-__all__ = ["Routes", "usage"]
+__all__ = ["Routes", "tool_delta", "usage"]
+
+
+def tool_delta(event: tuple) -> dict:
+    """The chat.completion.chunk delta of one ToolCallParser event (OpenAI's streaming shape)."""
+    if event[0] == "content":
+        return {"content": event[1]}
+    if event[0] == "call":
+        _, index, call_id, name = event
+        return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -107,6 +121,7 @@ class Routes:
         except ConfigError as exc:
             raise APIError(400, str(exc), param="prompt") from None
         params = self.sampling(req, req.max_tokens, 16)
+        params["grammar"] = await self.constraint(req)
         job = await self.submit(request, "completion", ids, params)
         rid, t, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), self.name
 
@@ -132,42 +147,89 @@ class Routes:
         self.check_model(req.model)
         if req.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        if req.functions is not None or req.function_call is not None:
+            raise APIError(400, "functions / function_call (deprecated by OpenAI) are not supported; use tools and "
+                           "tool_choice", param="functions" if req.functions is not None else "function_call")
+        if req.tools is None and (req.tool_choice is not None or req.parallel_tool_calls is not None):
+            raise APIError(400, "tool_choice and parallel_tool_calls need tools", param="tool_choice")
         messages = []
-        for i, m in enumerate(req.messages):
+        for m in req.messages:
             content = m.content
             if isinstance(content, list):
                 content = "".join(p.text for p in content)
-            if content is None:
+            if content is None and not m.tool_calls:
                 content = ""
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": content})
+            message = {"role": role, "content": content}
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    message[key] = getattr(m, key)
+            messages.append(message)
         try:
             extra = check_template_kwargs(req.chat_template_kwargs)
         except ConfigError as exc:
             raise APIError(400, str(exc), param="chat_template_kwargs") from None
+        plan = None
+        if req.tools is not None:
+            try:
+                plan = await asyncio.to_thread(ToolPlan.build, self.llm, messages, req.tools, req.tool_choice,
+                                               True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+                                               extra)
+            except ConfigError as exc:
+                raise APIError(400, str(exc), param="tools") from None
+            if plan.grammar is not None and (req.grammar is not None or req.regex is not None
+                                             or (req.response_format or {}).get("type", "text") != "text"):
+                raise APIError(400, "response_format, grammar and regex cannot be combined with tools unless "
+                               "tool_choice is 'none'", param="tool_choice")
+            extra = {**extra, **plan.template_kwargs}
         try:
             ids = self.llm.chat_ids(self.llm.render_chat(messages, add_generation_prompt=True, **extra))
         except ConfigError as exc:
             raise APIError(400, str(exc), param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling(req, max_tokens, self.settings.default_max_tokens)
+        if plan is not None and plan.grammar is not None:
+            params["grammar"] = plan.grammar
+        else:
+            params["grammar"] = await self.constraint(req)
         job = await self.submit(request, "chat", ids, params)
         rid, t, name = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), self.name
+        parser = plan.parser() if plan is not None else None
+
+        def body(choice=None, usage=None):
+            out = {"id": rid, "object": "chat.completion.chunk", "created": t, "model": name,
+                   "system_fingerprint": None, "choices": [] if choice is None else [choice]}
+            if usage:
+                out["usage"] = usage
+            return out
+
+        def delta(d, finish=None):
+            return body({"index": 0, "delta": d, "finish_reason": finish, "logprobs": None})
 
         def chunk(text, finish, first=False, usage=None):
-            body = {"id": rid, "object": "chat.completion.chunk", "created": t, "model": name,
-                    "system_fingerprint": None}
             if usage:
-                body["choices"], body["usage"] = [], usage
-                return body
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-            return body
+                return body(usage=usage)
+            if first:
+                return delta({"role": "assistant", "content": ""})
+            if parser is None:
+                return delta({"content": text} if text else {}, finish)
+            events = parser.feed(text) if text else []
+            if finish is not None:
+                events += parser.finish()
+            out = [delta(tool_delta(ev)) for ev in events]
+            if finish is not None:
+                out.append(delta({}, "tool_calls" if parser.calls else finish))
+            return out
 
         def final(text, finish, use, timings):
+            message = {"role": "assistant", "content": text}
+            if plan is not None and plan.parses_calls:
+                content, calls = plan.parse(text)
+                message = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"], finish = calls, "tool_calls"
             return {"id": rid, "object": "chat.completion", "created": t, "model": name, "system_fingerprint": None,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": finish, "logprobs": None}],
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                     "usage": use, "timings": timings}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
@@ -206,6 +268,18 @@ class Routes:
                "frequency_penalty": req.frequency_penalty or 0.0, "presence_penalty": req.presence_penalty or 0.0,
                "logit_bias": bias, "stop": stop or None, "seed": req.seed, "ignore_eos": req.ignore_eos}
         return out
+
+    async def constraint(self, req: SamplingRequest):
+        """The compiled response_format / grammar / regex of a request (None: free text); a 400
+        naming the field and the reason when it does not compile. Compiled off the event loop
+        (the first one builds the vocabulary's llguidance tokenizer)."""
+        try:
+            return await asyncio.to_thread(self.llm.compile_grammar, response_format=req.response_format,
+                                           grammar=req.grammar, regex=req.regex)
+        except ConfigError as exc:
+            param = next((k for k in ("response_format", "grammar", "regex") if getattr(req, k) is not None),
+                         "response_format")
+            raise APIError(400, str(exc), param=param) from None
 
     async def submit(self, request: Request, kind: str, ids: list[int], params: dict) -> Job:
         job = Job(kind, ids, params, asyncio.get_running_loop(), asyncio.Queue())
@@ -251,15 +325,20 @@ class Routes:
             finally:
                 job.cancel.set()
 
+        def sse(bodies) -> str:          # make_chunk gives one body, or a list of them (tool call deltas)
+            return "".join(sse_event(b) for b in (bodies if isinstance(bodies, list) else [bodies]))
+
         async def events():
-            yield sse_event(make_chunk(None, None, first=True))
+            yield sse(make_chunk(None, None, first=True))
             while True:
                 ev = await job.events.get()
                 if ev[0] == "chunk":
                     if ev[1]:
-                        yield sse_event(make_chunk(ev[1], None))
+                        out = sse(make_chunk(ev[1], None))
+                        if out:
+                            yield out
                 elif ev[0] == "end":
-                    yield sse_event(make_chunk(None, ev[1]))
+                    yield sse(make_chunk(None, ev[1]))
                     if include_usage:
                         yield sse_event(make_chunk(None, None, usage=usage(ev[2], ev[3])))
                     break

@@ -5,6 +5,8 @@
         print(chunk.text, end="")
     session.send("And then?", stream=False).text
     session.save("chat.session"); session = ChatSession.load(llm, "chat.session")
+    session.send("Give me JSON.", response_format={"type": "json_object"}, max_tokens=8)   # cut at 8 tokens
+    session.continue_answer(max_tokens=200)     # the same answer goes on, under the same constraint
 
 A turn prefills only what is new: the end of the previous answer as the chat template closes it
 (e.g. "<|im_end|>\\n"), the new user message, and the generation prompt. That text is the
@@ -16,7 +18,9 @@ conversation runs.
 Session file: a NumPy .npz archive (never pickle; loaded with allow_pickle=False) holding the KV
 store's arrays and one JSON header: format name and version, the model's identity, the KV config,
 the messages, the token history, tokens sampled but not yet fed, the sampler's generator state and
-defaults, and a SHA-256 over header and arrays. A file is written to a temporary name and renamed,
+defaults, the state of an answer max_tokens cut (its grammar and the tokens the grammar accepted,
+replayed on load, so continue_answer() after a load goes on exactly as without it), and a SHA-256
+over header and arrays. A file is written to a temporary name and renamed,
 so a crash never leaves half a file; a damaged, truncated or foreign file raises SessionFileError
 (a ConfigError) naming the problem, and nothing is changed until everything has been checked.
 """
@@ -32,6 +36,7 @@ import numpy as np
 
 from ringllm.backends import check_room, store_stats
 from ringllm.chat_template import check_template_kwargs, validate_messages
+from ringllm.constraints import constraint_from_state
 from ringllm.decoder import Decoder, check_max_tokens
 from ringllm.generation import Completion, Generation, Record
 from ringllm.runtime.errors import ConfigError, RingLLMError
@@ -46,6 +51,7 @@ _SENTINEL = "\x00ringllm-answer\x00"
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
                   "presence_penalty", "penalty_last_n", "logit_bias")
 _OTHER_KEYS = ("max_tokens", "stop", "ignore_eos")
+_CONSTRAINT_KEYS = ("response_format", "grammar", "regex")      # per answer (send), never defaults
 
 
 class SessionFileError(ConfigError):
@@ -127,6 +133,7 @@ class ChatSession:
         self.pending: list[int] = []       # answer tokens sampled but not yet fed (fed first next turn)
         self.sampler_state = Sampler(SamplingParams(), self.seed).state()
         self.turns = 0
+        self.cut_answer: dict | None = None     # the last answer, cut by max_tokens: {"constraint": state | None}
         self._damaged: str | None = None
 
     def kv_stats(self) -> dict:
@@ -164,15 +171,20 @@ class ChatSession:
 
     def send(self, text: str, stream: bool = True, **kwargs: Any) -> "Generation | Completion":
         """Add a user message and answer it. Keywords as LLM.generate (max_tokens, temperature, ...,
-        stop, ignore_eos); the session's defaults fill the rest. Returns a Generation (stream) or a
-        Completion. Only new tokens are prefilled. A ConfigError (e.g. the context of policy full is
-        exhausted) is raised before anything changes."""
+        stop, ignore_eos, response_format / grammar / regex for this answer); the session's defaults
+        fill the rest. Returns a Generation (stream) or a Completion. Only new tokens are
+        prefilled. A ConfigError (e.g. the context of policy full is exhausted, a grammar that does
+        not compile) is raised before anything changes."""
         if self._damaged:
             raise RingLLMError(self._damaged)
         if not isinstance(text, str):
             raise ConfigError(f"the message must be a string, got {type(text).__name__}")
+        constraint_kw = {k: kwargs.pop(k) for k in _CONSTRAINT_KEYS if k in kwargs}
         params, other = self._split({**self.defaults, **kwargs})
         llm = self.llm
+        grammar = llm.compile_grammar(**constraint_kw)
+        if grammar is not None and other["ignore_eos"]:
+            raise ConfigError("ignore_eos cannot be combined with a response_format, grammar or regex")
         user = {"role": "user", "content": text}
         if self.store is None:
             ids = llm.chat_ids(llm.render_chat(self.messages + [user], add_generation_prompt=True,
@@ -183,10 +195,52 @@ class ChatSession:
             ids = list(self.pending) + llm.tokenizer.encode(delta, add_bos=False, parse_special=True)
             store = self.store
         check_room(store, llm.spec, len(ids))
+
+        def commit(gen: Record) -> None:
+            self.messages = self.messages + [user, {"role": "assistant", "content": gen.text}]
+            self.turns += 1
+
+        return self._answer(ids, store, params, other, grammar.start() if grammar else None, commit, stream)
+
+    def continue_answer(self, stream: bool = True, **kwargs: Any) -> "Generation | Completion":
+        """Go on with the last answer where max_tokens cut it (finish_reason "length"), under the
+        same response_format / grammar / regex, which a saved session keeps: a session saved after
+        the cut, loaded and continued, gives the same tokens as the original continued. Keywords as
+        send() (sampling, max_tokens, stop) except the constraint, which is the answer's. The text
+        is added to the last assistant message. ConfigError when there is nothing to continue."""
+        if self._damaged:
+            raise RingLLMError(self._damaged)
+        if self.cut_answer is None or not self.pending:
+            raise ConfigError("there is no answer to continue: the last one ended (or none was cut by max_tokens)")
+        unknown = sorted(set(kwargs) & set(_CONSTRAINT_KEYS))
+        if unknown:
+            raise ConfigError(f"continue_answer() keeps the answer's own constraint; it does not take {unknown}")
+        params, other = self._split({**self.defaults, **kwargs})
+        saved = self.cut_answer.get("constraint")
+        constraint = constraint_from_state(self.llm.tokenizer, saved) if saved else None
+        if constraint is not None and other["ignore_eos"]:
+            raise ConfigError("ignore_eos cannot be combined with the answer's constraint")
+        ids = list(self.pending)
+        check_room(self.store, self.llm.spec, len(ids))
+
+        def commit(gen: Record) -> None:
+            last = dict(self.messages[-1])
+            last["content"] = (last.get("content") or "") + gen.text
+            self.messages = self.messages[:-1] + [last]
+
+        return self._answer(ids, self.store, params, other, constraint, commit, stream)
+
+    def _answer(self, ids: list[int], store, params: SamplingParams, other: dict, constraint, commit,
+                stream: bool) -> "Generation | Completion":
+        """Run one answer: prefill `ids` into `store`, sample on; when it stops (ends, is cut or
+        closed) the session takes the store, tokens, sampler state and the answer's cut state, and
+        commit(record) updates the messages."""
+        llm = self.llm
         stopper = StopMatcher(other["stop"])
-        sampler = Sampler(params, 0)
+        sampler = Sampler(params, 0, constraint)
         sampler.set_state(self.sampler_state)
         gen = Record()
+        gen.constraint = constraint
 
         def body():
             with llm.engine_lock():
@@ -208,9 +262,11 @@ class ChatSession:
                         self.tokens.extend(gen.fed)
                         unfed = gen.tokens[len(gen.fed) - n_prompt:]
                         self.pending = [] if gen.finish_reason == "stop" else list(unfed)
-                        self.messages = self.messages + [user, {"role": "assistant", "content": gen.text}]
+                        # only a max_tokens cut leaves every sampled token in the answer: that one can go on
+                        cut = gen.finish_reason == "length" and bool(self.pending)
+                        self.cut_answer = {"constraint": constraint.state() if constraint else None} if cut else None
+                        commit(gen)
                         self.sampler_state = sampler.state()
-                        self.turns += 1
 
         handle = Generation(gen, body())
         return handle if stream else handle.result()
@@ -246,7 +302,7 @@ class ChatSession:
                       "defaults": self._defaults_json(), "chat_template_kwargs": self.chat_template_kwargs,
                       "messages": self.messages, "tokens": list(self.tokens),
                       "pending": list(self.pending), "turns": self.turns, "sampler": self.sampler_state,
-                      "store": kv_state}
+                      "store": kv_state, "cut_answer": self.cut_answer}
             header["checksum"] = file_checksum(header, arrays)
             blob = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
             folder = os.path.dirname(os.path.abspath(path))
@@ -313,6 +369,12 @@ class ChatSession:
             seed, turns, system = int(header["seed"]), int(header["turns"]), header["system"]
             defaults = dict(header["defaults"])
             template_kwargs = check_template_kwargs(header.get("chat_template_kwargs"))
+            cut_answer = header.get("cut_answer")
+            if cut_answer is not None:
+                if not isinstance(cut_answer, dict) or not pending:
+                    raise ValueError("a cut answer without its pending token")
+                if cut_answer.get("constraint") is not None:    # compiled now: a bad one fails the load
+                    constraint_from_state(llm.tokenizer, cut_answer["constraint"])
             store = None
             if header["store"] is not None:
                 # imported on use: the KV store module compiles (or loads) its Numba kernels on
@@ -345,6 +407,7 @@ class ChatSession:
             raise SessionFileError(path, f"invalid defaults: {exc}") from None
         obj.messages, obj.store, obj.tokens, obj.pending = messages, store, tokens, pending
         obj.sampler_state, obj.turns, obj._damaged = sampler.state(), turns, None
+        obj.cut_answer = cut_answer
         return obj
 
     def restore(self, path: str | os.PathLike) -> None:

@@ -1,4 +1,5 @@
-"""Shared fixtures: the bundled models (skipped cleanly when absent) and the test text."""
+"""Shared fixtures: the bundled models (skipped cleanly when absent), the test text, and the openai
+client of the server tests."""
 from __future__ import annotations
 
 import os
@@ -31,3 +32,17 @@ def gemma3_path() -> str:
         return gemma3_model_path()
     except ModelFileError as exc:
         pytest.skip(str(exc))
+
+
+# The server tests: each module defines `server` (the base URL of a running `ringllm serve`) and
+# `server_key` (its API key); these two fixtures give the official openai client on it.
+
+@pytest.fixture(scope="module")
+def client(server, server_key):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server + "/v1", api_key=server_key, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id

@@ -94,6 +94,27 @@ def test_generate_chat_flag(smollm2_path):
     assert r.returncode == 0 and out["text"].strip() and out["prompt_tokens"] > 20
 
 
+def test_generate_structured_output_flags(smollm2_path, tmp_path):
+    schema = {"type": "object", "properties": {"user": {"type": "string", "maxLength": 16},
+                                               "id": {"type": "integer", "minimum": 1, "maximum": 999}},
+              "required": ["user", "id"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    r = run("generate", "--chat", "-p", "Give me a user record.", "-n", "60", "--json-schema", str(path), "--json", *T1)
+    out = json.loads(r.stdout)
+    value = json.loads(out["text"])
+    assert r.returncode == 0 and set(value) == {"user", "id"} and 1 <= value["id"] <= 999
+    assert out["finish_reason"] == "stop"
+    grammar = tmp_path / "yn.gbnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    r = run("generate", "--chat", "-p", "Is ice cold?", "-n", "8", "--grammar", str(grammar), "--json", *T1)
+    assert json.loads(r.stdout)["text"] in ("yes", "no")
+    r = run("generate", "-p", "x", "--regex", "a(b", *T1)
+    assert r.returncode == 1 and "unclosed group" in r.stderr
+    r = run("generate", "-p", "x", "--json-schema", "{not json", *T1)
+    assert r.returncode == 1 and "neither a file nor valid JSON" in r.stderr
+
+
 def test_errors_exit_nonzero_with_a_message():
     r = run("generate", "-p", "x", "--kv-policy", "streaming", *T1)
     assert r.returncode == 1 and "needs a capacity" in r.stderr

@@ -4,9 +4,6 @@ battery, disconnects, auth, limits, OpenAPI."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,55 +13,23 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from serve_process import running_server  # noqa: E402
+
 KEY = "sk-ringllm-test"
 CAP = 256
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    fh = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ringllm", "serve", "-m", smollm2_path, "--port", str(port),
-                             "--api-key", KEY, "--max-tokens-cap", str(CAP), "-t", "1", "--no-progress",
-                             "--log-level", "warning"], stdout=fh, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start: {log.read_text()}")
-        time.sleep(0.3)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    fh.close()
+    with running_server(["-m", smollm2_path, "--api-key", KEY, "--max-tokens-cap", str(CAP), "-t", "1",
+                         "--no-progress", "--log-level", "warning"], log) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model_id(client):
-    return client.models.list().data[0].id
+def server_key():
+    return KEY
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
