@@ -59,8 +59,14 @@ def _first_compile_notice() -> None:
     est = _notice["estimate"]
     about = f" (about {est:.0f} s on a 2-core machine)" if est else ""
     where = f" in {_notice['cache_dir']}" if _notice["cache_dir"] else ""
-    print(f"ringllm: compiling kernels for this CPU, once{about}; they are cached{where} for later runs "
-          "(`ringllm warmup` compiles them ahead of time)", file=sys.stderr, flush=True)
+    text = (f"ringllm: compiling kernels for this CPU, once{about}; they are cached{where} for later runs "
+            "(`ringllm warmup` compiles them ahead of time)")
+    try:                      # a progress bar on stderr steps aside for the line, then redraws below it
+        from tqdm import tqdm
+        with tqdm.external_write_mode(file=sys.stderr):
+            print(text, file=sys.stderr, flush=True)
+    except ImportError:
+        print(text, file=sys.stderr, flush=True)
 
 
 def totals() -> tuple[float, int]:
