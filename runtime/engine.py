@@ -18,6 +18,9 @@ made once, so the decode loop allocates no arrays.
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numba
 import numpy as np
 
@@ -138,7 +141,12 @@ class CPUEngine:
                 names = [p + part + ".weight" for part in parts]
                 if all(n in mats for n in names) and len({int(mats[n].qtype) for n in names}) == 1:
                     mats[p + fused + ".weight"] = [mats.pop(n) for n in names]
-        return {name: mv.pack(t) for name, t in mats.items()}
+        # NumPy releases the GIL in the repacking's array operations: matrices pack side by side
+        workers = self.n_threads or os.cpu_count() or 1
+        if workers == 1:
+            return {name: mv.pack(t) for name, t in mats.items()}
+        with ThreadPoolExecutor(workers) as pool:
+            return dict(zip(mats, pool.map(mv.pack, mats.values())))
 
     # -----------------------------------------------------------------------------------------
     # Public verbs
