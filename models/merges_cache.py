@@ -18,12 +18,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ringllm.runtime import user_cache_dir
+
 FORMAT = 1
-
-
-def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ringllm", "merges")
 
 
 def _key(tokens: Sequence[str], ranks: Sequence[float]) -> str:
@@ -65,7 +62,7 @@ def cached_merges(tokens: Sequence[str], ranks: Sequence[float],
                   derive: Callable[[Sequence[str], Sequence[float]], list]) -> list[tuple[str, str]]:
     """derive(tokens, ranks) (merges whose parts are tokens of the vocabulary), read from the cache
     when an earlier process derived it."""
-    path = os.path.join(cache_dir(), _key(tokens, ranks) + ".npy")
+    path = os.path.join(user_cache_dir("merges"), _key(tokens, ranks) + ".npy")
     merges = _read(path, tokens)
     if merges is None:
         merges = derive(tokens, ranks)

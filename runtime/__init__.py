@@ -23,6 +23,12 @@ import tempfile
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
+def user_cache_dir(*parts: str) -> str:
+    """ringllm's directory under the user's cache ($XDG_CACHE_HOME, else ~/.cache), joined with parts."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ringllm", *parts)
+
+
 def _source_digest() -> str:
     """Hash of every source file of this package: names the cache directory of this exact code."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -58,8 +64,7 @@ def _numba_cache_dir() -> str:
     that cannot be written (a read-only home in a container), under the system's temporary directory,
     said once on stderr. "" when no directory can be written (Numba then compiles in every process)."""
     digest = _source_digest()
-    preferred = os.environ["RINGLLM_NUMBA_CACHE_BASE"] or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ringllm", "numba")
+    preferred = os.environ["RINGLLM_NUMBA_CACHE_BASE"] or user_cache_dir("numba")
     fallback = os.path.join(tempfile.gettempdir(), f"ringllm-numba-{os.getuid() if hasattr(os, 'getuid') else 0}")
     for base in (preferred, fallback):
         try:

@@ -131,6 +131,12 @@ class KVConfig:
     def staged(self) -> bool:
         return bool(self.lazy or self.slack or self.max_drop)
 
+    @property
+    def ring(self) -> bool:
+        """Whether the store writes as a ring (policies full and streaming without staging): no
+        policy kernels, the oldest non-sink token is overwritten."""
+        return self.policy in ("full", "streaming") and not self.staged
+
     def keep_after(self, length: int) -> int:
         """Staged eviction (Algorithm 1): tokens to keep when `length` are held, the new one included."""
         return keep_after(length, self.capacity, self.lazy, self.slack, self.max_drop)

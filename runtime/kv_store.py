@@ -109,7 +109,7 @@ class KVStore:
         for il in range(spec.n_layer):
             cap, s = budgets[il], self.sinks
             w = spec.window[il]
-            ring = kv.policy in ("full", "streaming") and not kv.staged
+            ring = kv.ring
             if w and w <= cap:
                 cap, s, ring = w, 0, True
             self.layer_capacity.append(cap)

@@ -33,10 +33,11 @@ _SMALL_CAPACITIES = (16, 32, 64, 128)
 
 
 def small_config(kv: KVConfig) -> KVConfig | None:
-    """kv with the smallest capacity in _SMALL_CAPACITIES it validates with (its own when smaller);
-    None when none does (a protected window larger than the sizes tried)."""
+    """kv with the smallest capacity in _SMALL_CAPACITIES it validates with (an evicting policy's own
+    capacity when smaller; policy full always gets the smallest, which holds warm()'s tokens without
+    evicting); None when none does (a protected window larger than the sizes tried)."""
     for cap in _SMALL_CAPACITIES:
-        if kv.capacity is not None and kv.capacity <= cap:
+        if kv.policy != "full" and kv.capacity is not None and kv.capacity <= cap:
             return kv
         try:
             return dataclasses.replace(kv, capacity=cap)
@@ -89,6 +90,5 @@ def estimate_compile_seconds(qtypes, kv: KVConfig) -> float:
     from ringllm.runtime.matvec_kernels import KERNELS
     qtypes = {GGMLType(int(q)) for q in qtypes} & set(KERNELS)
     families = {KERNELS[q][1] for q in qtypes}
-    ring = kv.policy in ("full", "streaming") and not kv.staged
     return (_COMPILE_S["shared"] + _COMPILE_S["matvec"] * len(qtypes) + _COMPILE_S["matmul"] * len(families)
-            + (0.0 if ring else _COMPILE_S["policy_step"]))
+            + (0.0 if kv.ring else _COMPILE_S["policy_step"]))

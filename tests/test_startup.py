@@ -56,7 +56,16 @@ def test_small_config_fits_every_policy():
         small.validate()
     tiny = KVConfig(policy="h2o", capacity=12, sinks=2)
     assert small_config(tiny) is tiny
+    assert small_config(KVConfig(capacity=8)).capacity == 16        # full: room for warm()'s tokens
     assert small_config(KVConfig(policy="h2o", capacity=4096, recent=1000)) is None
+
+
+def test_warmup_llm_on_a_small_full_store():
+    """LLM(warmup=True) warms on a store of its own: a full store smaller than warm()'s tokens works."""
+    from ringllm.llm import LLM
+    llm = LLM(kv=KVConfig(capacity=8), warmup=True, progress=False)
+    out = llm.complete("Hello", max_tokens=2, ignore_eos=True)
+    assert len(out.tokens) == 2
 
 
 def test_small_pages_restores_numpy_advice():
