@@ -11,7 +11,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from serve_process import running_server  # noqa: E402
+from ringllm.server_process import running_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
