@@ -5,6 +5,8 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
+from contextlib import contextmanager
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -99,3 +101,15 @@ def wait_for_quiet_cpu(max_wait: float, threshold: float = 0.15) -> float:
     while cpu_busy() > threshold and time.perf_counter() - t0 < max_wait:
         pass
     return time.perf_counter() - t0
+
+
+@contextmanager
+def bench_server(serve_args: list[str], model: str | None = None, threads: int | None = None,
+                 timeout_s: float = 600):
+    """A real `ringllm serve SERVE_ARGS` on a free loopback port (ringllm.server_process), on `model`
+    (None: the bundled one) with `threads` engine threads (None: the default); yields its base URL."""
+    from ringllm.server_process import running_server
+
+    cmd = (["-m", model] if model else []) + list(serve_args) + (["-t", str(threads)] if threads else [])
+    with tempfile.TemporaryDirectory() as tmp, running_server(cmd, os.path.join(tmp, "serve.log"), timeout_s) as url:
+        yield url

@@ -26,16 +26,13 @@ import os
 import random
 import re
 import sys
-import tempfile
 import time
 
 import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, machine, write_results  # noqa: E402
-
-from ringllm.server_process import running_server  # noqa: E402
+from common import RESULTS, bench_server, machine, write_results  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prideprejudice.txt")
 SYSTEM = "You are a helpful assistant who answers questions about novels briefly and precisely."
@@ -168,12 +165,10 @@ def main() -> int:
     args = ap.parse_args()
     text = open(DATA, encoding="utf-8").read()
     counts = [int(c) for c in args.clients.split(",")]
-    cmd = ["--model-name", "load", "--log-level", "warning", "--no-progress", "--queue-size", str(4 * max(counts)),
-           "--cache-mb", str(args.cache_mb), "--max-batch", str(args.max_batch)]
-    if args.model:
-        cmd = ["-m", args.model] + cmd
+    serve_args = ["--model-name", "load", "--log-level", "warning", "--no-progress", "--queue-size",
+                  str(4 * max(counts)), "--cache-mb", str(args.cache_mb), "--max-batch", str(args.max_batch)]
     results = []
-    with tempfile.TemporaryDirectory() as tmp, running_server(cmd, os.path.join(tmp, "serve.log"), 600) as url:
+    with bench_server(serve_args, args.model, None) as url:
         httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                        "max_tokens": 4}, timeout=600)      # compile first
         for n in counts:

@@ -18,15 +18,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, write_results  # noqa: E402
-
-from ringllm.server_process import running_server  # noqa: E402
+from common import bench_server, machine, write_results  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prideprejudice.txt")
 
@@ -94,13 +91,9 @@ def main() -> int:
     args = ap.parse_args()
     text = open(DATA, encoding="utf-8").read()
     chars = int((args.history - 4 * 48) * 4.2 / 4)       # ~4.2 chars per token, 4 passages, 48-token answers
-    cmd = ["--model-name", "bench", "--log-level", "warning", "--no-progress", "--cache-mb", "2048"]
-    if args.model:
-        cmd = ["-m", args.model] + cmd
-    if args.threads:
-        cmd += ["-t", str(args.threads)]
+    serve_args = ["--model-name", "bench", "--log-level", "warning", "--no-progress", "--cache-mb", "2048"]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, running_server(cmd, os.path.join(tmp, "serve.log"), 600) as url:
+    with bench_server(serve_args, args.model, args.threads) as url:
         for spec in args.kv.split(","):
             kv = parse_kv(spec)
             run_conversation(url, user_turns(text, 0, 200), kv)        # compile this policy's kernels first

@@ -18,16 +18,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, write_results  # noqa: E402
-
-from ringllm.server_process import running_server  # noqa: E402
+from common import bench_server, machine, write_results  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The history of the city begins", "In a quiet village by the sea",
            "The recipe calls for", "Dear diary, today", "The committee met on Tuesday to", "Far away in the mountains",
@@ -91,13 +88,9 @@ def main() -> int:
     args = ap.parse_args()
     local = in_process(args.model, args.tokens, args.repeats, args.threads)
     print(f"in-process generate: {local:.1f} tok/s", flush=True)
-    cmd = ["--log-level", "warning", "--no-progress"] + args.serve_args.split()
-    if args.model:
-        cmd = ["-m", args.model] + cmd
-    if args.threads:
-        cmd += ["-t", str(args.threads)]
+    serve_args = ["--log-level", "warning", "--no-progress"] + args.serve_args.split()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, running_server(cmd, os.path.join(tmp, "serve.log"), 600) as url:
+    with bench_server(serve_args, args.model, args.threads) as url:
         request(url, "warm up", 8, False)
         for n in [int(c) for c in args.clients.split(",")]:
             for stream in (False, True):
