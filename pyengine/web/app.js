@@ -307,8 +307,11 @@ function stop() {
 // Text with ``` fences as <pre> blocks; every piece goes in as text, never as HTML.
 function renderText(el, text) {
   el.replaceChildren();
-  text.split("```").forEach((part, i) => {
-    if (i % 2 === 0) {
+  const parts = text.split("```");
+  parts.forEach((part, i) => {
+    if (i % 2 === 0) {      // prose; the line breaks that frame a fence are the block's own
+      if (i > 0) part = part.replace(/^\n/, "");
+      if (i < parts.length - 1) part = part.replace(/\n$/, "");
       if (part) el.append(document.createTextNode(part));
       return;
     }
@@ -348,8 +351,8 @@ function renderMeta(el, m) {
     add("speed", `${t.gen_tokens} tokens · ${fmt(t.gen_tok_s)} tok/s`, "generated tokens per second (decode)");
     const details = meta.usage && meta.usage.prompt_tokens_details;
     const cached = details ? details.cached_tokens : 0;
-    add("prompt", `prompt ${t.prompt_tokens} tok${cached ? `, ${cached} cached` : ""} · ${fmt(t.prompt_tok_s)} tok/s`,
-        "prompt tokens prefilled per second");
+    add("prompt", `prompt ${t.prompt_tokens} tok${cached ? ` (${cached} cached)` : ""} in ${fmt(t.prompt_s, 2)} s · ` +
+        `${fmt(t.prompt_tok_s)} tok/s`, "prompt tokens prefilled (those the prompt cache held are not) and their speed");
     if (t.compile_s > 0.05) add("compile", `compile ${fmt(t.compile_s)} s`, "first-run kernel compilation");
   } else if (state.busy && state.busy.answer === m) {
     add("speed", "generating…");
@@ -514,6 +517,7 @@ function start() {
   });
   $("toggle-chats").addEventListener("click", () => document.body.classList.toggle("chats-flip"));
   $("toggle-settings").addEventListener("click", () => document.body.classList.toggle("settings-flip"));
+  $("close-settings").addEventListener("click", () => showSettings(false));
   $("settings-form").addEventListener("change", saveSettings);
   $("settings-form").addEventListener("submit", (e) => e.preventDefault());
   $("api-key").addEventListener("change", loadConfig);
