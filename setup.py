@@ -49,6 +49,7 @@ setup(
         "fastapi>=0.110",
         "uvicorn>=0.29",
         "llguidance>=1.9",
+        "prometheus_client>=0.20",
     ],
     extras_require={
         "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50", "accelerate", "openai>=1.30", "httpx>=0.27",

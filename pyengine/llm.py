@@ -291,18 +291,26 @@ class LLM:
     def decoder(self, prompt: str | Sequence[int], max_tokens: int | None = DEFAULT_MAX_TOKENS,
                 stop: str | Sequence[str] | None = None, ignore_eos: bool = False, seed: int | None = None,
                 response_format: dict | None = None, grammar: Any = None, regex: str | None = None,
-                **sampling: Any) -> Decoder:
-        """A Decoder of `prompt` from a fresh KV store, for a caller that drives the engine itself
-        (e.g. several sequences batched by ringllm.batch.BatchDecoder). Keywords as generate();
-        sampling: the SamplingParams fields (temperature, top_k, top_p, min_p, repeat_penalty,
-        frequency_penalty, presence_penalty, logit_bias, penalty_last_n). Nothing is computed yet."""
+                kv: KVConfig | None = None, store=None, **sampling: Any) -> Decoder:
+        """A Decoder of `prompt`, for a caller that drives the engine itself (e.g. several sequences
+        batched by ringllm.batch.BatchDecoder). Keywords as generate(); sampling: the SamplingParams
+        fields (temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
+        presence_penalty, logit_bias, penalty_last_n). Nothing is computed yet.
+
+        kv: the store's KVConfig (None: the LLM's). store: a store already fed the prompt's first
+        store.n_seen tokens (fewer than the prompt has; e.g. a fork from ringllm.prompt_cache),
+        which the decoder continues: prefill feeds only the rest. The caller vouches that those
+        tokens are the prompt's; None: a fresh store."""
         unknown = set(sampling) - set(SamplingParams.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"unknown sampling option(s) {sorted(unknown)}; valid: "
                               f"{sorted(SamplingParams.__dataclass_fields__)}")
+        if kv is not None and not isinstance(kv, KVConfig):
+            raise ConfigError(f"kv must be a KVConfig, got {type(kv).__name__}")
         sampling["logit_bias"] = dict(sampling.get("logit_bias") or {})
         compiled = self.compile_grammar(response_format=response_format, grammar=grammar, regex=regex)
-        return self._new_decoder(prompt, SamplingParams(**sampling), max_tokens, stop, ignore_eos, seed, compiled)
+        return self._new_decoder(prompt, SamplingParams(**sampling), max_tokens, stop, ignore_eos, seed, compiled,
+                                 kv=kv, store=store)
 
     def compile_grammar(self, response_format: dict | None = None, grammar: Any = None,
                         regex: str | None = None) -> Grammar | None:
@@ -312,7 +320,8 @@ class LLM:
         return compile_grammar(self.tokenizer, response_format=response_format, grammar=grammar, regex=regex)
 
     def _new_decoder(self, prompt, params: SamplingParams, max_tokens, stop, ignore_eos: bool,
-                     seed: int | None, grammar: Grammar | None = None) -> Decoder:
+                     seed: int | None, grammar: Grammar | None = None, kv: KVConfig | None = None,
+                     store=None) -> Decoder:
         """Checks every argument (ConfigError before anything runs) and builds the Decoder."""
         params.validate(self.n_vocab)
         check_max_tokens(max_tokens)
@@ -325,12 +334,19 @@ class LLM:
         ids = self.prompt_ids(prompt)
         stopper = StopMatcher(stop)
         sampler = self._sampler(params, seed)
-        store = self._engine.new_store(self.kv)
-        check_room(store, self.spec, len(ids))      # the clear error, before a generator exists
+        if store is None:
+            store = self._engine.new_store(kv or self.kv)
+            done = 0
+        else:
+            done = store.n_seen
+            if not 0 <= done < len(ids):
+                raise ConfigError(f"a store continued by a decoder must hold fewer tokens than the prompt ({len(ids)}); "
+                                  f"it holds {done}")
+        check_room(store, self.spec, len(ids) - done)      # the clear error, before a generator exists
         record = Record()
         if grammar is not None:
             sampler.constraint = record.constraint = grammar.start()
-        return Decoder(self, record, store, ids, list(ids), sampler, max_tokens, stopper, ignore_eos)
+        return Decoder(self, record, store, ids[done:], list(ids), sampler, max_tokens, stopper, ignore_eos)
 
     def complete(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         """generate(..., stream=False)."""

@@ -4,17 +4,22 @@
     POST /v1/chat/completions   messages -> message (stream=true: server-sent events)
     GET  /v1/models             the loaded model
     GET  /health                liveness, queue length, counters
+    GET  /metrics               Prometheus text format: requests, tokens, latency histograms, KV evictions
+    GET  /v1/config             model, context, default KV store, policies and limits (the chat page reads it)
     GET  /                      the chat page (server_page.py, files in web/)
     GET  /openapi.json, /docs   the schema
 
 One worker thread owns the LLM. Up to `max_batch` requests are decoded together, one batched
-engine step (CPUEngine.step_batch) per token for all of them, each from its own fresh KV store
-with its own sampling settings, so concurrent clients get what they would get alone; requests
-beyond that wait in a bounded FIFO queue (503 when it is full). A client that disconnects
+engine step (CPUEngine.step_batch) per token for all of them, each with its own KV store (the
+server's KVConfig, or the request's "kv") and sampling settings, so concurrent clients get what
+they would get alone; requests beyond that wait in a bounded FIFO queue (503 when it is full). A
+request continues from the cached store of an earlier one that shares the start of its prompt
+(ringllm.prompt_cache), so a chat through the API prefills only each turn's new tokens. A client that disconnects
 (mid-stream, or while queued) has its request cancelled between two tokens; the others go on.
 
 Requests are checked before they are queued: strict JSON types, ranges, a max_tokens cap, a body
-size cap (413), the model name (404), the API key when one is set (401). Errors use OpenAI's shape,
+size cap (413), unknown fields (400), the model name (404 with strict_model), the API key when
+one is set (401). Errors use OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}, and say what is wrong.
 
 This module assembles the app; the parts live beside it:
@@ -47,6 +52,8 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
                   description="OpenAI-compatible API of an embeddable LLM runtime with an in-place KV store.")
     install_error_handlers(app)
     app.get("/health", summary="liveness and queue state")(routes.health)
+    app.get("/metrics", summary="Prometheus metrics (text format)")(routes.metrics_text)
+    app.get("/v1/config", summary="model, context, default KV store, policies and limits")(routes.config)
     app.get("/v1/models", summary="the loaded model")(routes.models)
     app.get("/v1/models/{model_id}", summary="one model")(routes.model)
     app.post("/v1/completions", summary="complete a prompt (OpenAI legacy completions)")(routes.completions)

@@ -1,10 +1,11 @@
 """The server's API surface: its settings, the request schemas, and errors in OpenAI's shape.
 
 Request schemas are strict pydantic models (no silent coercion: "1" is not an int, 1 is not a
-bool) that ignore unknown fields, as OpenAI's API does; the ranges they declare are checked
-before a request is queued. OpenAI fields the server knows but does not implement are declared
-all the same so that a handler can refuse them with a 400 instead of dropping them (logprobs,
-echo, suffix, the deprecated functions / function_call). Every error a client can see has OpenAI's body,
+bool) that refuse unknown fields with a 400 naming them, as OpenAI's API does ("Unrecognized
+request argument"): a field this server does not implement is never silently dropped. The ranges
+they declare are checked before a request is queued. OpenAI fields the server knows but does not
+implement are declared all the same so that a handler can refuse them with a 400 that says so
+(logprobs, echo, suffix, the deprecated functions / function_call). Every error a client can see has OpenAI's body,
 {"error": {"message", "type", "param", "code"}}, and a message that names the problem: APIError
 carries one from a handler or the worker to the response; error_response builds one; and
 validation_message turns pydantic's validation errors into one line.
@@ -29,7 +30,11 @@ class ServerSettings:
     default_max_tokens: chat answers without max_tokens (completions default to 16, as OpenAI's).
     max_body_bytes: request bodies above get 413. queue_size: waiting requests before 503.
     max_batch: requests decoded together (one engine call per token for all); more wait in the queue.
-    model_name: the id /v1/models lists; aliases: other names accepted in "model"."""
+    model_name: the id /v1/models lists; aliases: other names accepted in "model".
+    strict_model: only model_name and the aliases are accepted in "model" (404 for any other);
+    False: any model id is served by the one loaded model, as clients that hard-code one expect.
+    cache_bytes: budget of the prompt cache (ringllm.prompt_cache; 0: off; None: a quarter of the
+    machine's memory, at most 4 GiB)."""
 
     api_key: str | None = None
     max_tokens_cap: int = 4096
@@ -39,6 +44,8 @@ class ServerSettings:
     max_batch: int = 8
     model_name: str | None = None
     aliases: tuple[str, ...] = ()
+    strict_model: bool = False
+    cache_bytes: int | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -46,7 +53,7 @@ class ServerSettings:
 # --------------------------------------------------------------------------------------------
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(StrictModel):
@@ -77,6 +84,11 @@ class SamplingRequest(StrictModel):
         None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}')
     grammar: str | None = Field(None, description="extension: a Lark (llguidance) or GBNF grammar the answer follows")
     regex: str | None = Field(None, description="extension: a regular expression the whole answer matches")
+    kv: dict[str, Any] | None = Field(
+        None, description='extension: this request\'s KV store, any KVConfig field, e.g. {"policy": "h2o", '
+                          '"capacity": 256} (omitted: the server\'s)')
+    cache_prompt: bool = Field(True, description="extension (llama-server): continue from the cached store of an "
+                                                 "earlier request that shares the prompt's first tokens")
 
 
 class CompletionRequest(SamplingRequest):
@@ -147,5 +159,8 @@ def validation_message(exc: RequestValidationError) -> str:
             return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
         if err.get("type") == "missing" and not loc:
             return "request body is missing (expected a JSON object)"
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"unrecognized request argument {loc!r}: this server does not implement it")
+            continue
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
     return "invalid request: " + "; ".join(parts)

@@ -5,6 +5,8 @@
     app.get("/health")(routes.health)           # ringllm.server.create_app registers them all
 
     health             GET  /health                 liveness, queue length, counters
+    metrics_text       GET  /metrics                Prometheus text format (ringllm.server_metrics)
+    config             GET  /v1/config              model, context, default KV store, policies, limits
     models, model      GET  /v1/models[/{id}]       the loaded model (and its aliases in "model")
     completions        POST /v1/completions         prompt -> text
     chat_completions   POST /v1/chat/completions    messages -> message
@@ -29,13 +31,16 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ringllm.chat_template import check_template_kwargs
+from ringllm.prompt_cache import default_cache_bytes
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, KVConfig
 from ringllm.server_api import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest, ServerSettings,
                                 error_body)
 from ringllm.server_http import SSEResponse, sse_event
+from ringllm.server_metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from ringllm.server_worker import Job, Worker
 from ringllm.tools import ToolPlan
 
@@ -53,10 +58,17 @@ def tool_delta(event: tuple) -> dict:
     return {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI's usage object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(info: dict) -> dict:
+    """OpenAI's usage object from a job's end info (prompt_tokens counts the whole prompt, cached
+    tokens included; prompt_tokens_details.cached_tokens the ones the prompt cache gave)."""
+    p, c = info["prompt_tokens"], info["completion_tokens"]
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": info["cached_tokens"]}}
+
+
+def end_fields(info: dict) -> dict:
+    """The ringllm fields of a response's last chunk or body: timings and kv_stats."""
+    return {"timings": info["timings"], "kv_stats": info["kv_stats"]}
 
 
 class Routes:
@@ -70,11 +82,17 @@ class Routes:
         self.name = settings.model_name or llm.model_name
         self.names = {self.name, *settings.aliases}
         self.created = int(time.time())
+        self.metrics = ServerMetrics()
         self._worker: Worker | None = None
+
+    def _new_worker(self) -> Worker:
+        s = self.settings
+        cache = default_cache_bytes() if s.cache_bytes is None else s.cache_bytes
+        return Worker(self.llm, s.queue_size, s.max_batch, cache_bytes=cache, metrics=self.metrics)
 
     @asynccontextmanager
     async def lifespan(self, app):
-        self._worker = Worker(self.llm, self.settings.queue_size, self.settings.max_batch)
+        self._worker = self._new_worker()
         try:
             yield
         finally:
@@ -82,7 +100,7 @@ class Routes:
 
     def worker(self) -> Worker:
         if self._worker is None:       # an app used without its lifespan (e.g. some test clients)
-            self._worker = Worker(self.llm, self.settings.queue_size, self.settings.max_batch)
+            self._worker = self._new_worker()
         return self._worker
 
     # ---------------------------------------------------------------------------------- routes
@@ -91,6 +109,19 @@ class Routes:
         w = self.worker()
         return {"status": "ok", "model": self.name, "queued": w.jobs.qsize(), "busy": w.busy, "active": w.active,
                 "peak_batch": w.peak_batch, **w.counters}
+
+    async def metrics_text(self):
+        self.worker()              # the gauges read the worker
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def config(self):
+        """What a client needs to offer this server's settings: model, context, the default KV
+        store, the policies and position modes a request's "kv" may name, the token limits."""
+        s = self.settings
+        return {"model": self.name, "aliases": sorted(self.names - {self.name}), "n_ctx": self.llm.n_ctx,
+                "kv": self.llm.kv.to_dict(), "policies": list(POLICIES), "positions": list(POSITION_MODES),
+                "max_tokens_cap": s.max_tokens_cap, "default_max_tokens": s.default_max_tokens,
+                "strict_model": s.strict_model, "prompt_cache": self.worker().cache.stats()}
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
@@ -122,10 +153,10 @@ class Routes:
             raise APIError(400, str(exc), param="prompt") from None
         params = self.sampling(req, req.max_tokens, 16)
         params["grammar"] = await self.constraint(req)
-        job = await self.submit(request, "completion", ids, params)
+        job = await self.submit(request, "completion", ids, params, req)
         rid, t, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), self.name
 
-        def chunk(text, finish, first=False, usage=None):
+        def chunk(text, finish, first=False, usage=None, info=None):
             if first:
                 text = ""
             body = {"id": rid, "object": "text_completion", "created": t, "model": name,
@@ -133,12 +164,14 @@ class Routes:
                                                   "logprobs": None}]}
             if usage:
                 body["usage"] = usage
+            if info:
+                body.update(end_fields(info))
             return body
 
-        def final(text, finish, use, timings):
+        def final(text, finish, info):
             return {"id": rid, "object": "text_completion", "created": t, "model": name,
                     "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-                    "usage": use, "timings": timings}
+                    "usage": usage(info), **end_fields(info)}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await self.run(request, job, chunk, final, include, req.stream)
@@ -192,7 +225,7 @@ class Routes:
             params["grammar"] = plan.grammar
         else:
             params["grammar"] = await self.constraint(req)
-        job = await self.submit(request, "chat", ids, params)
+        job = await self.submit(request, "chat", ids, params, req)
         rid, t, name = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), self.name
         parser = plan.parser() if plan is not None else None
 
@@ -206,22 +239,25 @@ class Routes:
         def delta(d, finish=None):
             return body({"index": 0, "delta": d, "finish_reason": finish, "logprobs": None})
 
-        def chunk(text, finish, first=False, usage=None):
+        def chunk(text, finish, first=False, usage=None, info=None):
             if usage:
                 return body(usage=usage)
             if first:
                 return delta({"role": "assistant", "content": ""})
             if parser is None:
-                return delta({"content": text} if text else {}, finish)
-            events = parser.feed(text) if text else []
-            if finish is not None:
-                events += parser.finish()
-            out = [delta(tool_delta(ev)) for ev in events]
-            if finish is not None:
-                out.append(delta({}, "tool_calls" if parser.calls else finish))
+                out = [delta({"content": text} if text else {}, finish)]
+            else:
+                events = parser.feed(text) if text else []
+                if finish is not None:
+                    events += parser.finish()
+                out = [delta(tool_delta(ev)) for ev in events]
+                if finish is not None:
+                    out.append(delta({}, "tool_calls" if parser.calls else finish))
+            if info and out:
+                out[-1].update(end_fields(info))
             return out
 
-        def final(text, finish, use, timings):
+        def final(text, finish, info):
             message = {"role": "assistant", "content": text}
             if plan is not None and plan.parses_calls:
                 content, calls = plan.parse(text)
@@ -230,7 +266,7 @@ class Routes:
                     message["tool_calls"], finish = calls, "tool_calls"
             return {"id": rid, "object": "chat.completion", "created": t, "model": name, "system_fingerprint": None,
                     "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                    "usage": use, "timings": timings}
+                    "usage": usage(info), **end_fields(info)}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await self.run(request, job, chunk, final, include, req.stream)
@@ -238,8 +274,9 @@ class Routes:
     # ---------------------------------------------------------------------------------- helpers
 
     def check_model(self, model: str | None) -> None:
-        """APIError 404 unless model is None or one of this server's names."""
-        if model is not None and model not in self.names:
+        """With strict_model, APIError 404 unless model is None or one of this server's names; else
+        any id is this server's one model."""
+        if self.settings.strict_model and model is not None and model not in self.names:
             raise APIError(404, f"model {model!r} does not exist; this server has {sorted(self.names)}",
                            param="model", code="model_not_found")
 
@@ -281,8 +318,25 @@ class Routes:
                          "response_format")
             raise APIError(400, str(exc), param=param) from None
 
-    async def submit(self, request: Request, kind: str, ids: list[int], params: dict) -> Job:
-        job = Job(kind, ids, params, asyncio.get_running_loop(), asyncio.Queue())
+    def kv_config(self, req: SamplingRequest) -> KVConfig:
+        """The request's KV store: the server's KVConfig with the fields of req.kv over it; a 400
+        naming the problem for an unknown field, an invalid value or a store past the context."""
+        if req.kv is None:
+            return self.llm.kv
+        try:
+            kv = KVConfig.from_dict({**self.llm.kv.to_dict(), **req.kv})
+            kv.validate()
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise APIError(400, f"kv: {exc}", param="kv") from None
+        if kv.capacity is not None and kv.capacity > self.llm.n_ctx:
+            raise APIError(400, f"kv: capacity {kv.capacity} exceeds the model's context {self.llm.n_ctx}",
+                           param="kv")
+        return kv
+
+    async def submit(self, request: Request, kind: str, ids: list[int], params: dict,
+                     req: SamplingRequest) -> Job:
+        job = Job(kind, ids, params, asyncio.get_running_loop(), asyncio.Queue(), kv=self.kv_config(req),
+                  cache_prompt=req.cache_prompt)
         self.worker().submit(job)
         return job
 
@@ -319,7 +373,7 @@ class Routes:
                     if ev[0] == "chunk":
                         text.append(ev[1])
                     elif ev[0] == "end":
-                        return JSONResponse(make_final("".join(text), ev[1], usage(ev[2], ev[3]), ev[4]))
+                        return JSONResponse(make_final("".join(text), ev[1], ev[2]))
                     elif ev[0] == "error":
                         raise APIError(ev[1], ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
             finally:
@@ -338,9 +392,9 @@ class Routes:
                         if out:
                             yield out
                 elif ev[0] == "end":
-                    yield sse(make_chunk(None, ev[1]))
+                    yield sse(make_chunk(None, ev[1], info=ev[2]))
                     if include_usage:
-                        yield sse_event(make_chunk(None, None, usage=usage(ev[2], ev[3])))
+                        yield sse_event(make_chunk(None, None, usage=usage(ev[2])))
                     break
                 elif ev[0] == "error":
                     yield sse_event(error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error"))

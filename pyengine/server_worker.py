@@ -6,16 +6,21 @@
     worker.stop()
 
 Up to max_batch requests are decoded together (one engine call per token for all of them,
-ringllm.batch.BatchDecoder), each from its own fresh KV store with its own sampling settings; the
-others wait in the bounded FIFO queue. A request joins the batch between two steps (its prompt
-prefilled alone first) and leaves it when it finishes or its client goes away (job.cancel).
+ringllm.batch.BatchDecoder), each with its own KV store and sampling settings; the others wait in
+the bounded FIFO queue. A request joins the batch between two steps (its prompt prefilled alone
+first) and leaves it when it finishes or its client goes away (job.cancel).
+
+Prompt cache (ringllm.prompt_cache): a request starts from a fork of the cached store that
+shares the most of its prompt (job.cache_prompt, the default) and prefills only the rest; when it
+ends (finished or cancelled between two tokens), its store goes into the cache under every token
+it was fed. A store an engine failure interrupted is never cached.
 
 A Job talks to its HTTP handler only through events put on its asyncio queue, from the worker
 thread via the event loop (call_soon_threadsafe):
 
     ("start",)                                              admitted: the request is valid and prefilled
     ("chunk", text, token, finish_reason)                   one token
-    ("end", finish_reason, prompt_tokens, completion_tokens, timings dict)
+    ("end", finish_reason, info)     info: prompt_tokens, completion_tokens, cached_tokens, timings, kv_stats
     ("error", status, message)                              400 for a RingLLMError, 500 for anything else
 
 The worker outlives whatever one request does: every exception becomes that request's error event.
@@ -26,27 +31,39 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringllm.backends import store_stats
 from ringllm.batch import BatchDecoder
+from ringllm.prompt_cache import PromptCache
 from ringllm.runtime.errors import RingLLMError
+from ringllm.runtime.kv_config import KVConfig
 from ringllm.server_api import APIError
+from ringllm.server_metrics import ServerMetrics
 
 __all__ = ["Job", "Worker"]
 
 
 @dataclass
 class Job:
-    """One request on its way through the worker: its prompt ids, its LLM.decoder() keywords, and
-    the event loop and queue its events go to. cancel: set when the client is gone."""
+    """One request on its way through the worker: its prompt ids, its LLM.decoder() keywords, its
+    KV store's config, whether it may use the prompt cache, and the event loop and queue its
+    events go to. cancel: set when the client is gone. The worker fills in the rest."""
 
     kind: str                    # "completion" | "chat"
     ids: list[int]
     params: dict
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    kv: KVConfig | None = None   # None: the LLM's
+    cache_prompt: bool = True
     cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    cached: int = 0              # prompt tokens the prompt cache gave
+    evicted0: int = 0            # the store's evictions when the request got it
+    last_token: float = 0.0      # when its latest chunk was emitted
 
     def emit(self, item: tuple) -> None:
         try:
@@ -58,8 +75,11 @@ class Job:
 class Worker:
     """The thread that owns the LLM (see the module docstring); it starts when built."""
 
-    def __init__(self, llm, queue_size: int, max_batch: int = 8):
+    def __init__(self, llm, queue_size: int, max_batch: int = 8, cache_bytes: int = 0,
+                 metrics: ServerMetrics | None = None):
         self.llm = llm
+        self.cache = PromptCache(cache_bytes)
+        self.metrics = metrics or ServerMetrics()
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.batch = BatchDecoder(llm, max_batch)
         self.live: dict[int, tuple[Job, Any]] = {}       # batch tag -> (job, its Decoder)
@@ -68,6 +88,7 @@ class Worker:
         self.peak_batch = 0                               # most requests stepped together so far
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
         self._stopping = False
+        self.metrics.bind(self)
         self._thread = threading.Thread(target=self._run, name="ringllm-worker", daemon=True)
         self._thread.start()
 
@@ -111,7 +132,10 @@ class Worker:
             self.counters["cancelled"] += 1
             return
         try:
-            dec = self.llm.decoder(job.ids, **job.params)
+            kv = job.kv or self.llm.kv
+            store, job.cached = self.cache.take(job.ids, kv) if job.cache_prompt else (None, 0)
+            dec = self.llm.decoder(job.ids, kv=kv, store=store, **job.params)
+            job.evicted0 = dec.store.stats()["evicted_total"] if store is not None else 0
         except RingLLMError as exc:
             self._fail(job, 400, str(exc))
             return
@@ -128,6 +152,8 @@ class Worker:
         except BaseException as exc:
             self._fail(job, 500, f"internal error: {type(exc).__name__}: {exc}")
             return
+        job.last_token = time.perf_counter()
+        self.metrics.first_token(job.last_token - job.submitted)
         if joined:
             self.live[tag] = (job, dec)
         else:                                 # ended at its prefill (EOS first, max_tokens 0)
@@ -138,12 +164,15 @@ class Worker:
         gone = [tag for tag, (job, _) in self.live.items() if job.cancel.is_set()]
         for tag in gone:
             self.batch.leave(tag)
-            del self.live[tag]
+            job, dec = self.live.pop(tag)
+            self._keep(job, dec)
+            self.metrics.finished("cancelled", job, dec)
         self.busy = bool(self.live)
         self.counters["cancelled"] += len(gone)
         if not self.live:
             return
         self.peak_batch = max(self.peak_batch, len(self.live))
+        self.metrics.batch(len(self.live))
         try:
             results = self.batch.step()
         except BaseException as exc:          # an engine failure ends every request of this step
@@ -154,10 +183,13 @@ class Worker:
                 self._fail(job, status, msg)
             self.live.clear()
             return
+        now = time.perf_counter()
         for tag, chunk in results:
             job, dec = self.live[tag]
             if job.cancel.is_set() and chunk.finish_reason is None:
                 continue                      # dropped before the next step
+            self.metrics.token(now - job.last_token)
+            job.last_token = now
             job.emit(("chunk", chunk.text, chunk.token, chunk.finish_reason))
             if chunk.finish_reason is not None:
                 del self.live[tag]
@@ -165,9 +197,21 @@ class Worker:
 
     def _end(self, job: Job, dec) -> None:
         rec = dec.record
-        job.emit(("end", rec.finish_reason or "stop", rec.prompt_tokens, len(rec.tokens), rec.timings.to_dict()))
+        stats = store_stats(dec.store, job.kv or self.llm.kv)
+        job.emit(("end", rec.finish_reason or "stop", {
+            "prompt_tokens": len(job.ids), "completion_tokens": len(rec.tokens), "cached_tokens": job.cached,
+            "timings": rec.timings.to_dict(), "kv_stats": stats}))
         self.counters["completed"] += 1
+        self.metrics.finished("completed", job, dec, (stats.get("evicted_total") or 0) - job.evicted0)
+        self._keep(job, dec)
+
+    def _keep(self, job: Job, dec) -> None:
+        """Put the request's store into the prompt cache under every token it was fed (not a store
+        an engine step was interrupted in)."""
+        if job.cache_prompt and not dec.record.in_engine:
+            self.cache.put(job.ids[:job.cached] + dec.record.fed, dec.store)
 
     def _fail(self, job: Job, status: int, message: str) -> None:
         self.counters["failed"] += 1
+        self.metrics.failed()
         job.emit(("error", status, message))

@@ -66,6 +66,9 @@ from ringllm.runtime.rope import LAYOUTS, rebase_limit, relayout_keys
 # Store
 # ---------------------------------------------------------------------------------------------
 
+# the slot axis of each per-layer array that has one (fork copies only the slots ever written)
+SLOT_AXIS = {"k": 1, "v": 1, "rk": 1, "hist": 2, "seq": 1, "rank": 1, "pos": 1, "kbase": 1, "score": 1, "aux": 1}
+
 
 class KVStore:
     """Preallocated, in-place KV storage of one sequence.
@@ -356,7 +359,42 @@ class KVStore:
         engine adopts it on its first use. ConfigError during a rollback journal."""
         if self.journal is not None:
             raise ConfigError("fork during a rollback journal: commit() or rollback() first")
-        return KVStore.restore(self.spec, self.state())
+        copy = KVStore(self.spec, self.kv)
+        copy.layer_rope_mode = list(self._layer_rope_mode) if self._layer_rope_mode is not None else None
+        for name in self.array_fields:
+            axis = SLOT_AXIS.get(name)
+            for src, dst in zip(getattr(self, name), getattr(copy, name)):
+                if axis is None:
+                    dst[...] = src
+                else:       # slots past min(P, n_seen) were never written: the fresh zeros/-1 are theirs
+                    used = (slice(None),) * axis + (slice(0, min(src.shape[axis], self.n_seen)),)
+                    dst[used] = src[used]
+        copy.n_seen = self.n_seen
+        return copy
+
+    def truncatable(self) -> bool:
+        """Whether truncate() can cut this store: every layer is a ring that has evicted nothing, so
+        slot i holds token i and no slot carries state that later tokens changed (policy full, and
+        streaming / sliding-window layers before their first eviction)."""
+        return (self.journal is None and all(self.layer_ring)
+                and all(int(e.sum()) == 0 for e in self.evicted))
+
+    def truncate(self, n_keep: int) -> None:
+        """Keep the first n_keep tokens fed (0 <= n_keep <= n_seen); the store then decodes exactly
+        as one fed only those. Only where truncatable() (a store that evicted or keeps policy scores
+        cannot forget its later tokens' influence): ConfigError otherwise, with nothing changed."""
+        if not self.truncatable():
+            raise ConfigError("truncate needs a store that has evicted nothing, under policy full or streaming "
+                              f"(this one: policy {self.policy!r}, {self.stats()['evicted_total']} evicted)")
+        if isinstance(n_keep, bool) or not isinstance(n_keep, (int, np.integer)) or not 0 <= n_keep <= self.n_seen:
+            raise ConfigError(f"truncate: n_keep must be an integer in 0..{self.n_seen}, got {n_keep!r}")
+        for il in range(self.spec.n_layer):
+            held = int(self.count[il][0])
+            if n_keep < held:
+                self.seq[il][:, n_keep:held] = -1
+                self.count[il][:] = n_keep
+        self.forget_pending()
+        self.n_seen = int(n_keep)
 
     def stats(self) -> dict:
         return {"capacity": self.capacity, "length": int(max(int(c.max()) for c in self.count)),
