@@ -359,8 +359,11 @@ function renderMeta(el, m) {
   }
   const kv = meta.kv;
   if (kv) {
-    let text = `KV ${kv.policy} ${kv.length}/${kv.capacity == null ? "∞" : kv.capacity}`;
-    if (kv.evicted_total) text += ` · evicted ${kv.evicted_total}`;
+    // held/capacity; evicted in tokens: the ones seen and no longer held (evicted_total counts the
+    // slots of every layer and head, in the tooltip with the rest of kv_stats)
+    const capacity = kv.capacity != null ? kv.capacity : state.config ? state.config.n_ctx : "?";
+    let text = `KV ${kv.policy} ${kv.length}/${capacity}`;
+    if (kv.tokens_seen > kv.length) text += ` · ${kv.tokens_seen - kv.length} tokens evicted`;
     if (kv.bytes) text += ` · ${fmtBytes(kv.bytes)}`;
     add("kv", text, JSON.stringify(kv, null, 1));
   }
