@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from playwright.sync_api import sync_playwright  # noqa: E402
 from serve_process import running_server  # noqa: E402
 
-QUESTIONS = ["What is a KV cache in a transformer, in two sentences?",
-             "Give me a Python one-liner that reverses a string."]
+QUESTIONS = ["What is the capital of France? Answer in one sentence.",
+             "Show me a Python function that adds two numbers."]
 
 
 def set_field(page, field_id: str, value: str) -> None:
@@ -45,7 +45,7 @@ def main() -> int:
         set_field(page, "temperature", "0")
         set_field(page, "max_tokens", "96")
         set_field(page, "kv-policy", "streaming")
-        set_field(page, "kv-capacity", "128")
+        set_field(page, "kv-capacity", "64")
         for q in QUESTIONS:
             page.fill("#input", q)
             page.press("#input", "Enter")

@@ -235,9 +235,20 @@ def test_kv_policy_chosen_on_the_page_reaches_the_server(page):
     assert label.startswith(f"KV streaming {kv['length']}/64 · {kv['tokens_seen'] - kv['length']} tokens evicted")
 
 
+def test_next_turn_shows_the_prompt_tokens_the_server_cache_held(page):
+    ask(page, "And in Spanish?")
+    wait_done(page)
+    prompt = last_answer(page).locator(".meta .prompt").inner_text()
+    m = re.fullmatch(r"prompt (\d+) tok \((\d+) from cache\) · (\d+) prefilled in [\d.]+ s, [\d.]+ tok/s", prompt)
+    assert m, prompt
+    total, cached, prefilled = map(int, m.groups())
+    assert cached > 0 and total == cached + prefilled
+    assert kv_stats(page)["policy"] == "streaming"
+
+
 def test_conversation_and_settings_survive_a_reload(page):
     before = page.eval_on_selector_all(".msg", "els => els.map(e => [e.className, e.innerText])")
-    assert len(before) == 6
+    assert len(before) == 8
     page.reload()
     page.wait_for_selector("#kv-settings", state="visible")
     after = page.eval_on_selector_all(".msg", "els => els.map(e => [e.className, e.innerText])")

@@ -118,7 +118,7 @@ async function loadConfig() {
 function applyConfig(c) {
   $("model-name").textContent = c.model;
   document.title = `${c.model} · ringllm`;
-  $("server-info").textContent = `context ${c.n_ctx} · KV ${kvSummary(c.kv)}`;
+  $("server-info").textContent = `context ${c.n_ctx} · server KV ${kvSummary(c.kv)}`;
   const fill = (select, values, current) => {
     const keep = select.value;
     select.replaceChildren(new Option(`default (${current})`, ""), ...values.map((v) => new Option(v, v)));
@@ -349,10 +349,12 @@ function renderMeta(el, m) {
   const t = meta.timings;
   if (t) {
     add("speed", `${t.gen_tokens} tokens · ${fmt(t.gen_tok_s)} tok/s`, "generated tokens per second (decode)");
-    const details = meta.usage && meta.usage.prompt_tokens_details;
-    const cached = details ? details.cached_tokens : 0;
-    add("prompt", `prompt ${t.prompt_tokens} tok${cached ? ` (${cached} cached)` : ""} in ${fmt(t.prompt_s, 2)} s · ` +
-        `${fmt(t.prompt_tok_s)} tok/s`, "prompt tokens prefilled (those the prompt cache held are not) and their speed");
+    // usage counts the whole prompt, timings the tokens prefilled: the rest came from the prompt cache
+    const u = meta.usage;
+    const cached = u && u.prompt_tokens_details ? u.prompt_tokens_details.cached_tokens : 0;
+    add("prompt", `prompt ${u ? u.prompt_tokens : t.prompt_tokens} tok${cached ? ` (${cached} from cache)` : ""} · ` +
+        `${t.prompt_tokens} prefilled in ${fmt(t.prompt_s, 2)} s, ${fmt(t.prompt_tok_s)} tok/s`,
+        "prompt tokens; those the server's prompt cache held are not prefilled again");
     if (t.compile_s > 0.05) add("compile", `compile ${fmt(t.compile_s)} s`, "first-run kernel compilation");
   } else if (state.busy && state.busy.answer === m) {
     add("speed", "generating…");
