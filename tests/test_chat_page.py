@@ -119,8 +119,11 @@ def server_config(server) -> dict:
 
 def set_field(page, field_id: str, value: str) -> None:
     """Fill a settings field as a user would; the page saves settings on change."""
-    if page.eval_on_selector(f"#{field_id}", "el => el.tagName") == "SELECT":
+    kind = page.eval_on_selector(f"#{field_id}", "el => el.type")
+    if kind == "select-one":
         page.select_option(f"#{field_id}", value)
+    elif kind == "checkbox":
+        page.set_checked(f"#{field_id}", value == "on")
     else:
         page.fill(f"#{field_id}", value)
     page.dispatch_event(f"#{field_id}", "change")
@@ -235,7 +238,7 @@ def test_kv_policy_chosen_on_the_page_reaches_the_server(page):
     assert label.startswith(f"KV streaming {kv['length']}/64 · {kv['tokens_seen'] - kv['length']} tokens evicted")
 
 
-def test_next_turn_shows_the_prompt_tokens_the_server_cache_held(page):
+def test_prompt_tokens_from_the_server_cache_are_shown_and_the_cache_can_be_refused(page):
     ask(page, "And in Spanish?")
     wait_done(page)
     prompt = last_answer(page).locator(".meta .prompt").inner_text()
@@ -244,16 +247,23 @@ def test_next_turn_shows_the_prompt_tokens_the_server_cache_held(page):
     total, cached, prefilled = map(int, m.groups())
     assert cached > 0 and total == cached + prefilled
     assert kv_stats(page)["policy"] == "streaming"
+    set_field(page, "cache-prompt", "off")             # cache_prompt: false, the whole prompt prefilled again
+    ask(page, "And in German?")
+    wait_done(page)
+    prompt = last_answer(page).locator(".meta .prompt").inner_text()
+    m = re.fullmatch(r"prompt (\d+) tok · (\d+) prefilled in [\d.]+ s, [\d.]+ tok/s", prompt)
+    assert m and m.group(1) == m.group(2) and int(m.group(1)) > total, prompt
 
 
 def test_conversation_and_settings_survive_a_reload(page):
     before = page.eval_on_selector_all(".msg", "els => els.map(e => [e.className, e.innerText])")
-    assert len(before) == 8
+    assert len(before) == 10
     page.reload()
     page.wait_for_selector("#kv-settings", state="visible")
     after = page.eval_on_selector_all(".msg", "els => els.map(e => [e.className, e.innerText])")
     assert after == before
     assert page.input_value("#kv-policy") == "streaming" and page.input_value("#kv-capacity") == "64"
+    assert not page.is_checked("#cache-prompt")
     assert page.input_value("#api-key") == KEY            # kept for the tab's session
     assert page.locator("#chat-list li").count() == 1
 
@@ -266,3 +276,4 @@ def test_server_errors_are_shown(page):
     assert error.startswith("Error 400: ") and "sinks" in error and "capacity" in error
     page.click("#reset-settings")
     assert page.input_value("#kv-policy") == "" and page.input_value("#max_tokens") == ""
+    assert page.is_checked("#cache-prompt")

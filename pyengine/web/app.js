@@ -19,7 +19,7 @@ const SAMPLING = { temperature: "float", top_p: "float", top_k: "int", max_token
 const KV_FIELDS = { "kv-policy": ["policy", "str"], "kv-capacity": ["capacity", "int"],
                     "kv-sinks": ["sinks", "int"], "kv-positions": ["positions", "str"] };
 // settings kept in localStorage (the API key is kept apart)
-const SAVED = ["system", ...Object.keys(SAMPLING), ...Object.keys(KV_FIELDS)];
+const SAVED = ["system", ...Object.keys(SAMPLING), ...Object.keys(KV_FIELDS), "cache-prompt"];
 
 const NARROW = "(max-width: 900px)";   // style.css lays the panels over the chat below this width
 const $ = (id) => document.getElementById(id);
@@ -57,7 +57,7 @@ function saveChats() {
 
 function saveSettings() {
   const values = {};
-  for (const id of SAVED) values[id] = $(id).value;
+  for (const id of SAVED) values[id] = $(id).type === "checkbox" ? String($(id).checked) : $(id).value;
   saveJSON(SETTINGS_KEY, values);
   const key = $("api-key").value.trim();
   sessionStorage.setItem(API_KEY_KEY, key);
@@ -67,7 +67,11 @@ function saveSettings() {
 
 function restoreSettings() {
   const values = loadJSON(SETTINGS_KEY, {});
-  for (const id of SAVED) if (typeof values[id] === "string") $(id).value = values[id];
+  for (const id of SAVED) {
+    if (typeof values[id] !== "string") continue;
+    if ($(id).type === "checkbox") $(id).checked = values[id] !== "false";
+    else $(id).value = values[id];
+  }
   const remembered = localStorage.getItem(API_KEY_KEY);
   $("remember-key").checked = Boolean(remembered);
   $("api-key").value = remembered || sessionStorage.getItem(API_KEY_KEY) || "";
@@ -165,6 +169,7 @@ function requestSettings() {
       if (v !== undefined) kv[field] = v;
     }
     if (Object.keys(kv).length) out.kv = kv;
+    if (!$("cache-prompt").checked) out.cache_prompt = false;     // llama-server's field; the server's default is on
   }
   return out;
 }
@@ -527,7 +532,10 @@ function start() {
   $("settings-form").addEventListener("submit", (e) => e.preventDefault());
   $("api-key").addEventListener("change", loadConfig);
   $("reset-settings").addEventListener("click", () => {
-    for (const id of SAVED) if (id !== "system") $(id).value = "";
+    for (const id of SAVED) {
+      if ($(id).type === "checkbox") $(id).checked = true;
+      else if (id !== "system") $(id).value = "";
+    }
     saveSettings();
   });
   $("main").addEventListener("click", (e) => {     // a click beside a panel laid over a narrow page closes it
