@@ -52,6 +52,7 @@ def main() -> int:
             page.wait_for_selector("#send", state="visible", timeout=120_000)
         page.screenshot(path=os.path.join(args.out, "chat_page.png"))
         page.set_viewport_size({"width": 390, "height": 760})
+        page.evaluate("() => { const m = document.getElementById('messages'); m.scrollTop = m.scrollHeight; }")
         page.screenshot(path=os.path.join(args.out, "chat_page_narrow.png"))
         browser.close()
     print(f"wrote {args.out}/chat_page.png and chat_page_narrow.png")

@@ -315,8 +315,8 @@ function renderText(el, text) {
   const parts = text.split("```");
   parts.forEach((part, i) => {
     if (i % 2 === 0) {      // prose; the line breaks that frame a fence are the block's own
-      if (i > 0) part = part.replace(/^\n/, "");
-      if (i < parts.length - 1) part = part.replace(/\n$/, "");
+      if (i > 0) part = part.replace(/^\n+/, "");
+      if (i < parts.length - 1) part = part.replace(/\n+$/, "");
       if (part) el.append(document.createTextNode(part));
       return;
     }
@@ -357,8 +357,9 @@ function renderMeta(el, m) {
     // usage counts the whole prompt, timings the tokens prefilled: the rest came from the prompt cache
     const u = meta.usage;
     const cached = u && u.prompt_tokens_details ? u.prompt_tokens_details.cached_tokens : 0;
-    add("prompt", `prompt ${u ? u.prompt_tokens : t.prompt_tokens} tok${cached ? ` (${cached} from cache)` : ""} · ` +
-        `${t.prompt_tokens} prefilled in ${fmt(t.prompt_s, 2)} s, ${fmt(t.prompt_tok_s)} tok/s`,
+    const speed = `in ${fmt(t.prompt_s, 2)} s, ${fmt(t.prompt_tok_s)} tok/s`;
+    add("prompt", cached ? `prompt ${u.prompt_tokens} tok (${cached} from cache) · ${t.prompt_tokens} prefilled ${speed}`
+                         : `prompt ${t.prompt_tokens} tok ${speed}`,
         "prompt tokens; those the server's prompt cache held are not prefilled again");
     if (t.compile_s > 0.05) add("compile", `compile ${fmt(t.compile_s)} s`, "first-run kernel compilation");
   } else if (state.busy && state.busy.answer === m) {
