@@ -225,8 +225,11 @@ def test_stop_ends_an_answer_and_the_server_cancels_it(page, server):
     assert after["completed"] == before["completed"]
 
 
-def test_kv_policy_chosen_on_the_page_reaches_the_server(page):
+def test_kv_policy_chosen_on_the_page_reaches_the_server(page, server):
+    n_ctx = server_config(server)["n_ctx"]            # the server's store: full, as large as the context
+    assert page.get_attribute("#kv-capacity", "placeholder") == f"{n_ctx} (context)"
     set_field(page, "kv-policy", "streaming")
+    assert page.get_attribute("#kv-capacity", "placeholder") == "needed by streaming"
     set_field(page, "kv-capacity", "64")
     set_field(page, "max_tokens", "16")
     ask(page, "Thank you. Now say hello in French, in one short sentence.")

@@ -130,12 +130,22 @@ function applyConfig(c) {
   };
   fill($("kv-policy"), c.policies, c.kv.policy);
   fill($("kv-positions"), c.positions, c.kv.positions);
-  $("kv-capacity").placeholder = c.kv.capacity == null ? `${c.n_ctx} (context)` : String(c.kv.capacity);
   $("kv-sinks").placeholder = String(c.kv.sinks);
   $("max_tokens").placeholder = String(c.default_max_tokens);
   $("max_tokens").max = String(c.max_tokens_cap);
   $("kv-settings").hidden = false;
   restoreSettings();   // the saved policy can be selected now that its option exists
+  capacityHint();
+}
+
+// The capacity an empty field means: the server's, the context for a full store, or none (an
+// eviction policy needs one; the server says so with a 400).
+function capacityHint() {
+  const c = state.config;
+  if (!c) return;
+  const policy = $("kv-policy").value || c.kv.policy;
+  $("kv-capacity").placeholder = c.kv.capacity != null ? String(c.kv.capacity)
+    : policy === "full" ? `${c.n_ctx} (context)` : `needed by ${policy}`;
 }
 
 function kvSummary(kv) {
@@ -530,6 +540,7 @@ function start() {
   $("toggle-settings").addEventListener("click", () => document.body.classList.toggle("settings-flip"));
   $("close-settings").addEventListener("click", () => showSettings(false));
   $("settings-form").addEventListener("change", saveSettings);
+  $("kv-policy").addEventListener("change", capacityHint);
   $("settings-form").addEventListener("submit", (e) => e.preventDefault());
   $("api-key").addEventListener("change", loadConfig);
   $("reset-settings").addEventListener("click", () => {
@@ -538,6 +549,7 @@ function start() {
       else if (id !== "system") $(id).value = "";
     }
     saveSettings();
+    capacityHint();
   });
   $("main").addEventListener("click", (e) => {     // a click beside a panel laid over a narrow page closes it
     if (matchMedia(NARROW).matches && !e.target.closest("#bar button")) {
