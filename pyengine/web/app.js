@@ -134,7 +134,8 @@ function applyConfig(c) {
   $("max_tokens").placeholder = String(c.default_max_tokens);
   $("max_tokens").max = String(c.max_tokens_cap);
   $("kv-settings").hidden = false;
-  restoreSettings();   // the saved policy can be selected now that its option exists
+  const saved = loadJSON(SETTINGS_KEY, {});      // the saved choices can be selected now that their options exist
+  for (const id of ["kv-policy", "kv-positions"]) if (c[id === "kv-policy" ? "policies" : "positions"].includes(saved[id])) $(id).value = saved[id];
   capacityHint();
 }
 
