@@ -13,7 +13,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from serve_process import running_server  # noqa: E402
+from ringllm.server_process import running_server  # noqa: E402
 
 KEY = "sk-ringllm-test"
 CAP = 256

@@ -13,7 +13,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_process import running_server  # noqa: E402
+from ringllm.server_process import running_server  # noqa: E402
 
 KEY = "sk-structured-test"
 TEMPLATES = os.path.join(os.path.dirname(__file__), "data", "chat_templates")
