@@ -12,11 +12,11 @@ import os
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+from playwright.sync_api import sync_playwright
 
-from playwright.sync_api import sync_playwright  # noqa: E402
-from serve_process import running_server  # noqa: E402
+from ringllm.server_process import running_server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 QUESTIONS = ["What is the capital of France? Answer in one sentence.",
              "Show me a Python function that adds two numbers."]

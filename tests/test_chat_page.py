@@ -85,7 +85,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(browser, smollm2_path, tmp_path_factory):
-    from serve_process import running_server
+    from ringllm.server_process import running_server
 
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with running_server(["-m", smollm2_path, "--api-key", KEY, "--max-tokens-cap", "2048", "-t", "1",

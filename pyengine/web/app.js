@@ -135,7 +135,8 @@ function applyConfig(c) {
   $("max_tokens").max = String(c.max_tokens_cap);
   $("kv-settings").hidden = false;
   const saved = loadJSON(SETTINGS_KEY, {});      // the saved choices can be selected now that their options exist
-  for (const id of ["kv-policy", "kv-positions"]) if (c[id === "kv-policy" ? "policies" : "positions"].includes(saved[id])) $(id).value = saved[id];
+  if (c.policies.includes(saved["kv-policy"])) $("kv-policy").value = saved["kv-policy"];
+  if (c.positions.includes(saved["kv-positions"])) $("kv-positions").value = saved["kv-positions"];
   capacityHint();
 }
 
