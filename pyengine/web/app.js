@@ -216,8 +216,8 @@ async function* sseData(body) {
   }
 }
 
-// Stream one answer into `answer` (a message of `chat`), rendering as it grows.
-async function streamAnswer(chat, answer, body) {
+// Stream one answer into `answer`, rendering it as it grows.
+async function streamAnswer(answer, body) {
   const controller = new AbortController();
   state.busy = { controller, answer };
   setBusy(true);
@@ -245,6 +245,7 @@ async function streamAnswer(chat, answer, body) {
       if (chunk.usage) answer.meta.usage = chunk.usage;
       scheduleRender(answer);
     }
+    if (!answer.meta.finish && !answer.error) answer.error = "The connection closed before the answer was finished.";
   } catch (e) {
     if (e.name === "AbortError") answer.meta.finish = "stopped";
     else answer.error = `The request failed: ${e.message}`;
@@ -305,7 +306,7 @@ async function send(text, chat) {
   chat.messages.push(answer);
   saveChats();
   renderAll();
-  await streamAnswer(chat, answer, body);
+  await streamAnswer(answer, body);
 }
 
 function regenerate() {
