@@ -21,7 +21,7 @@ def machine() -> dict:
     import numba
     import numpy
     out = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": numpy.__version__,
-           "numba": numba.__version__}
+           "numba": numba.__version__, "load_avg_1m": round(os.getloadavg()[0], 2)}
     try:
         import llama_cpp
         out["llama_cpp_python"] = llama_cpp.__version__

@@ -599,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
     s.add_argument("--default-max-tokens", type=int, default=512, help="chat answers without max_tokens")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    s.add_argument("--queue-size", type=int, default=64, help="waiting requests before 503")
+    s.add_argument("--queue-size", type=int, default=256, help="waiting requests before 503")
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batched steps)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--seed", type=int, default=None, help="seed of requests that give none")

@@ -40,7 +40,7 @@ class ServerSettings:
     max_tokens_cap: int = 4096
     default_max_tokens: int = 512
     max_body_bytes: int = 1 << 20
-    queue_size: int = 64
+    queue_size: int = 256
     max_batch: int = 8
     model_name: str | None = None
     aliases: tuple[str, ...] = ()

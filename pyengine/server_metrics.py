@@ -12,6 +12,7 @@
     ringllm_inter_token_seconds                     histogram: between a request's consecutive tokens
     ringllm_request_duration_seconds                histogram: arrival to last token
     ringllm_prompt_cache_{entries,bytes,hits,misses,evictions}   (read at scrape time)
+    process_resident_memory_bytes, process_cpu_seconds_total, ...   (prometheus_client's process collector)
 
 The worker thread records; the scrape reads (prometheus_client is thread-safe). A registry per
 ServerMetrics, so that several apps in one process (tests) never share counters.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
@@ -35,6 +36,7 @@ class ServerMetrics:
 
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)         # process_resident_memory_bytes, process_cpu_seconds_total, ...
         self.requests = Counter("ringllm_requests", "Requests that reached the engine, by outcome", ["outcome"],
                                 registry=r)
         for outcome in ("completed", "cancelled", "failed"):

@@ -1,6 +1,6 @@
 """The server's worker: the one thread that owns the LLM and decodes requests in batches.
 
-    worker = Worker(llm, queue_size=64, max_batch=8)
+    worker = Worker(llm, queue_size=256, max_batch=8)
     worker.submit(Job("completion", ids, params, loop, asyncio.Queue()))   # APIError 503 when the queue is full
     ... the job's events arrive on its asyncio queue ...
     worker.stop()

@@ -110,7 +110,7 @@ def test_metrics_are_prometheus_text(server):
     assert value("ringllm_queue_depth") == 0 and value("ringllm_active_requests") == 0
     assert value("ringllm_prompt_cache_entries") >= 1 and value("ringllm_prompt_cache_bytes") > 0
     assert value("ringllm_prompt_cache_bytes") <= 256 * 2 ** 20
-    assert "ringllm_kv_evictions_total" in text
+    assert "ringllm_kv_evictions_total" in text and value("process_resident_memory_bytes") > 1e7
     assert 'ringllm_time_to_first_token_seconds_bucket{le="+Inf"}' in text
 
 
