@@ -5,7 +5,8 @@ fetched from elsewhere. Then end to end in headless Chromium (Debian's `chromium
 Playwright's Python client, never Playwright's own browser download) against a real `ringllm
 serve` with an API key: the page asks for the key, an answer streams in with its tokens/s and
 kv_stats, Stop ends one mid-way (and the server counts it cancelled), a KV policy chosen on the
-page reaches the server, a server error is shown, and the conversation survives a reload.
+page reaches the server, the prompt tokens the server's cache held are shown (and the cache can be
+refused), the conversation survives a reload, a server error is shown.
 
 The browser tests share one page, in file order: each continues the conversation of the last.
 """
