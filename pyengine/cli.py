@@ -10,7 +10,7 @@
     ringllm bench      [-m MODEL] [--tg 128] [--pp 512] [--repeats 3] [KV options] [-t T] [--json]
     ringllm serve      [-m MODEL] [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--max-tokens-cap N]
                        [--max-body-bytes B] [--queue-size Q] [--max-batch N] [--model-alias NAME]
-                       [--strict-model] [--cache-mb MB] [KV options] [-t T] [--chat-template FILE]
+                       [--strict-model] [--cache-mb MB] [--no-webui] [KV options] [-t T] [--chat-template FILE]
 
 KV options: --kv-policy (any of KVConfig's policies), --kv-capacity C, --kv-sinks S,
 --positions reindexed|original, and the policy knobs --kv-recent, --kv-lazy, --kv-slack,
@@ -449,7 +449,8 @@ def _serve(args: argparse.Namespace) -> int:
                               queue_size=args.queue_size, max_batch=args.max_batch, model_name=args.model_name,
                               default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap),
                               aliases=tuple(args.model_alias or ()), strict_model=args.strict_model,
-                              cache_bytes=None if args.cache_mb is None else int(args.cache_mb * (1 << 20)))
+                              cache_bytes=None if args.cache_mb is None else int(args.cache_mb * (1 << 20)),
+                              web_ui=not args.no_webui)
     name = args.model_name or llm.model_name
     print(f"ringllm serve: model {name!r} on http://{args.host}:{args.port}/v1 "
           f"({'API key required' if key else 'no API key'}; docs at /docs)", file=sys.stderr, flush=True)
@@ -594,6 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--strict-model", action="store_true",
                    help="404 for a request naming a model other than --model-name and its aliases (default: any "
                         "model id is served by the one model)")
+    s.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
     s.add_argument("--cache-mb", type=float, default=None,
                    help="prompt cache budget in MiB (0: off; default: a quarter of the machine's memory, at most 4 GiB)")
     s.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")

@@ -59,7 +59,8 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
     app.post("/v1/completions", summary="complete a prompt (OpenAI legacy completions)")(routes.completions)
     app.post("/v1/chat/completions", summary="answer a conversation (OpenAI chat completions)")(
         routes.chat_completions)
-    install_chat_page(app, s)                  # GET /: the chat page (server_page.py)
+    if s.web_ui:
+        install_chat_page(app, s)              # GET /: the chat page (server_page.py)
     app.add_middleware(Guard, settings=s)      # outermost: before routing and body parsing
     return app
 

@@ -33,6 +33,7 @@ class ServerSettings:
     model_name: the id /v1/models lists; aliases: other names accepted in "model".
     strict_model: only model_name and the aliases are accepted in "model" (404 for any other);
     False: any model id is served by the one loaded model, as clients that hard-code one expect.
+    web_ui: serve the chat page at / (ringllm.server_page).
     cache_bytes: budget of the prompt cache (ringllm.prompt_cache; 0: off; None: a quarter of the
     machine's memory, at most 4 GiB)."""
 
@@ -45,6 +46,7 @@ class ServerSettings:
     model_name: str | None = None
     aliases: tuple[str, ...] = ()
     strict_model: bool = False
+    web_ui: bool = True
     cache_bytes: int | None = None
 
 

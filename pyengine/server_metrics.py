@@ -4,7 +4,7 @@
     ringllm_prompt_tokens_total                     prompt tokens of finished requests (cached ones included)
     ringllm_prompt_tokens_cached_total              of those, tokens the prompt cache gave (not prefilled)
     ringllm_completion_tokens_total                 tokens generated
-    ringllm_kv_evictions_total                      tokens the requests' KV stores evicted
+    ringllm_kv_evictions_total                      slots the requests' KV stores evicted (per layer and KV head)
     ringllm_queue_depth, ringllm_active_requests    requests waiting / being decoded (read at scrape time)
     ringllm_batch_size                              histogram: sequences per batched engine step
     ringllm_time_to_first_token_seconds             histogram: from the request's arrival at the worker
@@ -45,7 +45,8 @@ class ServerMetrics:
         self.cached_tokens = Counter("ringllm_prompt_tokens_cached", "Prompt tokens taken from the prompt cache",
                                      registry=r)
         self.completion_tokens = Counter("ringllm_completion_tokens", "Tokens generated", registry=r)
-        self.evictions = Counter("ringllm_kv_evictions", "Tokens evicted from the requests' KV stores", registry=r)
+        self.evictions = Counter("ringllm_kv_evictions", "KV slots evicted by the requests' stores, summed over "
+                                 "layers and KV heads (kv_stats evicted_total)", registry=r)
         self.queue_depth = Gauge("ringllm_queue_depth", "Requests waiting for the engine", registry=r)
         self.active = Gauge("ringllm_active_requests", "Requests being decoded", registry=r)
         self.batch_size = Histogram("ringllm_batch_size", "Sequences per engine step", registry=r,

@@ -123,3 +123,17 @@ def test_config_aliases_and_strict_model(server):
     r = httpx.post(server + "/v1/chat/completions", json={"model": "gpt-9", "messages": [
         {"role": "user", "content": "Hi"}]}, timeout=30)
     assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
+
+
+def test_no_webui_leaves_only_the_api(smollm2_path):
+    """--no-webui: / is 404, the API is unchanged (an in-process app: the flag only decides a route)."""
+    from fastapi.testclient import TestClient
+
+    import ringllm
+    from ringllm.server import ServerSettings, create_app
+
+    llm = ringllm.LLM(smollm2_path)
+    with TestClient(create_app(llm, ServerSettings(web_ui=False))) as c:
+        assert c.get("/").status_code == 404 and c.get("/v1/models").status_code == 200
+    with TestClient(create_app(llm, ServerSettings())) as c:
+        assert c.get("/").status_code == 200
