@@ -341,42 +341,49 @@ class Routes:
         return job
 
     @staticmethod
-    async def next_event(request: Request, job: Job) -> tuple:
-        """The job's next event; cancels the job when the client goes away while it waits."""
-        while True:
-            try:
-                return await asyncio.wait_for(job.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel.set()
-                    raise asyncio.CancelledError()
+    async def watch(request: Request, job: Job) -> None:
+        """Until cancelled: every 0.5 s, whether the client is still there; when it is gone, cancel
+        the job and wake its reader with a ("gone",) event. One task per waiting request, instead of
+        a timeout around every event."""
+        while not job.cancel.is_set():
+            await asyncio.sleep(0.5)
+            if await request.is_disconnected():
+                job.cancel.set()
+                job.events.put_nowait(("gone",))
+                return
 
-    async def first_event(self, request: Request, job: Job) -> tuple:
-        try:
-            ev = await self.next_event(request, job)
-        except BaseException:
-            job.cancel.set()
-            raise
-        if ev[0] == "error":
-            raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
+    @staticmethod
+    async def next_event(job: Job) -> tuple:
+        """The job's next event; CancelledError when its client has gone (watch())."""
+        ev = await job.events.get()
+        if ev[0] == "gone":
+            raise asyncio.CancelledError()
         return ev
 
     async def run(self, request: Request, job: Job, make_chunk, make_final, include_usage: bool, stream: bool):
         """The response of a queued job: one JSON body (make_final), or server-sent events
         (make_chunk) when stream. Errors before any output become 4xx/5xx responses."""
-        await self.first_event(request, job)
-        if not stream:
-            text = []
-            try:
+        watcher = asyncio.create_task(self.watch(request, job))
+        try:
+            ev = await self.next_event(job)
+            if ev[0] == "error":
+                raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
+            if not stream:
+                text = []
                 while True:
-                    ev = await self.next_event(request, job)
+                    ev = await self.next_event(job)
                     if ev[0] == "chunk":
                         text.append(ev[1])
                     elif ev[0] == "end":
                         return JSONResponse(make_final("".join(text), ev[1], ev[2]))
                     elif ev[0] == "error":
                         raise APIError(ev[1], ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
-            finally:
+        except BaseException:
+            job.cancel.set()
+            raise
+        finally:
+            watcher.cancel()       # a stream's disconnects are the SSEResponse's to see
+            if not stream:
                 job.cancel.set()
 
         def sse(bodies) -> str:          # make_chunk gives one body, or a list of them (tool call deltas)
@@ -384,11 +391,22 @@ class Routes:
 
         async def events():
             yield sse(make_chunk(None, None, first=True))
+            held = None
             while True:
-                ev = await job.events.get()
+                ev = held or await job.events.get()
+                held = None
                 if ev[0] == "chunk":
-                    if ev[1]:
-                        out = sse(make_chunk(ev[1], None))
+                    # a client that reads slower than the engine writes gets the tokens that piled up
+                    # as one chunk: one event to encode and send instead of one per token
+                    text = ev[1]
+                    while not job.events.empty():
+                        nxt = job.events.get_nowait()
+                        if nxt[0] != "chunk":
+                            held = nxt
+                            break
+                        text += nxt[1]
+                    if text:
+                        out = sse(make_chunk(text, None))
                         if out:
                             yield out
                 elif ev[0] == "end":
@@ -398,6 +416,8 @@ class Routes:
                     break
                 elif ev[0] == "error":
                     yield sse_event(error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error"))
+                    break
+                elif ev[0] == "gone":
                     break
             yield "data: [DONE]\n\n"
 

@@ -16,7 +16,9 @@ ends (finished or cancelled between two tokens), its store goes into the cache u
 it was fed. A store an engine failure interrupted is never cached.
 
 A Job talks to its HTTP handler only through events put on its asyncio queue, from the worker
-thread via the event loop (call_soon_threadsafe):
+thread via the event loop. The worker posts events as it goes and hands them over once per engine
+step (one call_soon_threadsafe per event loop for every request of the step, not one per token per
+request), so the HTTP side wakes once per step:
 
     ("start",)                                              admitted: the request is valid and prefilled
     ("chunk", text, token, finish_reason)                   one token
@@ -65,11 +67,12 @@ class Job:
     evicted0: int = 0            # the store's evictions when the request got it
     last_token: float = 0.0      # when its latest chunk was emitted
 
-    def emit(self, item: tuple) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:           # the event loop is gone (shutdown): nobody is listening
-            self.cancel.set()
+
+
+def _deliver(items: list[tuple[Job, tuple]]) -> None:
+    """On the event loop: put each event on its job's queue."""
+    for job, item in items:
+        job.events.put_nowait(item)
 
 
 class Worker:
@@ -88,6 +91,7 @@ class Worker:
         self.peak_batch = 0                               # most requests stepped together so far
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0}
         self._stopping = False
+        self._outbox: list[tuple[Job, tuple]] = []       # events posted since the last hand-off
         self.metrics.bind(self)
         self._thread = threading.Thread(target=self._run, name="ringllm-worker", daemon=True)
         self._thread.start()
@@ -123,8 +127,28 @@ class Worker:
                     return
                 self.busy = True
                 self._admit(job)
+                self._hand_off()
             if self.live:
                 self._step()
+                self._hand_off()
+
+    def _post(self, job: Job, item: tuple) -> None:
+        self._outbox.append((job, item))
+
+    def _hand_off(self) -> None:
+        """Deliver the posted events: one call into each event loop for all of them."""
+        if not self._outbox:
+            return
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        for job, item in self._outbox:
+            by_loop.setdefault(id(job.loop), (job.loop, []))[1].append((job, item))
+        self._outbox = []
+        for loop, items in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:       # the event loop is gone (shutdown): nobody is listening
+                for job, _ in items:
+                    job.cancel.set()
 
     def _admit(self, job: Job) -> None:
         """Check the request, prefill it and put it in the batch (or answer it at once)."""
@@ -142,7 +166,7 @@ class Worker:
         except BaseException as exc:          # the worker outlives whatever one request did
             self._fail(job, 500, f"internal error: {type(exc).__name__}: {exc}")
             return
-        job.emit(("start",))
+        self._post(job, ("start",))
         tag = next(self._tags)
         try:
             joined = self.batch.join(dec, tag)
@@ -190,7 +214,7 @@ class Worker:
                 continue                      # dropped before the next step
             self.metrics.token(now - job.last_token)
             job.last_token = now
-            job.emit(("chunk", chunk.text, chunk.token, chunk.finish_reason))
+            self._post(job, ("chunk", chunk.text, chunk.token, chunk.finish_reason))
             if chunk.finish_reason is not None:
                 del self.live[tag]
                 self._end(job, dec)
@@ -198,7 +222,7 @@ class Worker:
     def _end(self, job: Job, dec) -> None:
         rec = dec.record
         stats = store_stats(dec.store, job.kv or self.llm.kv)
-        job.emit(("end", rec.finish_reason or "stop", {
+        self._post(job, ("end", rec.finish_reason or "stop", {
             "prompt_tokens": len(job.ids), "completion_tokens": len(rec.tokens), "cached_tokens": job.cached,
             "timings": rec.timings.to_dict(), "kv_stats": stats}))
         self.counters["completed"] += 1
@@ -214,4 +238,4 @@ class Worker:
     def _fail(self, job: Job, status: int, message: str) -> None:
         self.counters["failed"] += 1
         self.metrics.failed()
-        job.emit(("error", status, message))
+        self._post(job, ("error", status, message))
