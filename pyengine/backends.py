@@ -23,12 +23,14 @@ from ringllm.runtime.kv_config import KVConfig
 
 __all__ = ["BACKENDS", "ReferenceBackend", "check_room", "engine_peak_memory", "make_engine", "store_stats"]
 
-BACKENDS = ("cpu", "cuda", "reference")
+BACKENDS = ("cpu", "cuda", "reference", "none")
 
 
 def make_engine(backend: str, spec, tensors: dict, n_threads: int | None = None, n_batch: int = 64):
-    """The engine of `backend` over a loaded model's spec and tensors. ConfigError when the CUDA
-    backend is not built."""
+    """The engine of `backend` over a loaded model's spec and tensors (None for "none": a front end
+    that never runs the model). ConfigError when the CUDA backend is not built."""
+    if backend == "none":
+        return None
     if backend == "cpu":
         from ringllm.runtime.engine import CPUEngine
         return CPUEngine(spec, tensors, n_threads=n_threads, n_batch=n_batch)

@@ -69,7 +69,9 @@ class LLM:
     Args:
         model: None (the bundled SmolLM2-135M-Instruct), a GGUF file, or an HF checkpoint directory.
         kv: KVConfig of every sequence this LLM decodes (default: policy full at the model's context).
-        backend: "cpu" (Numba engine), "cuda" (ringllm.native), "reference" (the NumPy oracle; slow).
+        backend: "cpu" (Numba engine), "cuda" (ringllm.native), "reference" (the NumPy oracle; slow),
+            "none" (no engine: tokenizer, chat template and grammars only, for a front end such as
+            the Ray Serve ingress; the weights stay unread in the file's mapping).
         n_threads: CPU threads (None: all cores).
         seed: seeds the generator that seeds each call made without its own seed.
         progress: tqdm bars while loading (None: only when stderr is a terminal).
@@ -114,7 +116,7 @@ class LLM:
             self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch)
             self.compile_s = 0.0
             bar.update(1)
-            if warmup and backend != "reference":
+            if warmup and backend in ("cpu", "cuda"):
                 bar.set_description("warming up")
                 with CompileSpan() as compiling:
                     warm(self._engine, kv)
@@ -136,6 +138,9 @@ class LLM:
 
     @property
     def engine(self):
+        if self._engine is None:
+            raise ConfigError("this LLM was loaded with backend 'none': it tokenizes, renders chats and compiles "
+                              "grammars, but has no engine to run the model")
         return self._engine
 
     @property
@@ -335,7 +340,7 @@ class LLM:
         stopper = StopMatcher(stop)
         sampler = self._sampler(params, seed)
         if store is None:
-            store = self._engine.new_store(kv or self.kv)
+            store = self.engine.new_store(kv or self.kv)
             done = 0
         else:
             done = store.n_seen
@@ -375,7 +380,7 @@ class LLM:
         if kind not in ("store", "layers") or not value.isdigit() or int(value) < 1:
             raise ConfigError(f"draft must be 'store:C' or 'layers:N' with a positive integer, got {draft!r}")
         ids = self.prompt_ids(prompt)
-        store = self._engine.new_store(self.kv)
+        store = self.engine.new_store(self.kv)
         check_room(store, self.spec, len(ids) + max_tokens + gamma)     # the verify runs gamma rows ahead
         if kind == "layers":
             drafts = self._layer_drafts
@@ -470,15 +475,15 @@ class LLM:
             raise ConfigError("logits() takes a non-empty list of token ids (use tokenize() for text)")
         ids = self.prompt_ids(list(ids))
         with self.engine_lock():
-            store = self._engine.new_store(self.kv)
+            store = self.engine.new_store(self.kv)
             check_room(store, self.spec, len(ids))
             self._store = store
-            return np.asarray(self._engine.logits(ids, store), dtype=np.float32)
+            return np.asarray(self.engine.logits(ids, store), dtype=np.float32)
 
     def kv_stats(self) -> dict:
         """Stats of the KV store of the latest generate()/logits() call (an empty store before
         any): at least capacity, length, evicted_total."""
         store = self._store
         if store is None:
-            store = self._store = self._engine.new_store(self.kv)
+            store = self._store = self.engine.new_store(self.kv)
         return store_stats(store, self.kv)

@@ -20,7 +20,8 @@ thread via the event loop. The worker posts events as it goes and hands them ove
 step (one call_soon_threadsafe per event loop for every request of the step, not one per token per
 request), so the HTTP side wakes once per step:
 
-    ("start",)                                              admitted: the request is valid and prefilled
+    ("start", served_by)                                    admitted: the request is valid and prefilled
+                                                            (served_by: the replica's name, or None)
     ("chunk", text, token, finish_reason)                   one token
     ("end", finish_reason, info)     info: prompt_tokens, completion_tokens, cached_tokens, timings, kv_stats
     ("error", status, message)                              400 for a RingLLMError, 500 for anything else
@@ -66,6 +67,8 @@ class Job:
     cached: int = 0              # prompt tokens the prompt cache gave
     evicted0: int = 0            # the store's evictions when the request got it
     last_token: float = 0.0      # when its latest chunk was emitted
+    served_by: str | None = None # the replica that serves it (ringllm.ray_serve), from its "start" event
+    affinity: str | None = None  # the request's conversation key (user / session_id): where Ray routes it
 
 
 
@@ -79,8 +82,8 @@ class Worker:
     """The thread that owns the LLM (see the module docstring); it starts when built."""
 
     def __init__(self, llm, queue_size: int, max_batch: int = 8, cache_bytes: int = 0,
-                 metrics: ServerMetrics | None = None):
-        self.llm = llm
+                 metrics: ServerMetrics | None = None, served_by: str | None = None):
+        self.llm, self.served_by = llm, served_by
         self.cache = PromptCache(cache_bytes)
         self.metrics = metrics or ServerMetrics()
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -99,6 +102,9 @@ class Worker:
     @property
     def active(self) -> int:
         return len(self.live)
+
+    def cache_stats(self) -> dict:
+        return self.cache.stats()
 
     def submit(self, job: Job) -> None:
         try:
@@ -166,7 +172,7 @@ class Worker:
         except BaseException as exc:          # the worker outlives whatever one request did
             self._fail(job, 500, f"internal error: {type(exc).__name__}: {exc}")
             return
-        self._post(job, ("start",))
+        self._post(job, ("start", self.served_by))
         tag = next(self._tags)
         try:
             joined = self.batch.join(dec, tag)
