@@ -453,6 +453,10 @@ def _serve(args: argparse.Namespace) -> int:
                               web_ui=not args.no_webui)
     if args.ray:
         return _serve_ray(args, settings)
+    ray_only = [f for f in ("replicas", "min_replicas", "max_replicas", "ray_address") if getattr(args, f) is not None]
+    if ray_only or args.no_affinity:
+        flags = ", ".join("--" + f.replace("_", "-") for f in ray_only + (["no_affinity"] if args.no_affinity else []))
+        raise ConfigError(f"{flags} only apply with --ray (replicas on Ray Serve)")
     llm = _llm(args, warmup=True)
     name = args.model_name or llm.model_name
     print(f"ringllm serve: model {name!r} on http://{args.host}:{args.port}/v1 "
@@ -477,7 +481,7 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
         model=args.model, kv=_kv_config(args).to_dict(), n_threads=args.threads or 1,
         chat_template=_read_text(template, "chat template") if template else None,
         seed=args.seed if args.seed is not None else 0, settings=settings, replicas=args.replicas or 1,
-        min_replicas=args.min_replicas, max_replicas=args.max_replicas)
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas, affinity=not args.no_affinity)
     where = f"Ray at {args.ray_address}" if args.ray_address else "a local Ray instance"
     print(f"ringllm serve --ray: {opts.replicas if args.min_replicas is None and args.max_replicas is None else 'autoscaled'} "
           f"replica(s) on {where}, http://{args.host}:{args.port}/v1 (Ctrl-C stops it)", file=sys.stderr, flush=True)
@@ -629,6 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-replicas", type=int, default=None, help="autoscale: Ray Serve's lower bound")
     r.add_argument("--max-replicas", type=int, default=None, help="autoscale: Ray Serve's upper bound")
     r.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    r.add_argument("--no-affinity", action="store_true",
+                   help="route with Ray Serve's default router instead of by conversation and prompt prefix")
     s.add_argument("--cache-mb", type=float, default=None,
                    help="prompt cache budget in MiB (0: off; default: a quarter of the machine's memory, at most 4 GiB)")
     s.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")

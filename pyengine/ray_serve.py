@@ -77,6 +77,7 @@ class ServeOptions:
     replicas: int = 1
     min_replicas: int | None = None
     max_replicas: int | None = None
+    affinity: bool = True                # False: Ray Serve's default router (power of two choices)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,10 +356,11 @@ def build_app(opts: ServeOptions):
                                        "max_replicas": opts.max_replicas or max(opts.replicas, opts.min_replicas or 1),
                                        "target_ongoing_requests": s.max_batch}}
                if opts.min_replicas is not None or opts.max_replicas is not None else {"num_replicas": opts.replicas})
+    routing = {"request_router_config": RequestRouterConfig(request_router_class="ringllm.ray_serve:AffinityRouter")} \
+        if opts.affinity else {}
     replica = serve.deployment(Replica, name="ringllm-replica", ray_actor_options={"num_cpus": opts.n_threads},
                                max_ongoing_requests=s.max_batch + s.queue_size, health_check_period_s=5,
-                               request_router_config=RequestRouterConfig(
-                                   request_router_class="ringllm.ray_serve:AffinityRouter"), **scaling)
+                               **routing, **scaling)
     ingress = serve.deployment(serve.ingress()(Ingress), name="ringllm-ingress",
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
     return ingress.bind(replica.bind(opts), opts)
