@@ -8,8 +8,9 @@ replica). Throughput: --clients chat clients send --rounds streamed requests eac
 short prompts, max_tokens --tokens, ignore_eos), all at once; total generated tokens/s over the
 round's wall time, and time to first token p50/p99 from the clients. Affinity: with 2 replicas,
 --clients concurrent conversations of 3 turns (a ~600-token first user message, short follow-ups,
-each request carrying the whole conversation and no session key); the 3rd turn's TTFT and cached
-prompt tokens under ringllm's AffinityRouter and under Ray Serve's default power-of-two-choices
+each request carrying the whole conversation and no session key), 2 x --clients conversations;
+the share of 3rd turns served by the replica that holds the conversation's store (at least half the
+prompt from its prompt cache) and their TTFT under ringllm's AffinityRouter and under Ray Serve's default power-of-two-choices
 router (`--no-affinity`), each on its own server.
 Writes bench/results/scale_out.{json,md}.
 """
@@ -88,10 +89,14 @@ def follow_ups(url: str, clients: int, text: str) -> dict:
         return last
 
     with ThreadPoolExecutor(clients) as pool:
-        res = list(pool.map(conversation, range(clients)))
-    return {"turn3_ttft_p50_s": round(statistics.median(r["ttft"] for r in res), 3),
-            "turn3_cached_tokens_median": statistics.median(r["usage"]["prompt_tokens_details"]["cached_tokens"]
-                                                            for r in res)}
+        res = list(pool.map(conversation, range(2 * clients)))
+    hits = [r["usage"]["prompt_tokens_details"]["cached_tokens"] >= r["usage"]["prompt_tokens"] // 2 for r in res]
+    return {"conversations": len(res), "turn3_hit_rate": round(sum(hits) / len(res), 2),
+            "turn3_ttft_p50_s": round(statistics.median(r["ttft"] for r in res), 3),
+            "turn3_ttft_mean_s": round(statistics.fmean(r["ttft"] for r in res), 3),
+            "turn3_ttft_hit_s": round(statistics.median(r["ttft"] for r, h in zip(res, hits) if h), 3) if any(hits) else None,
+            "turn3_ttft_miss_s": round(statistics.median(r["ttft"] for r, h in zip(res, hits) if not h), 3)
+            if not all(hits) else None}
 
 
 def main() -> int:
@@ -124,10 +129,12 @@ def main() -> int:
     for r in rows:
         md.append(f"| {r['replicas']} | {r['tok_s']} | {r['ttft_p50_s']} s | {r['ttft_p99_s']} s | {r['replicas_used']} |")
     md += ["", "Follow-up turn (3rd turn of a conversation opened with a ~600-token message), 2 replicas:", "",
-           "| routing | TTFT p50 | cached prompt tokens (median) |", "|---|---|---|"]
+           "| routing | conversations | 3rd turn on the replica holding its store | TTFT mean | TTFT p50 | "
+           "TTFT when it was (median) | TTFT when not (median) |", "|---|---|---|---|---|---|---|"]
     for k, v in affinity.items():
         name = "ringllm's AffinityRouter" if k == "affinity" else "Ray Serve's default router (--no-affinity)"
-        md.append(f"| {name} | {v['turn3_ttft_p50_s']} s | {v['turn3_cached_tokens_median']} |")
+        md.append(f"| {name} | {v['conversations']} | {v['turn3_hit_rate']:.0%} | {v['turn3_ttft_mean_s']} s | "
+                  f"{v['turn3_ttft_p50_s']} s | {v['turn3_ttft_hit_s']} s | {v['turn3_ttft_miss_s']} s |")
     write_results(args.out, {"command": cmdline, "machine": machine(), "throughput": rows, "affinity": affinity},
                   "\n".join(md) + "\n")
     print("\n".join(md))
