@@ -57,9 +57,17 @@ class _Buffers:
         self.ff_gu = np.zeros((T, 2 * spec.n_ff), f32)       # stacked gate|up projection
 
     def view(self, T: int) -> "_Buffers":
+        """The first T rows of every buffer (views)."""
+        return self._rows(slice(0, T))
+
+    def view_row(self, t: int) -> "_Buffers":
+        """Row t of every buffer, as (1, width) views."""
+        return self._rows(slice(t, t + 1))
+
+    def _rows(self, rows: slice) -> "_Buffers":
         out = object.__new__(_Buffers)
         for name, arr in vars(self).items():
-            setattr(out, name, arr[:T])
+            setattr(out, name, arr[rows])
         return out
 
 
@@ -259,11 +267,11 @@ class CPUEngine:
         for start in range(0, ids.size, self.n_batch):
             chunk = ids[start:start + self.n_batch]
             last = start + chunk.size == ids.size
-            logits = self._chunk(chunk, store, want_logits=all_logits or last)
+            logits = self._chunk(chunk, store, want_logits="all" if all_logits else "last" if last else None)
             if all_logits:
                 out[start:start + chunk.size] = logits
             elif last:
-                return logits[-1:]   # a view of the run buffer: decode allocates no logits array
+                return logits        # (1, n_vocab), a view of the run buffer: decode allocates no logits array
         return out
 
     # -----------------------------------------------------------------------------------------
@@ -315,7 +323,10 @@ class CPUEngine:
         else:
             rms_norm_rows(out, x, self.vecs[name + ".weight"], self.spec.norm_eps)
 
-    def _chunk(self, ids: np.ndarray, store: KVStore, want_logits: bool) -> np.ndarray:
+    def _chunk(self, ids: np.ndarray, store: KVStore, want_logits: str | None) -> np.ndarray:
+        """Feed ids (T,) through every layer. want_logits "all": logits (T, n_vocab); "last": the last
+        row's only (1, n_vocab), the output head run on that row alone (a prompt's other rows need
+        none); None: nothing (an empty view)."""
         s = self.spec
         T = ids.size
         b = self.buf1 if T == 1 else self.buf.view(T)
@@ -324,8 +335,10 @@ class CPUEngine:
         for il in range(s.n_layer):
             self._layer(il, b, segments)
         store.n_seen += T
-        if not want_logits:
+        if want_logits is None:
             return self.logits_buf[:0]
+        if want_logits == "last" and T > 1:
+            return self._head(b.view_row(T - 1), 1)
         return self._head(b, T)
 
     def _embed(self, b: _Buffers, ids: np.ndarray) -> None:

@@ -56,7 +56,7 @@ from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, keep_after
 from ringllm.runtime.key_sum import key_sums
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
-from ringllm.runtime.host_memory import small_pages
+from ringllm.runtime.host_memory import lazy_zeros, small_pages
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
@@ -126,9 +126,9 @@ class KVStore:
         self.layer_physical = phys
         hw = self.policy_impl.history_width
         with small_pages():           # a new store's first token would fault in huge pages (host_memory.py)
-            self.k = [np.zeros((nkv, p, hd), np.float32) for p in phys]
-            self.v = [np.zeros((nkv, p, hd), np.float32) for p in phys]
-            self.hist = [np.zeros((nkv, hw, p), np.float32) for p in phys]
+            self.k = [lazy_zeros((nkv, p, hd), np.float32) for p in phys]
+            self.v = [lazy_zeros((nkv, p, hd), np.float32) for p in phys]
+            self.hist = [lazy_zeros((nkv, hw, p), np.float32) for p in phys]
         self.seq = [np.full((nkv, p), -1, np.int64) for p in phys]
         self.rank = [np.zeros((nkv, p), np.int64) for p in phys]
         self.pos = self.rank if self.reindexed else [np.zeros((nkv, p), np.int64) for p in phys]
