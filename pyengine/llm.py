@@ -49,6 +49,7 @@ from ringllm.models.loader import load_model
 from ringllm.runtime import compile_clock
 from ringllm.runtime.compile_clock import CompileSpan
 from ringllm.runtime.errors import ConfigError, RingLLMError
+from ringllm.runtime.host_memory import release_file_pages
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.speculative import make_layer_draft, speculative_generate
 from ringllm.runtime.warmup import estimate_compile_seconds, warm
@@ -114,6 +115,8 @@ class LLM:
                 compile_clock.expect(estimate_compile_seconds(
                     {t.qtype for t in self.model.tensors.values() if len(t.shape) == 2}, kv))
             self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch)
+            if self._engine is not None:    # the engine holds its own copy of the weights: the file's pages go
+                release_file_pages(t.data for t in self.model.tensors.values())
             self.compile_s = 0.0
             bar.update(1)
             if warmup and backend in ("cpu", "cuda"):

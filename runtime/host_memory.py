@@ -68,3 +68,30 @@ def lazy_zeros(shape, dtype=np.float32) -> np.ndarray:
     if nbytes < LAZY_MIN_BYTES:
         return np.zeros(shape, dtype)
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
+
+
+def release_file_pages(arrays) -> int:
+    """Drop this process's resident pages of the read-only file mappings behind `arrays` (arrays
+    that are views of an np.memmap; others are skipped), once per mapping; returns the bytes of
+    mapping advised. A model's weights, once repacked into the engine's own buffers, are read from
+    the file again only for what is still used from it (embedding rows, a draft model built later):
+    those pages fault back in from the page cache, one at a time, as they are read. The pages stay
+    in the page cache; only this process's resident set (RSS) drops. MADV_DONTNEED on a shared,
+    read-only file mapping never loses data."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    seen, total = set(), 0
+    for a in arrays:
+        b = a
+        while isinstance(b, np.ndarray) and getattr(b, "_mmap", None) is None:
+            b = b.base
+        m = getattr(b, "_mmap", None) if isinstance(b, np.ndarray) else None
+        if m is None or id(m) in seen:
+            continue
+        seen.add(id(m))
+        try:
+            m.madvise(mmap.MADV_DONTNEED)
+            total += len(m)
+        except (OSError, ValueError):       # a closed mapping, or a kernel that refuses: nothing to release
+            pass
+    return total
