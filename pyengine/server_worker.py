@@ -11,7 +11,7 @@ the bounded FIFO queue. A request joins the batch between two steps: its prompt 
 PREFILL_CHUNK-token parts between the running streams' steps (so a long prompt does not stall them),
 whole when nothing else is decoding; it leaves when it finishes or its client goes away (job.cancel).
 
-Prompt cache (ringllm.prompt_cache): a request starts from a fork of the cached store that
+Prompt cache (ringllm.prompt_cache): a request starts from a copy of the cached store that
 shares the most of its prompt (job.cache_prompt, the default) and prefills only the rest; when it
 ends (finished or cancelled between two tokens), its store goes into the cache under every token
 it was fed. A store an engine failure interrupted is never cached.

@@ -56,7 +56,7 @@ def zeros_small_pages(shape, dtype=np.float32) -> np.ndarray:
         return np.zeros(shape, dtype)
 
 
-LAZY_MIN_BYTES = 1 << 18      # smaller arrays come from malloc as usual (a mapping per array would cost more)
+LAZY_MIN_BYTES = 1 << 16      # smaller arrays come from malloc as usual (a mapping per array would cost more)
 
 
 def lazy_zeros(shape, dtype=np.float32) -> np.ndarray:

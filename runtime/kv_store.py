@@ -66,8 +66,21 @@ from ringllm.runtime.rope import LAYOUTS, rebase_limit, relayout_keys
 # Store
 # ---------------------------------------------------------------------------------------------
 
-# the slot axis of each per-layer array that has one (fork copies only the slots ever written)
+# the slot axis of each per-layer array that has one (snapshots hold only the slots ever written)
 SLOT_AXIS = {"k": 1, "v": 1, "rk": 1, "hist": 2, "seq": 1, "rank": 1, "pos": 1, "kbase": 1, "score": 1, "aux": 1}
+
+
+class StoreSnapshot:
+    """A KVStore's state cut to the slots it has written (KVStore.snapshot / from_snapshot): kv,
+    n_seen, the layers' RoPE layouts, arrays {field: [per-layer array]} (slot fields cut to
+    min(P, n_seen) slots), and whether the store could be truncated. nbytes: what it holds."""
+
+    __slots__ = ("kv", "n_seen", "layer_rope_mode", "arrays", "truncatable", "nbytes")
+
+    def __init__(self, kv: KVConfig, n_seen: int, layer_rope_mode, arrays: dict, truncatable: bool):
+        self.kv, self.n_seen, self.layer_rope_mode = kv, int(n_seen), layer_rope_mode
+        self.arrays, self.truncatable = arrays, truncatable
+        self.nbytes = int(sum(a.nbytes for per_layer in arrays.values() for a in per_layer))
 
 
 class KVStore:
@@ -130,13 +143,13 @@ class KVStore:
             self.v = [lazy_zeros((nkv, p, hd), np.float32) for p in phys]
             self.hist = [lazy_zeros((nkv, hw, p), np.float32) for p in phys]
         self.seq = [np.full((nkv, p), -1, np.int64) for p in phys]
-        self.rank = [np.zeros((nkv, p), np.int64) for p in phys]
-        self.pos = self.rank if self.reindexed else [np.zeros((nkv, p), np.int64) for p in phys]
-        self.kbase = [np.zeros((nkv, p), np.int64) for p in phys]
+        self.rank = [lazy_zeros((nkv, p), np.int64) for p in phys]
+        self.pos = self.rank if self.reindexed else [lazy_zeros((nkv, p), np.int64) for p in phys]
+        self.kbase = [lazy_zeros((nkv, p), np.int64) for p in phys]
         self.count = [np.zeros(nkv, np.int64) for _ in phys]
         self.evicted = [np.zeros(nkv, np.int64) for _ in phys]
-        self.score = [np.zeros((nkv, p), np.float64) for p in phys]
-        self.aux = [np.zeros((nkv, p), np.int64) for p in phys]
+        self.score = [lazy_zeros((nkv, p), np.float64) for p in phys]
+        self.aux = [lazy_zeros((nkv, p), np.int64) for p in phys]
         # per-layer policy state that is not per slot (GVote's recent queries), shape from the policy
         self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
         ks_rows = nkv if self.policy_impl.keeps_key_sum else 0
@@ -147,7 +160,7 @@ class KVStore:
         # victims of the next write into each layer, chosen by the compiled step at the end of the one
         # before (policy_step.choose_next): per layer (n_kv, P) f64 slots, (n_kv,) counts, and the
         # sequence index of the write they are for (-1: none; any other change to the layer clears it)
-        self.pend = [np.zeros((nkv, p), np.float64) for p in phys]
+        self.pend = [lazy_zeros((nkv, p), np.float64) for p in phys]
         self.pend_drop = [np.zeros(nkv, np.int64) for _ in phys]
         self.pend_tag = [np.full(1, -1, np.int64) for _ in phys]
         # write-kernel scratch per kv head (the compiled policy step runs the heads on separate threads;
@@ -357,20 +370,43 @@ class KVStore:
         store can each be fed on from here, and each decodes exactly as this store would have (a chat
         branch, a prompt prefix shared by several requests). The copy belongs to no engine yet: the
         engine adopts it on its first use. ConfigError during a rollback journal."""
+        return KVStore.from_snapshot(self.spec, self.snapshot())
+
+    def snapshot(self) -> "StoreSnapshot":
+        """This store's state in as many bytes as it has written (StoreSnapshot): what a prompt cache
+        keeps instead of the store itself, whose arrays are sized for its whole capacity.
+        ConfigError during a rollback journal."""
         if self.journal is not None:
-            raise ConfigError("fork during a rollback journal: commit() or rollback() first")
-        copy = KVStore(self.spec, self.kv)
-        copy.layer_rope_mode = list(self._layer_rope_mode) if self._layer_rope_mode is not None else None
+            raise ConfigError("snapshot during a rollback journal: commit() or rollback() first")
+        arrays = {}
         for name in self.array_fields:
             axis = SLOT_AXIS.get(name)
-            for src, dst in zip(getattr(self, name), getattr(copy, name)):
+            per_layer = []
+            for a in getattr(self, name):
+                if axis is None:
+                    per_layer.append(a.copy())
+                else:       # slots past min(P, n_seen) were never written: a fresh store's zeros/-1 are theirs
+                    used = (slice(None),) * axis + (slice(0, min(a.shape[axis], self.n_seen)),)
+                    per_layer.append(np.ascontiguousarray(a[used]))
+            arrays[name] = per_layer
+        return StoreSnapshot(self.kv, self.n_seen, list(self._layer_rope_mode) if self._layer_rope_mode else None,
+                             arrays, self.truncatable())
+
+    @classmethod
+    def from_snapshot(cls, spec: ModelSpec, snap: "StoreSnapshot") -> "KVStore":
+        """A store equal to the one the snapshot was taken of (a fresh allocation; the snapshot is
+        left as it is and may be restored again)."""
+        store = cls(spec, snap.kv)
+        store.layer_rope_mode = list(snap.layer_rope_mode) if snap.layer_rope_mode is not None else None
+        for name, per_layer in snap.arrays.items():
+            axis = SLOT_AXIS.get(name)
+            for src, dst in zip(per_layer, getattr(store, name)):
                 if axis is None:
                     dst[...] = src
-                else:       # slots past min(P, n_seen) were never written: the fresh zeros/-1 are theirs
-                    used = (slice(None),) * axis + (slice(0, min(src.shape[axis], self.n_seen)),)
-                    dst[used] = src[used]
-        copy.n_seen = self.n_seen
-        return copy
+                else:
+                    dst[(slice(None),) * axis + (slice(0, src.shape[axis]),)] = src
+        store.n_seen = snap.n_seen
+        return store
 
     def truncatable(self) -> bool:
         """Whether truncate() can cut this store: every layer is a ring that has evicted nothing, so
