@@ -172,6 +172,16 @@ class KVStore:
         # optional callable(il, mass (n_kv, P) f32, store) run after each attention step with the per-slot
         # attention mass (group-summed); for measurements such as the attention loss of eviction
         self.mass_hook = None
+        # optional callable(il, h (T, n_embd) f32, q (T, n_head * hd) f32, seq0) run by the CPU engine per
+        # layer and prompt chunk with the attention input and the queries before RoPE (a compressing
+        # prefill captures its observation window with it: runtime/compress.py)
+        self.query_hook = None
+        # prompt compression (runtime/compress.py): tokens seen but released by a press (the room
+        # check counts held tokens: n_seen - released), and the RoPE layout of the ring layers when
+        # it is not the engine's (a compressed store in reindexed mode reads its keys "fused")
+        self.released = 0
+        self.ring_rope: str | None = None
+        self.press_stats: dict = {}
         # --- speculative rollback journal (runtime/kv_multi.py): None unless begin_journal() ran ---
         self.journal = None
 
@@ -181,9 +191,10 @@ class KVStore:
 
     def check_room(self, n_new: int) -> None:
         """Raise before any work when policy full would overflow the model's context."""
-        if self.policy == "full" and self.n_seen + n_new > self.capacity:
-            raise ConfigError(f"{self.n_seen + n_new} tokens exceed the model's context {self.capacity} with "
-                              "policy 'full'; choose an eviction policy (e.g. streaming) or a shorter input")
+        if self.policy == "full" and self.n_seen - self.released + n_new > self.capacity:
+            raise ConfigError(f"{self.n_seen - self.released + n_new} tokens exceed the model's context "
+                              f"{self.capacity} with policy 'full'; choose an eviction policy (e.g. streaming) or a "
+                              "shorter input")
 
     def drops(self, il: int) -> int:
         """Tokens the next write into layer il evicts per head (staged eviction, Algorithm 1; adakv
@@ -363,6 +374,7 @@ class KVStore:
                 "evicted_total": int(sum(int(e.sum()) for e in self.evicted)), "policy": self.policy,
                 "sinks": self.sinks, "recent": self.recent, "positions": self.positions, "update": self.update,
                 "tokens_seen": self.n_seen, "layer_capacity": list(self.layer_capacity),
+                **({"released": int(self.released), **self.press_stats} if self.released or self.press_stats else {}),
                 **self.policy_impl.stats(),
                 "bytes": int(sum(a.nbytes for a in self.k + self.v + self.seq + self.rank + self.kbase + self.score
                                  + self.aux + self.hist) + (0 if self.reindexed else sum(a.nbytes for a in self.pos)))}
@@ -430,7 +442,7 @@ class KVStore:
         arrays = {f"{name}.{il}": a for name in self.array_fields for il, a in enumerate(getattr(self, name))}
         return {"kv": self.kv.to_dict(), "n_seen": int(self.n_seen), "arrays": arrays,
                 "layer_rope_mode": list(self.layer_rope_mode) if self.layer_rope_mode else None,
-                "hist_layout": "window_major"}
+                "hist_layout": "window_major", "released": int(self.released), "ring_rope": self.ring_rope}
 
     @classmethod
     def restore(cls, spec: ModelSpec, state: dict) -> "KVStore":
@@ -446,6 +458,10 @@ class KVStore:
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"KV store state is malformed: {e!r}") from None
         store.layer_rope_mode = list(rope_mode) if rope_mode is not None else None    # allocates rk if used
+        ring_rope = state.get("ring_rope")
+        if ring_rope is not None and ring_rope not in LAYOUTS:
+            raise ConfigError(f"KV store state is malformed: ring_rope {ring_rope!r}")
+        store.ring_rope, store.released = ring_rope, int(state.get("released", 0))
         fresh = store.state()["arrays"]
         if not any(name.startswith("kbase.") for name in arrays):    # saved before "rebased" existed: no
             arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("kbase.")}}   # rebased layers
