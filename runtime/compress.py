@@ -94,13 +94,14 @@ def plain_keys(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarray
     raise ConfigError(f"layer {il}: no key layout set (the store was never adopted by an engine)")
 
 
-def transplant(store: KVStore, keep: list, kv: KVConfig, engine) -> KVStore:
-    """A new store of config `kv` (ring policy: full or streaming), adopted by `engine`, holding the
+def transplant(store: KVStore, keep: list, kv: KVConfig, engine, layer_capacity: list[int] | None = None) -> KVStore:
+    """A new store of config `kv` (ring policy: full or streaming; per-layer slots layer_capacity, else
+    kv.capacity in every layer), adopted by `engine`, holding the
     tokens keep[il][h] (slots of `store`, in sequence order) of each layer and head, with their
     sequence indices, ranks, positions and values; n_seen as `store`, released = n_seen - the most any
     layer holds. ConfigError when a layer's kept tokens do not fit the new capacity."""
     spec = store.spec
-    dst = KVStore(spec, kv)
+    dst = KVStore(spec, kv, layer_capacity=layer_capacity)
     if not all(dst.layer_ring):
         raise ConfigError(f"a compressed prompt decodes under a ring policy, not {kv.policy!r}")
     if dst.reindexed or engine.rope == "rk":
@@ -136,6 +137,14 @@ def transplant(store: KVStore, keep: list, kv: KVConfig, engine) -> KVStore:
 # ---------------------------------------------------------------------------------------------
 # The compressing prefill
 # ---------------------------------------------------------------------------------------------
+
+
+def decode_capacities(kv: KVConfig, most: list[int], room: int, n_ctx: int) -> list[int]:
+    """Per-layer slots of the decode store: the most a head of the layer keeps plus the room (full:
+    the tokens still to generate, within the context; streaming: KVConfig.capacity)."""
+    if kv.policy == "full":
+        return [min(n + max(room, 1), n_ctx) for n in most]
+    return [n + kv.capacity for n in most]
 
 
 def layer_prompt(store: KVStore, il: int, cap: PrefillCapture, m: int) -> LayerPrompt:
@@ -202,14 +211,15 @@ def compress_prefill(engine, ids, kv: KVConfig, room: int, prior: KVStore | None
         for h in range(spec.n_head_kv):
             slots = held_slots(transient, il, h)
             n_h = slots.size
+            if lp.windowed:                  # a sliding window keeps what it holds
+                row.append(slots)
+                continue
             row.append(np.concatenate([slots[:n_h - m], slots[n_h - m:][chosen[h]]]))
-            if not lp.windowed:
-                kept_total += chosen[h].size
-                candidates += m
+            kept_total += chosen[h].size
+            candidates += m
         keep.append(row)
-    most = max(max(r.size for r in row) for row in keep)
-    decode = transplant(transient, keep, kv.decode_config(min(most + max(room, 1), spec.n_ctx)
-                                                          if kv.policy == "full" else most + kv.capacity), engine)
+    caps = decode_capacities(kv, [max(r.size for r in row) for row in keep], room, spec.n_ctx)
+    decode = transplant(transient, keep, kv.decode_config(max(caps)), engine, layer_capacity=caps)
     decode.press_stats = {"press": kv.compress, "prompt_tokens": int(m),
                           "kept_share": kept_total / candidates if candidates else 1.0}
     return decode, logits

@@ -81,7 +81,8 @@ class KVStore:
     what it keeps per slot lives in score/aux/hist so that it moves with the slot.
     """
 
-    def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, **kwargs):
+    def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, *, layer_capacity: list[int] | None = None,
+                 **kwargs):
         if kv is None:
             kv = KVConfig(**kwargs)
         elif kwargs:
@@ -102,6 +103,15 @@ class KVStore:
         self.policy_impl = make_policy(kv, spec)
         nkv, hd = spec.n_head_kv, spec.head_dim
         budgets = self.policy_impl.layer_budgets(self.capacity, spec.n_layer)
+        # layer_capacity: per-layer slots of a ring store (a compressed prompt's decode store, whose layers
+        # keep different numbers of tokens: runtime/compress.py); each at most the capacity
+        self.layer_capacity_override = None
+        if layer_capacity is not None:
+            caps = [int(c) for c in layer_capacity]
+            if not kv.ring or len(caps) != spec.n_layer or min(caps) < 1 or max(caps) > self.capacity:
+                raise ConfigError(f"layer_capacity needs a ring policy (full, streaming) and {spec.n_layer} values in "
+                                  f"1..{self.capacity}; got {layer_capacity!r} with policy {kv.policy!r}")
+            budgets = self.layer_capacity_override = caps
         self.layer_capacity: list[int] = []      # tokens kept after pruning (C_l)
         self.layer_sinks: list[int] = []
         self.layer_ring: list[bool] = []         # True: the streaming ring kernel serves this layer
@@ -442,7 +452,8 @@ class KVStore:
         arrays = {f"{name}.{il}": a for name in self.array_fields for il, a in enumerate(getattr(self, name))}
         return {"kv": self.kv.to_dict(), "n_seen": int(self.n_seen), "arrays": arrays,
                 "layer_rope_mode": list(self.layer_rope_mode) if self.layer_rope_mode else None,
-                "hist_layout": "window_major", "released": int(self.released), "ring_rope": self.ring_rope}
+                "hist_layout": "window_major", "released": int(self.released), "ring_rope": self.ring_rope,
+                "layer_capacity": self.layer_capacity_override}
 
     @classmethod
     def restore(cls, spec: ModelSpec, state: dict) -> "KVStore":
@@ -450,7 +461,7 @@ class KVStore:
         dtype against a freshly built store (ConfigError naming the first mismatch), so a damaged
         state never half-loads."""
         try:
-            store = cls(spec, KVConfig.from_dict(dict(state["kv"])))
+            store = cls(spec, KVConfig.from_dict(dict(state["kv"])), layer_capacity=state.get("layer_capacity"))
             n_seen, arrays = int(state["n_seen"]), state["arrays"]
             rope_mode = state.get("layer_rope_mode")
             if rope_mode is not None and (len(rope_mode) != spec.n_layer or not set(rope_mode) <= set(LAYOUTS)):

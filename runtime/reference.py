@@ -92,6 +92,7 @@ class ReferenceCache:
         # optional callable(il, h (T, n_embd), q (T, n_head, hd) before RoPE, seq0) per layer and chunk (a
         # compressing prefill's observation window: runtime/reference_press.py)
         self.query_hook = None
+        self.released = 0          # tokens a press released (runtime/reference_press.py)
         hd, nkv = spec.head_dim, spec.n_head_kv
         budgets = (self.impl.budgets(kv.capacity, spec.n_layer) if hasattr(self.impl, "budgets")
                    else [kv.capacity or 0] * spec.n_layer)

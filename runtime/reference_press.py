@@ -255,16 +255,25 @@ def reference_compress_prefill(ref, ids, kv: KVConfig, room: int, prior: Referen
         rows = []
         for h in range(s.n_head_kv):
             n_h = seq[h].size
+            if s.window[il]:                 # a sliding window keeps what it holds
+                rows.append((k[h], v[h], seq[h]))
+                continue
             idx = np.concatenate([np.arange(n_h - m), n_h - m + np.asarray(chosen[h], np.int64)]).astype(np.int64)
             rows.append((k[h][idx], v[h][idx], seq[h][idx]))
         kept_layers.append(rows)
-    most = max(r[2].size for rows in kept_layers for r in rows)
-    cap = min(most + max(room, 1), s.n_ctx) if kv.policy == "full" else most + kv.capacity
-    out = ReferenceCache(s, kv.decode_config(cap))
-    for lc, rows in zip(out.layers, kept_layers):
+    most = [max(r[2].size for r in rows) for rows in kept_layers]
+    # per-layer capacities: each layer's most kept plus the room (full: within the context, unbounded
+    # here as the reference's full is; streaming: KVConfig.capacity), a sliding window its window
+    out = ReferenceCache(s, kv.decode_config(max(most) + (kv.capacity if kv.policy != "full" else 1)))
+    for il, (lc, rows) in enumerate(zip(out.layers, kept_layers)):
+        if kv.policy != "full":
+            cap = most[il] + kv.capacity
+            w = s.window[il]
+            lc.capacity, lc.sinks = (w, 0) if w and w <= cap else (cap, kv.sinks)
         lc.k = [r[0] for r in rows]
         lc.v = [r[1] for r in rows]
         lc.seq = [r[2] for r in rows]
         lc.ragged, lc.policy, lc.state = True, False, {}
     out.n_seen = cache.n_seen
+    out.released = out.n_seen - max(most)
     return out, logits
