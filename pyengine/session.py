@@ -323,6 +323,9 @@ class ChatSession:
                     raise ConfigError(f"the {llm.backend} backend's KV store cannot be saved")
                 st = state_fn()
                 kv_state = {"kv": st["kv"], "n_seen": int(st["n_seen"]), "hist_layout": st.get("hist_layout")}
+                for key in ("released", "ring_rope", "layer_capacity"):      # a compressed prompt's store
+                    if st.get(key):
+                        kv_state[key] = st[key]
                 arrays = {f"kv/{name}": np.asarray(a) for name, a in st["arrays"].items()}
             header = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "model": model_identity(llm),
                       "session_kv": self.kv.to_dict(), "system": self.system, "seed": int(self.seed),
@@ -409,7 +412,8 @@ class ChatSession:
                 from ringllm.runtime.kv_store import KVStore
                 st = header["store"]
                 state = {"kv": st["kv"], "n_seen": int(st["n_seen"]), "hist_layout": st.get("hist_layout"),
-                         "arrays": {n[3:]: a for n, a in arrays.items() if n.startswith("kv/")}}
+                         "arrays": {n[3:]: a for n, a in arrays.items() if n.startswith("kv/")},
+                         **{key: st[key] for key in ("released", "ring_rope", "layer_capacity") if key in st}}
                 if len(state["arrays"]) != len(arrays):
                     raise ValueError("unexpected arrays in the file")
                 restore = getattr(llm.engine, "restore_store", None)
