@@ -37,8 +37,9 @@ class PrefillCapture:
     [first, end) per layer, q[il] (n_head, end - first, hd) f32; with hidden, the running sum and sum of
     squares (f64) of each layer's attention input over every row fed (gvote's Gaussian)."""
 
-    def __init__(self, spec, first: int, end: int, hidden: bool):
+    def __init__(self, spec, first: int, end: int, hidden: bool, m: int | None = None):
         self.spec, self.first, self.end, self.hidden = spec, first, end, hidden
+        self.m = m if m is not None else end - first       # the prompt's tokens (the press's candidates)
         self.q = [np.zeros((spec.n_head, end - first, spec.head_dim), np.float32) for _ in range(spec.n_layer)]
         self.hsum = [np.zeros(spec.n_embd) for _ in range(spec.n_layer)] if hidden else None
         self.hsq = [np.zeros(spec.n_embd) for _ in range(spec.n_layer)] if hidden else None
@@ -55,6 +56,15 @@ class PrefillCapture:
             self.hsum[il] += h64.sum(axis=0)
             self.hsq[il] += (h64 * h64).sum(axis=0)
             self.rows[il] += T
+
+    def narrowed(self, window: int) -> "PrefillCapture":
+        """The same capture with only its last `window` queries."""
+        out = PrefillCapture.__new__(PrefillCapture)
+        out.__dict__.update(self.__dict__)
+        w = min(window, self.end - self.first)
+        out.first = self.end - w
+        out.q = [q[:, q.shape[1] - w:] for q in self.q]
+        return out
 
     def gaussian(self, il: int) -> tuple[np.ndarray, np.ndarray]:
         """(mean, unbiased std) (n_embd,) f64 of layer il's attention input over the rows fed."""
@@ -178,15 +188,25 @@ def compress_prefill(engine, ids, kv: KVConfig, room: int, prior: KVStore | None
     rebuild (module docstring). room: the slots the decode store keeps beside the kept tokens (full:
     the tokens the call may still generate; streaming: KVConfig.capacity). Returns (decode store,
     the last token's logits (n_vocab,) f32, a new array). ConfigError for a prompt longer than
-    KVConfig.max_prompt (default the model's context) or past the context with policy full."""
+    KVConfig.max_prompt (default the model's context) or past the context with what `prior` holds."""
+    limit = kv.max_prompt or engine.spec.n_ctx
+    if len(ids) > limit:
+        raise ConfigError(f"the prompt has {len(ids)} tokens, more than max_prompt {limit}: raise KVConfig.max_prompt "
+                          "or shorten the prompt")
+    transient, cap, logits = prefill_whole(engine, ids, kv.positions, kv.compress_window,
+                                           hidden=kv.compress == "gvote", prior=prior)
+    return press_store(engine, transient, cap, kv, room), logits
+
+
+def prefill_whole(engine, ids, positions: str, window: int, hidden: bool, prior: KVStore | None = None):
+    """Steps 1 of the module docstring: (transient store holding prior's tokens and ids, its
+    PrefillCapture of the last `window` queries (and the Gaussian of the attention inputs when
+    hidden), the last token's logits (n_vocab,) f32). The transient store is left untouched by
+    press_store, so one prefill can be pressed many ways (bench/compression_ruler.py)."""
     spec = engine.spec
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     m = ids.size
-    limit = kv.max_prompt or spec.n_ctx
-    if m > limit:
-        raise ConfigError(f"the prompt has {m} tokens, more than max_prompt {limit}: raise KVConfig.max_prompt or "
-                          "shorten the prompt")
-    full = {"policy": "full", "positions": kv.positions, "seed": kv.seed}
+    full = {"policy": "full", "positions": positions}
     held = 0 if prior is None else max(int(c.max()) for c in prior.count)
     if held + m > spec.n_ctx:
         raise ConfigError(f"{held + m} tokens (held and new) exceed the model's context {spec.n_ctx}: a compressing "
@@ -196,13 +216,24 @@ def compress_prefill(engine, ids, kv: KVConfig, room: int, prior: KVStore | None
     else:
         keep_all = [[held_slots(prior, il, h) for h in range(spec.n_head_kv)] for il in range(spec.n_layer)]
         transient = transplant(prior, keep_all, KVConfig(capacity=held + m, **full), engine)
-    w = min(kv.compress_window, m)
-    cap = PrefillCapture(spec, transient.n_seen + m - w, transient.n_seen + m, hidden=kv.compress == "gvote")
+    w = min(window, m)
+    cap = PrefillCapture(spec, transient.n_seen + m - w, transient.n_seen + m, hidden=hidden, m=m)
     transient.query_hook = cap
     try:
         logits = np.array(engine.prefill(ids, transient), dtype=np.float32)
     finally:
         transient.query_hook = None
+    return transient, cap, logits
+
+
+def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, room: int) -> KVStore:
+    """Steps 2 and 3 of the module docstring: kv's press over the prompt prefilled into `transient`
+    (the capture's window cut to kv.compress_window when it is wider), then the decode store, with
+    `room` slots beside the kept tokens (compress_prefill)."""
+    spec = engine.spec
+    m = cap.m
+    if kv.compress_window < cap.end - cap.first:      # a capture wider than this press's window
+        cap = cap.narrowed(kv.compress_window)
     keep, kept_total, candidates = [], 0, 0
     for il in range(spec.n_layer):
         lp = layer_prompt(transient, il, cap, m)
@@ -222,5 +253,4 @@ def compress_prefill(engine, ids, kv: KVConfig, room: int, prior: KVStore | None
     decode = transplant(transient, keep, kv.decode_config(max(caps)), engine, layer_capacity=caps)
     decode.press_stats = {"press": kv.compress, "prompt_tokens": int(m),
                           "kept_share": kept_total / candidates if candidates else 1.0}
-    return decode, logits
-
+    return decode

@@ -138,7 +138,8 @@ def window_attention(spec, il: int, lp: LayerPrompt, last: int) -> list:
     qseq = lp.qseq[-last:]
     out = []
     for h, (keys, seq) in enumerate(zip(lp.keys, lp.seq)):
-        logits = (qr[h] @ keys.T).astype(np.float64) * float(spec.attn_scale)        # (group, last, n_h)
+        g, w, hd = qr[h].shape                    # one 2-D product (BLAS), not a stack of small ones
+        logits = (qr[h].reshape(g * w, hd) @ keys.T).reshape(g, w, -1).astype(np.float64) * float(spec.attn_scale)
         if spec.attn_softcap:
             logits = spec.attn_softcap * np.tanh(logits / spec.attn_softcap)
         logits[:, seq[None, :] > qseq[:, None]] = -np.inf
@@ -216,7 +217,7 @@ def gvote_keep(spec, il: int, lp: LayerPrompt, kv, wq: np.ndarray, bq: np.ndarra
         a, b = q[..., :half].copy(), q[..., half:spec.rotary_dim].copy()
         q[..., :half] = a * cos - b * sin
         q[..., half:spec.rotary_dim] = b * cos + a * sin
-        logits = np.einsum("sgd,nd->gsn", q, keys.astype(np.float64))     # (group, S, n_h)
+        logits = (q.transpose(1, 0, 2).reshape(group * S, hd) @ keys.T.astype(np.float64)).reshape(group, S, n_h)
         probs = np.sort(cur[h][:, 0], axis=-1)[:, ::-1]
         budget = (np.cumsum(probs, axis=-1) < kv.gvote_p).sum(axis=-1) + 1  # (group,)
         ranks = np.argsort(np.argsort(-logits, axis=-1, kind="stable"), axis=-1, kind="stable")
