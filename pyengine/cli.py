@@ -66,6 +66,9 @@ class _Runner:
         self.model = model
         self.kv = _kv_summary(args)
         kv = _kv_config(args)
+        if kv.compress is not None:
+            raise ConfigError("perplexity feeds the text token by token (decode semantics); --kv-compress compresses "
+                              "a prompt after its prefill (generate, chat, serve)")
         if args.engine == "reference":
             from ringllm.runtime.reference import ReferenceEngine
             self.eng = ReferenceEngine(model.spec, model.tensors)
@@ -393,6 +396,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.engine == "reference":
         raise ConfigError("bench measures the cpu or cuda engine, not the reference engine")
+    if args.kv_compress is not None:
+        raise ConfigError("bench times plain prefill and decode; prompt compression's cost is measured by "
+                          "bench/compression_speed.py")
     model = _load(args, tokenizer=False)
     if args.engine == "cuda":
         eng = make_engine("cuda", model.spec, model.tensors, args.threads, min(512, args.pp))

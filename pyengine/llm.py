@@ -493,6 +493,9 @@ class LLM:
         store holds when it arrives)."""
         if isinstance(ids, str) or len(ids) == 0:
             raise ConfigError("logits() takes a non-empty list of token ids (use tokenize() for text)")
+        if self.kv.compress is not None:
+            raise ConfigError("logits() feeds tokens one at a time (decode semantics); KVConfig.compress compresses "
+                              "a prompt after its prefill (generate, chat, chat sessions)")
         ids = self.prompt_ids(list(ids))
         with self.engine_lock():
             store = self._engine.new_store(self.kv)

@@ -226,17 +226,28 @@ def prefill_whole(engine, ids, positions: str, window: int, hidden: bool, prior:
     return transient, cap, logits
 
 
-def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, room: int) -> KVStore:
+def layer_prompts(transient: KVStore, cap: PrefillCapture) -> list[LayerPrompt]:
+    """Every layer's LayerPrompt of a prefilled transient store, with memos: pass them to press_store
+    to press one prefill many ways without recomputing the rotated keys and window attention."""
+    out = [layer_prompt(transient, il, cap, cap.m) for il in range(transient.spec.n_layer)]
+    for lp in out:
+        lp.memo = {}
+    return out
+
+
+def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, room: int,
+                prompts: list[LayerPrompt] | None = None) -> KVStore:
     """Steps 2 and 3 of the module docstring: kv's press over the prompt prefilled into `transient`
     (the capture's window cut to kv.compress_window when it is wider), then the decode store, with
-    `room` slots beside the kept tokens (compress_prefill)."""
+    `room` slots beside the kept tokens (compress_prefill). prompts: layer_prompts(transient, cap),
+    made with the same window, to reuse across presses."""
     spec = engine.spec
     m = cap.m
     if kv.compress_window < cap.end - cap.first:      # a capture wider than this press's window
         cap = cap.narrowed(kv.compress_window)
     keep, kept_total, candidates = [], 0, 0
     for il in range(spec.n_layer):
-        lp = layer_prompt(transient, il, cap, m)
+        lp = prompts[il] if prompts is not None else layer_prompt(transient, il, cap, m)
         chosen = choose_layer(spec, il, lp, kv, query_weights(engine, il) if kv.compress == "gvote" else None)
         row = []
         for h in range(spec.n_head_kv):

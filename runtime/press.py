@@ -79,6 +79,7 @@ class LayerPrompt:
     qseq: np.ndarray
     hidden: tuple | None = None
     windowed: bool = False
+    memo: dict | None = None          # window_attention's results by window, when one LayerPrompt serves many presses
 
 
 def hidden_draws(seed: int, il: int, n_samples: int, n_embd: int) -> np.ndarray:
@@ -133,7 +134,10 @@ def rotated_queries(spec, il: int, lp: LayerPrompt) -> np.ndarray:
 
 def window_attention(spec, il: int, lp: LayerPrompt, last: int) -> list:
     """Per kv head (group, last, n_h) f64: softmax attention of the last `last` window queries over the
-    head's held keys, causal by sequence index, scaled and soft-capped as the model attends."""
+    head's held keys, causal by sequence index, scaled and soft-capped as the model attends (kept in
+    lp.memo when lp has one: the same prefill pressed many ways computes it once)."""
+    if lp.memo is not None and last in lp.memo:
+        return lp.memo[last]
     qr = rotated_queries(spec, il, lp)[:, :, -last:]
     qseq = lp.qseq[-last:]
     out = []
@@ -146,6 +150,8 @@ def window_attention(spec, il: int, lp: LayerPrompt, last: int) -> list:
         logits -= logits.max(axis=-1, keepdims=True)
         e = np.exp(logits)
         out.append(e / e.sum(axis=-1, keepdims=True))
+    if lp.memo is not None:
+        lp.memo[last] = out
     return out
 
 

@@ -251,6 +251,8 @@ def test_generate_releases_the_pruned_prompt(smol):
     assert st["bytes"] < 0.45 * plain.stats()["bytes"]
     with pytest.raises(ConfigError, match="more than max_prompt 600"):
         smol.complete(story(700), max_tokens=2)
+    with pytest.raises(ConfigError, match="decode semantics"):
+        smol.logits([1, 2, 3])
 
 
 def test_chat_session_compresses_each_turn_and_saves(smol, tmp_path):
@@ -279,3 +281,5 @@ def test_cli_generate_with_compression(smollm2_path):
     assert kv["press"] == "tova" and kv["released"] > 0 and kv["length"] <= 64 + 3
     bad = run("generate", "-p", "hi", "--kv-compress", "gvote", "--kv-compress-ratio", "0.5", *T1)
     assert bad.returncode != 0 and "gvote chooses its own budget" in bad.stderr
+    ppl = run("perplexity", "-f", __file__, "--kv-compress", "snapkv", "--kv-compress-ratio", "0.5", *T1)
+    assert ppl.returncode != 0 and "decode semantics" in ppl.stderr
