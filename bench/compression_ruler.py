@@ -224,17 +224,17 @@ def run(args) -> dict:
                 item = b.make(task, rng, L)
                 ids = item["ids"]
                 t0 = time.perf_counter()
-                transient, cap, logits = prefill_whole(eng, ids, "reindexed", 64, hidden=True)
+                transient, cap, logits = prefill_whole(eng, ids, args.positions, 64, hidden=True)
                 prefill_s = time.perf_counter() - t0
                 prompts = layer_prompts(transient, cap)        # rotated keys and window attention, once
                 for label, press, pct in cells:
                     t1 = time.perf_counter()
                     if press is None:
-                        kv = KVConfig(compress="snapkv", compress_budget=len(ids))
+                        kv = KVConfig(compress="snapkv", compress_budget=len(ids), positions=args.positions)
                     elif press == "gvote":
-                        kv = KVConfig(compress="gvote")
+                        kv = KVConfig(compress="gvote", positions=args.positions)
                     else:
-                        kv = KVConfig(compress=press, compress_ratio=pct / 100.0)
+                        kv = KVConfig(compress=press, compress_ratio=pct / 100.0, positions=args.positions)
                     store = press_store(eng, transient, cap, kv, room=GEN_TOKENS[task] + 1, prompts=prompts)
                     press_s = time.perf_counter() - t1
                     toks = greedy(eng, store, logits, GEN_TOKENS[task], llm.eos_ids, nl_ids)
@@ -251,6 +251,7 @@ def run(args) -> dict:
                       f"{sum(r['press_s'] + r['decode_s'] for r in done):.1f}s, full score {done[0]['score']:.2f}",
                       flush=True)
     return {"model": args.model, "machine": machine(), "command": " ".join(sys.argv), "seed": args.seed,
+            "positions": args.positions,
             "instances_per_cell": args.instances, "wall_s": time.perf_counter() - t_all, "records": records}
 
 
@@ -275,7 +276,8 @@ def summarize(payload: dict) -> tuple[dict, str]:
               for t in tasks}
     md = [f"# Prompt compression on RULER-style tasks: accuracy against average KV memory ({payload['model']})", "",
           f"Machine: {payload['machine'].get('cpu')}, {payload['machine'].get('cores')} cores (shared with other work). "
-          f"Command: `{payload['command']}`. Seed {payload['seed']}; wall time {payload['wall_s'] / 60:.1f} min.", "",
+          f"Command: `{payload['command']}`. Seed {payload['seed']}; positions {payload.get('positions', 'reindexed')}; "
+          f"wall time {payload['wall_s'] / 60:.1f} min.", "",
           "Memory: the share of the prompt's tokens kept, mean over pressed layers and kv heads (the seed's "
           "average memory usage). Accuracy: the share of expected strings in the greedy answer, mean over tasks "
           "and instances. Every cell of a row is pressed from the same prefill of the same instances.", "",
@@ -336,6 +338,8 @@ def main(argv=None):
     ap.add_argument("--budgets", default="10,20,30,50,100", help="kept share in percent (100 = the uncompressed prompt)")
     ap.add_argument("--instances", type=int, default=100, help="instances per (length, task)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--positions", default="original", choices=("original", "reindexed"),
+                    help="positions of the kept tokens (original: the papers' choice)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--stop-newline", action="store_true", help="end an answer at its first newline (faster)")
     ap.add_argument("--name", default="compression_ruler")
