@@ -104,6 +104,34 @@ def plain_keys(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarray
     raise ConfigError(f"layer {il}: no key layout set (the store was never adopted by an engine)")
 
 
+def rotated_keys(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarray:
+    """(len(slots), hd) f32: those keys rotated at their logical positions. A "stored" layer whose
+    positions are the sequence indices (a fresh prefill, or original positions) and a "kshift" layer
+    hold them so already: no rotation."""
+    mode = store.rope_mode(il)
+    pos = store.pos[il][h, slots]
+    if mode == "kshift" or (mode == "stored" and np.array_equal(pos, store.seq[il][h, slots])):
+        return store.k[il][h, slots]
+    return _rotate(store.spec, il, plain_keys(store, il, h, slots), pos)
+
+
+def laid_out_keys(store: KVStore, il: int, h: int, slots: np.ndarray, mode: str, pos: np.ndarray) -> np.ndarray:
+    """(len(slots), hd) f32: those keys of `store` as a ring layer in layout `mode` holds them at
+    positions `pos` (stored: rotated at the sequence index; kshift: at the position; fused: before
+    RoPE). Copied as they are when the source already holds them that way."""
+    src = store.rope_mode(il)
+    if mode == "stored" and src == "stored":
+        return store.k[il][h, slots]
+    if mode == "fused" and src in ("fused", "rk"):
+        return store.k[il][h, slots]
+    k = plain_keys(store, il, h, slots)
+    if mode == "stored":
+        return _rotate(store.spec, il, k, store.seq[il][h, slots])
+    if mode == "kshift":
+        return _rotate(store.spec, il, k, pos)
+    return k
+
+
 def transplant(store: KVStore, keep: list, kv: KVConfig, engine, layer_capacity: list[int] | None = None) -> KVStore:
     """A new store of config `kv` (ring policy: full or streaming; per-layer slots layer_capacity, else
     kv.capacity in every layer), adopted by `engine`, holding the
@@ -126,13 +154,8 @@ def transplant(store: KVStore, keep: list, kv: KVConfig, engine, layer_capacity:
             if n > dst.seq[il].shape[1]:
                 raise ConfigError(f"layer {il} keeps {n} tokens, more than the decode store's {dst.seq[il].shape[1]}")
             seq = store.seq[il][h, slots]
-            k = plain_keys(store, il, h, slots)
             pos = np.arange(n, dtype=np.int64) if dst.reindexed else seq
-            if mode == "stored":
-                k = _rotate(spec, il, k, seq)
-            elif mode == "kshift":
-                k = _rotate(spec, il, k, pos)
-            dst.k[il][h, :n] = k
+            dst.k[il][h, :n] = laid_out_keys(store, il, h, slots, mode, pos)
             dst.v[il][h, :n] = store.v[il][h, slots]
             dst.seq[il][h, :n] = seq
             dst.rank[il][h, :n] = np.arange(n)
@@ -166,7 +189,7 @@ def layer_prompt(store: KVStore, il: int, cap: PrefillCapture, m: int) -> LayerP
         slots = held_slots(store, il, h)
         seq = store.seq[il][h, slots]
         pos = store.pos[il][h, slots]
-        keys.append(_rotate(spec, il, plain_keys(store, il, h, slots), pos))
+        keys.append(rotated_keys(store, il, h, slots))
         seqs.append(seq)
         qpos.append(pos[np.searchsorted(seq, np.arange(first, cap.end))])
     windowed = bool(spec.window[il])

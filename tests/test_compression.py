@@ -283,3 +283,21 @@ def test_cli_generate_with_compression(smollm2_path):
     assert bad.returncode != 0 and "gvote chooses its own budget" in bad.stderr
     ppl = run("perplexity", "-f", __file__, "--kv-compress", "snapkv", "--kv-compress-ratio", "0.5", *T1)
     assert ppl.returncode != 0 and "decode semantics" in ppl.stderr
+
+
+@pytest.mark.parametrize("rope", ["fused", "rk", "kshift"])
+@pytest.mark.parametrize("positions", ["reindexed", "original"])
+def test_every_engine_rope_strategy(tiny, rope, positions):
+    """The transient store's keys come out of, and the decode store's go into, every ring layout."""
+    loaded, _, ref = tiny
+    eng = CPUEngine(loaded.spec, loaded.tensors, n_batch=16, rope=rope)
+    kv = KVConfig(compress="adakv", compress_ratio=0.3, compress_window=8, positions=positions)
+    ids = prompt_ids(7)
+    store, le = compress_prefill(eng, ids, kv, room=6)
+    cache, lr = reference_compress_prefill(ref, ids, kv, room=6)
+    assert_same_kept(store, cache)
+    decode_both(eng, store, ref, cache, le, lr, 4)
+    store2, le = compress_prefill(eng, prompt_ids(8, 30), kv, room=4, prior=store)      # a chat turn after it
+    cache2, lr = reference_compress_prefill(ref, prompt_ids(8, 30), kv, room=4, prior=cache)
+    assert_same_kept(store2, cache2)
+    decode_both(eng, store2, ref, cache2, le, lr, 3)
