@@ -226,8 +226,11 @@ def gvote_keep(spec, il: int, lp: LayerPrompt, kv, wq: np.ndarray, bq: np.ndarra
         logits = (q.transpose(1, 0, 2).reshape(group * S, hd) @ keys.T.astype(np.float64)).reshape(group, S, n_h)
         probs = np.sort(cur[h][:, 0], axis=-1)[:, ::-1]
         budget = (np.cumsum(probs, axis=-1) < kv.gvote_p).sum(axis=-1) + 1  # (group,)
-        ranks = np.argsort(np.argsort(-logits, axis=-1, kind="stable"), axis=-1, kind="stable")
-        voted = (ranks < budget[:, None, None]).any(axis=(0, 1))           # (n_h,)
+        voted = np.zeros(n_h, bool)
+        for g in range(group):               # each sample's top-b: its logits at or above its b-th largest
+            b = int(min(budget[g], n_h))
+            thr = np.partition(logits[g], n_h - b, axis=-1)[:, n_h - b]
+            voted |= (logits[g] >= thr[:, None]).any(axis=0)
         keep.append(np.flatnonzero(voted[n_h - m:]))
     return keep
 
