@@ -70,7 +70,7 @@ def check_room(store, spec, n: int) -> None:
     fn = getattr(store, "check_room", None)
     if fn is not None:
         fn(n)
-    elif getattr(store, "policy", None) == "full" and store.n_seen + n > spec.n_ctx:
+    elif getattr(store, "policy", None) == "full" and store.n_seen - getattr(store, "released", 0) + n > spec.n_ctx:
         raise ConfigError(f"{store.n_seen + n} tokens exceed the model's context {spec.n_ctx} with policy 'full'; "
                           "choose an eviction policy (e.g. streaming) or a shorter input")
 

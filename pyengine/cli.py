@@ -17,6 +17,9 @@ KV options: --kv-policy (any of KVConfig's policies), --kv-capacity C, --kv-sink
 --positions reindexed|original, and the policy knobs --kv-recent, --kv-lazy, --kv-slack,
 --kv-max-drop, --kv-window, --kv-pool, --kv-lsh-bits, --kv-history, --kv-pyramid-beta,
 --kv-ada-floor, --kv-gvote-p, --kv-gvote-samples, --kv-rkv-lambda, --kv-seed, --kv-update.
+Prompt compression after prefill: --kv-compress PRESS (snapkv, pyramidkv, adakv, gvote, tova, knorm,
+streaming, random) with --kv-compress-budget B or --kv-compress-ratio R (gvote: neither),
+--kv-compress-window W, --kv-compress-pool K, --kv-max-prompt N.
 Sampling: --temp (0 = greedy, the default), --top-k, --top-p, --min-p, --repeat-penalty,
 --frequency-penalty, --presence-penalty, --seed, --stop (repeatable), --ignore-eos.
 `--engine reference` runs the NumPy reference engine (the oracle; slow); `--engine cuda` the GPU backend.
@@ -37,7 +40,7 @@ from dataclasses import fields
 
 from ringllm.backends import make_engine
 from ringllm.runtime.errors import ConfigError, RingLLMError
-from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, UPDATE_MODES, KVConfig
+from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, PRESSES, UPDATE_MODES, KVConfig
 from ringllm.sampling import SamplingParams
 
 # Each command imports the model loader, engines, LLM and server when it runs (not here), so that
@@ -64,6 +67,9 @@ class _Runner:
         self.model = model
         self.kv = _kv_summary(args)
         kv = _kv_config(args)
+        if kv.compress is not None:
+            raise ConfigError("perplexity feeds the text token by token (decode semantics); --kv-compress compresses "
+                              "a prompt after its prefill (generate, chat, serve)")
         if args.engine == "reference":
             from ringllm.runtime.reference import ReferenceEngine
             self.eng = ReferenceEngine(model.spec, model.tensors)
@@ -391,6 +397,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.engine == "reference":
         raise ConfigError("bench measures the cpu or cuda engine, not the reference engine")
+    if args.kv_compress is not None:
+        raise ConfigError("bench times plain prefill and decode; prompt compression's cost is measured by "
+                          "bench/compression_speed.py")
     model = _load(args, tokenizer=False)
     if args.engine == "cuda":
         eng = make_engine("cuda", model.spec, model.tensors, args.threads, min(512, args.pp))
@@ -537,6 +546,10 @@ def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
         opt = "--kv-" + f.name.replace("_", "-")
         if f.name == "update":
             g.add_argument(opt, dest="kv_update", choices=UPDATE_MODES, default=None)
+        elif f.name == "compress":
+            g.add_argument(opt, dest="kv_compress", choices=PRESSES, default=None,
+                           help="compress the prompt after prefill with this press (with --kv-compress-budget B or "
+                                "--kv-compress-ratio R; gvote takes neither)")
         else:
             typ = float if "float" in str(f.type) else int
             g.add_argument(opt, dest="kv_" + f.name, type=typ, default=None, metavar=typ.__name__.upper())

@@ -59,12 +59,16 @@ class Decoder:
     Generation's.
 
     llm: the LLM (its .engine, .tokenizer and .spec are read); record: the Record to write;
-    store: the sequence's KV store; prefill_ids: the tokens prefill() feeds; history: the token
+    store: the sequence's KV store (None with `compress`, which builds it); prefill_ids: the tokens prefill() feeds; history: the token
     history the penalties see (extended with every sampled token)."""
 
     def __init__(self, llm, record: Record, store, prefill_ids: list[int], history: list[int],
-                 sampler: Sampler, max_tokens: int | None, stopper: StopMatcher, ignore_eos: bool):
+                 sampler: Sampler, max_tokens: int | None, stopper: StopMatcher, ignore_eos: bool,
+                 compress=None):
         self.llm, self.record, self.store = llm, record, store
+        # compress: None, or callable(ids) -> (store, logits) that prefills and compresses the prompt
+        # (KVConfig.compress; LLM.compress_prefill): prefill() then takes the store it returns
+        self.compress = compress
         self.prefill_ids, self.history, self.sampler = prefill_ids, history, sampler
         self.max_tokens, self.stopper = max_tokens, stopper
         self.eos = frozenset() if ignore_eos else llm.tokenizer.eos_ids
@@ -100,7 +104,11 @@ class Decoder:
         t0 = time.perf_counter()
         rec.in_engine = True
         with CompileSpan() as compiling:
-            logits = llm.engine.prefill(part, self.store)
+            if self.compress is not None:      # the whole prompt at once: the press needs all of it
+                part = ids
+                self.store, logits = self.compress(ids)
+            else:
+                logits = llm.engine.prefill(part, self.store)
         rec.in_engine = False
         rec.fed.extend(part)
         self._prompt_done += len(part)

@@ -170,7 +170,9 @@ class Worker:
             return
         try:
             kv = job.kv or self.llm.kv
-            store, job.cached = self.cache.take(job.ids, kv) if job.cache_prompt else (None, 0)
+            # a compressing KVConfig prefills each prompt whole into a store of its own: nothing to continue
+            use_cache = job.cache_prompt and kv.compress is None
+            store, job.cached = self.cache.take(job.ids, kv) if use_cache else (None, 0)
             dec = self.llm.decoder(job.ids, kv=kv, store=store, **job.params)
             job.evicted0 = dec.store.stats()["evicted_total"] if store is not None else 0
         except RingLLMError as exc:
@@ -266,7 +268,7 @@ class Worker:
     def _keep(self, job: Job, dec) -> None:
         """Put the request's store into the prompt cache under every token it was fed (not a store
         an engine step was interrupted in)."""
-        if job.cache_prompt and not dec.record.in_engine:
+        if job.cache_prompt and not dec.record.in_engine and dec.store is not None and dec.store.kv.compress is None:
             self.cache.put(job.ids[:job.cached] + dec.record.fed, dec.store)
 
     def _fail(self, job: Job, status: int, message: str) -> None:

@@ -109,6 +109,7 @@ class CPUEngine:
         if n_batch < 1:
             raise ConfigError(f"n_batch must be >= 1, got {n_batch}")
         self.spec, self.n_threads, self.n_batch = spec, n_threads, n_batch
+        self.tensors = tensors            # the checkpoint's tensors as loaded (a press reads W_q: runtime/compress.py)
         self.mats = self._pack_matrices(tensors)
         self.vecs = {name: dequantize(t.data, t.qtype, t.shape) for name, t in tensors.items() if len(t.shape) == 1}
         self.embd = tensors["token_embd.weight"]
@@ -176,7 +177,8 @@ class CPUEngine:
             self.offs = np.zeros(cap, np.int64)
             self.head_offs = np.zeros((self.spec.n_head_kv, cap), np.int64)
         policy_mode = "fused" if self.rope == "fused" or store.policy_impl.plain_keys else "rebased"
-        modes = [policy_mode if store.uses_policy(il) else self.rope for il in range(self.spec.n_layer)]
+        ring_mode = store.ring_rope or self.rope          # a compressed store may fix its own (kv_store.py)
+        modes = [policy_mode if store.uses_policy(il) else ring_mode for il in range(self.spec.n_layer)]
         if store.update == "shift" and self.rope in ("rk", "kshift"):
             raise ConfigError(f"rope {self.rope!r} works on the in-place store only (update 'inplace')")
         old = store.layer_rope_mode
@@ -402,6 +404,8 @@ class CPUEngine:
         outputs land in b.att[t]. rope: the layer's rope.LayerRope. Ring layers go through the layer's
         RoPE strategy (rope.STRATEGIES), policy layers through _attend_policy."""
         nh, hd = self.spec.n_head, self.spec.head_dim
+        if store.query_hook is not None:        # a compressing prefill's observation window (runtime/compress.py)
+            store.query_hook(il, b.h[t0:t0 + T], b.q[t0:t0 + T], seq0)
         policy = store.policy_impl if store.uses_policy(il) else None
         hook = store.mass_hook
         mass = store.mass if (policy is not None and policy.needs_mass) or hook is not None else self.no_mass
