@@ -393,7 +393,7 @@ class ChatSession:
                 raise ValueError("a history without a store")
         except SessionFileError:
             raise
-        except (RingLLMError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (RingLLMError, KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise SessionFileError(path, f"inconsistent content: {exc}") from None
         obj = cls.__new__(cls)
         obj.llm, obj.kv, obj.system, obj.seed = llm, session_kv, system, seed

@@ -512,8 +512,8 @@ class KVStore:
         untrusted: a count past the slots, or a position past the RoPE table, would index out of
         bounds inside a Numba kernel, a segfault rather than an error). Per layer and kv head:
         0 <= count <= slots; the occupied slots hold distinct sequence indices in [0, n_seen), the
-        others -1; rank is each token's rank by sequence index; pos (original mode) is the sequence
-        index; kbase in [0, n_seen]; evicted >= 0."""
+        others -1; reindexed mode: rank is each token's rank by sequence index (the position);
+        original mode: pos is the sequence index (rank is not kept there); kbase in [0, n_seen]; evicted >= 0."""
         for il in range(self.spec.n_layer):
             seq, rank, count = self.seq[il], self.rank[il], self.count[il]
             n_slots = seq.shape[1]
@@ -530,7 +530,7 @@ class KVStore:
                     raise ConfigError(f"KV store state: layer {il} head {h} holds invalid sequence indices")
                 want = np.empty(n, np.int64)
                 want[np.argsort(held, kind="stable")] = np.arange(n)
-                if not np.array_equal(rank[h, :n], want):
+                if self.reindexed and not np.array_equal(rank[h, :n], want):
                     raise ConfigError(f"KV store state: layer {il} head {h} ranks do not follow the sequence order")
                 if not self.reindexed and not np.array_equal(self.pos[il][h, :n], held):
                     raise ConfigError(f"KV store state: layer {il} head {h} positions are not the sequence indices")

@@ -65,6 +65,7 @@ def session_seeds() -> None:
     buf = io.BytesIO()
     np.savez_compressed(buf, __header__=np.frombuffer(json.dumps(small).encode(), np.uint8))
     put("session", b"\x00" + buf.getvalue(), "seed-raw-nostore.npz")
+    put("session", b"\x02" + bytes([0, 0, 0]) + (5).to_bytes(4, "little", signed=True), "seed-patch-one.bin")
 
 
 HOSTILE = [

@@ -8,9 +8,10 @@ committed corpus (tests/test_fuzz.py).
 
     gguf          GGUFFile: header, metadata of every value type, tensor table
     safetensors   read_safetensors: length prefix, JSON header, offsets
-    session       ChatSession.load: the file as bytes (mode byte even), or (mode byte odd) a JSON
-                  header put into an otherwise valid file with a correct checksum, so the fuzzer
-                  reaches the checks behind the SHA-256
+    session       ChatSession.load of: (first byte % 3 == 0) the bytes as the file; (1) the bytes as
+                  the JSON header of an otherwise valid file, checksum fixed; (2) the reference
+                  file with integer array entries patched, checksum fixed; so the fuzzer reaches
+                  the checks behind the SHA-256
     chat_template render_chat of the bytes as a template (a GGUF's tokenizer.chat_template): no
                   file or attribute access, bounded time and output
     tokenizer     the bundled model's tokenizer: encode of arbitrary text (invalid UTF-8 as
@@ -120,11 +121,33 @@ def session_file_from_header(header_text: bytes) -> bytes:
     return buf.getvalue()
 
 
+def session_file_with_patches(patches: bytes) -> bytes:
+    """The reference session with integer array entries overwritten and the checksum fixed: `patches`
+    is a run of 7-byte records (array number u8, flat index u16, value i32), so the fuzzer reaches
+    the slot-metadata checks of KVStore.restore (a count or position that would index out of
+    bounds in a kernel)."""
+    from ringllm.session import file_checksum
+    header, arrays = reference_session()
+    arrays = {n: a.copy() for n, a in arrays.items()}
+    ints = sorted(n for n, a in arrays.items() if a.dtype.kind == "i" and a.size)
+    for i in range(0, len(patches) - 6, 7):
+        name = ints[patches[i] % len(ints)]
+        flat = arrays[name].reshape(-1)
+        flat[int.from_bytes(patches[i + 1:i + 3], "little") % flat.size] = \
+            int.from_bytes(patches[i + 3:i + 7], "little", signed=True)
+    header = dict(header, checksum=file_checksum(header, arrays))
+    buf = io.BytesIO()
+    np.savez(buf, __header__=np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8), **arrays)
+    return buf.getvalue()
+
+
 def target_session(data: bytes) -> None:
     from ringllm.session import ChatSession
     if not data:
         return
-    body = data[1:] if data[0] % 2 == 0 else session_file_from_header(data[1:])
+    mode = data[0] % 3
+    body = (data[1:] if mode == 0 else session_file_from_header(data[1:]) if mode == 1
+            else session_file_with_patches(data[1:]))
     try:
         ChatSession.load(bundled_llm(), _as_file(body, "f.session"))
     except RingLLMError:
