@@ -3,7 +3,8 @@ disk, never costs the previous file.
 
 The kill test forks the test process (the model and two sessions are already in memory, so a trial
 costs a fork and a few milliseconds of saving, not a model load), lets the child save a session in
-a loop, SIGKILLs it after a random delay spread over one save's duration, and loads the file: it is
+a loop, SIGKILLs it after a random delay spread over two saves' duration (from the moment the
+child starts saving), and loads the file: it is
 always one of the two sessions, complete and verified by its checksum.
 """
 from __future__ import annotations
@@ -81,9 +82,11 @@ def _which(llm, path, sessions) -> str:
     raise AssertionError("the file holds neither session")
 
 
-def _save_forever(session, path) -> None:
-    """Child of os.fork(): save in a loop until killed; never returns into pytest."""
+def _save_forever(session, path, ready_fd: int) -> None:
+    """Child of os.fork(): say it is about to save (a byte on ready_fd), then save in a loop until
+    killed; never returns into pytest."""
     try:
+        os.write(ready_fd, b"s")
         while True:
             session.save(path)
     finally:
@@ -102,10 +105,14 @@ def test_sigkill_while_saving_keeps_a_whole_session(sessions, tmp_path):
     current, mid_write, switched = "A", 0, 0
     for _ in range(TRIALS):
         new = "B" if current == "A" else "A"
+        r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _save_forever(by_name[new], path)
-        time.sleep(rng.uniform(0.0, 1.5 * save_s))
+            _save_forever(by_name[new], path, w)
+        os.close(w)
+        assert os.read(r, 1) == b"s"          # the clock starts when the child starts saving, not at fork
+        os.close(r)
+        time.sleep(rng.uniform(0.0, 2.0 * save_s))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
@@ -117,7 +124,8 @@ def test_sigkill_while_saving_keeps_a_whole_session(sessions, tmp_path):
         switched += got != current
         current = got
     # the kills landed both inside writes (a temporary left behind) and after a rename
-    print(f"{TRIALS} SIGKILLs: {mid_write} inside a write (temporary left), {switched} after a rename; "
+    print(f"{TRIALS} SIGKILLs: {mid_write} left a temporary (killed inside a write), {switched} found the new "
+          f"session (killed after a rename); "
           f"save {save_s * 1e3:.0f} ms")
     assert mid_write >= TRIALS // 10 and switched >= TRIALS // 10, (mid_write, switched)
     by_name[current].save(path)
