@@ -44,6 +44,8 @@ def read_safetensors(path: str) -> dict[str, QTensor]:
         if not isinstance(info, dict):
             raise ModelFileError(path, f"tensor '{name}': header entry is not an object")
         dtype = info.get("dtype")
+        if not isinstance(dtype, str):
+            raise ModelFileError(path, f"tensor '{name}': dtype {dtype!r} is not a string")
         if dtype not in DTYPES:
             if dtype in ("I64", "I32", "BOOL", "U8", "I8"):
                 continue   # buffers such as position ids, not weights
