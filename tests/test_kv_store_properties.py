@@ -37,6 +37,7 @@ from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.reference import ReferenceEngine
 
 from test_engine import TOL
+from test_policies_engine import _load_tiny
 
 POLICIES = ["streaming", "full", "h2o", "tova", "scissorhands", "knorm", "lsh", "random", "snapkv", "pyramidkv",
             "adakv", "rkv", "gvote"]
@@ -49,12 +50,7 @@ MAX_TOKENS = 120                                      # keeps the reference rebu
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from ringllm.models.loader import load_model
-    from tiny_checkpoints import build_tiny
-    d = str(tmp_path_factory.mktemp("tiny_props_llama"))
-    build_tiny("llama", d)
-    m = load_model(d, tokenizer=False)
+    m = _load_tiny("llama", tmp_path_factory)
     return CPUEngine(m.spec, m.tensors, n_batch=8), ReferenceEngine(m.spec, m.tensors)
 
 
