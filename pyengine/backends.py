@@ -23,12 +23,14 @@ from ringllm.runtime.kv_config import KVConfig
 
 __all__ = ["BACKENDS", "ReferenceBackend", "check_room", "engine_peak_memory", "make_engine", "store_stats"]
 
-BACKENDS = ("cpu", "cuda", "reference")
+BACKENDS = ("cpu", "cuda", "reference", "none")
 
 
 def make_engine(backend: str, spec, tensors: dict, n_threads: int | None = None, n_batch: int = 64):
-    """The engine of `backend` over a loaded model's spec and tensors. ConfigError when the CUDA
-    backend is not built."""
+    """The engine of `backend` over a loaded model's spec and tensors (None for "none": a front end
+    that never runs the model). ConfigError when the CUDA backend is not built."""
+    if backend == "none":
+        return None
     if backend == "cpu":
         from ringllm.runtime.engine import CPUEngine
         return CPUEngine(spec, tensors, n_threads=n_threads, n_batch=n_batch)
@@ -68,7 +70,7 @@ def check_room(store, spec, n: int) -> None:
     fn = getattr(store, "check_room", None)
     if fn is not None:
         fn(n)
-    elif getattr(store, "policy", None) == "full" and store.n_seen + n > spec.n_ctx:
+    elif getattr(store, "policy", None) == "full" and store.n_seen - getattr(store, "released", 0) + n > spec.n_ctx:
         raise ConfigError(f"{store.n_seen + n} tokens exceed the model's context {spec.n_ctx} with policy 'full'; "
                           "choose an eviction policy (e.g. streaming) or a shorter input")
 

@@ -8,6 +8,10 @@
             print(tag, chunk.text)
         # join() new ones or leave(tag) here: sequences enter and exit between steps
 
+A server that must not stall its running streams while a long prompt comes in admits it instead
+(`admit(dec, tag)`) and advances it one prompt chunk at a time between steps (`prefill_step()`):
+the others get a token between two chunks, and the sequence joins the batch when its prompt is in.
+
 Each sequence keeps its own KV store (capacity, policy, positions), sampler, stop strings and
 detokenizer (all in its Decoder); only the engine call is shared. With the CPU engine and two or
 more sequences, the step is CPUEngine.step_batch (the projections over the B rows as one
@@ -40,6 +44,7 @@ class BatchDecoder:
             raise ConfigError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.llm, self.max_batch = llm, max_batch
         self._entries: dict[Hashable, Decoder] = {}
+        self._admitted: dict[Hashable, Decoder] = {}       # prompts being prefilled a chunk at a time, oldest first
 
     @property
     def active(self) -> int:
@@ -47,17 +52,54 @@ class BatchDecoder:
         return len(self._entries)
 
     @property
+    def prefilling(self) -> int:
+        """Number of admitted sequences whose prompt is still going in."""
+        return len(self._admitted)
+
+    @property
     def full(self) -> bool:
-        return len(self._entries) >= self.max_batch
+        return len(self._entries) + len(self._admitted) >= self.max_batch
 
     def __contains__(self, tag: Hashable) -> bool:
-        return tag in self._entries
+        return tag in self._entries or tag in self._admitted
+
+    def admit(self, dec: Decoder, tag: Hashable) -> None:
+        """Take `dec` in without running anything: prefill_step() feeds its prompt a chunk at a time
+        and moves it into the batch once the prompt is in."""
+        if tag in self:
+            raise ConfigError(f"tag {tag!r} is already in the batch")
+        if self.full:
+            raise ConfigError(f"the batch is full ({self.max_batch} sequences); wait for one to finish")
+        self._admitted[tag] = dec
+
+    def prefill_step(self, chunk: int) -> tuple[Hashable, Decoder, bool] | None:
+        """Feed the next `chunk` prompt tokens of the oldest admitted sequence (one engine call).
+        Returns (tag, decoder, joined) when its prompt is complete: joined True when it entered the
+        batch, False when it ended at its prefill (EOS first, max_tokens 0; not added); None while
+        its prompt is still going in, or when nothing is admitted. Engine errors propagate, and the
+        sequence is dropped."""
+        if not self._admitted:
+            return None
+        tag, dec = next(iter(self._admitted.items()))
+        try:
+            with self.llm.engine_lock(dec.store):
+                complete = dec.prefill(chunk)
+        except BaseException:
+            del self._admitted[tag]
+            raise
+        if not complete:
+            return None
+        del self._admitted[tag]
+        if dec.done:
+            return tag, dec, False
+        self._entries[tag] = dec
+        return tag, dec, True
 
     def join(self, dec: Decoder, tag: Hashable) -> bool:
         """Prefill `dec` (alone: one engine call) and add it under `tag`. Returns False when the
         generation already ended at its prefill (EOS first, max_tokens 0: dec.done, nothing to
         stream); it is then not added. Engine errors propagate (the sequence is not added)."""
-        if tag in self._entries:
+        if tag in self:
             raise ConfigError(f"tag {tag!r} is already in the batch")
         if self.full:
             raise ConfigError(f"the batch is full ({self.max_batch} sequences); wait for one to finish")
@@ -69,9 +111,11 @@ class BatchDecoder:
         return True
 
     def leave(self, tag: Hashable) -> Decoder | None:
-        """Remove a sequence (cancelled, or no longer wanted); returns its Decoder (None if absent).
-        Its store is only ever cut between tokens, so it stays consistent."""
-        return self._entries.pop(tag, None)
+        """Remove a sequence (cancelled, or no longer wanted), in the batch or still prefilling;
+        returns its Decoder (None if absent). Its store is only ever cut between engine calls, so it
+        stays consistent."""
+        dec = self._entries.pop(tag, None)
+        return dec if dec is not None else self._admitted.pop(tag, None)
 
     def step(self) -> list[tuple[Hashable, Chunk]]:
         """Advance every active sequence by one token: [(tag, chunk)] in join order. Sequences

@@ -10,12 +10,16 @@
     ringllm bench      [-m MODEL] [--tg 128] [--pp 512] [--repeats 3] [KV options] [-t T] [--json]
     ringllm serve      [-m MODEL] [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--max-tokens-cap N]
                        [--max-body-bytes B] [--queue-size Q] [--max-batch N] [--model-alias NAME]
-                       [--strict-model] [--cache-mb MB] [--no-webui] [KV options] [-t T] [--chat-template FILE]
+                       [--strict-model] [--cache-mb MB] [--no-webui] [--ray --replicas N [--ray-address A]
+                       [--min-replicas N --max-replicas M]] [KV options] [-t T] [--chat-template FILE]
 
 KV options: --kv-policy (any of KVConfig's policies), --kv-capacity C, --kv-sinks S,
 --positions reindexed|original, and the policy knobs --kv-recent, --kv-lazy, --kv-slack,
 --kv-max-drop, --kv-window, --kv-pool, --kv-lsh-bits, --kv-history, --kv-pyramid-beta,
 --kv-ada-floor, --kv-gvote-p, --kv-gvote-samples, --kv-rkv-lambda, --kv-seed, --kv-update.
+Prompt compression after prefill: --kv-compress PRESS (snapkv, pyramidkv, adakv, gvote, tova, knorm,
+streaming, random) with --kv-compress-budget B or --kv-compress-ratio R (gvote: neither),
+--kv-compress-window W, --kv-compress-pool K, --kv-max-prompt N.
 Sampling: --temp (0 = greedy, the default), --top-k, --top-p, --min-p, --repeat-penalty,
 --frequency-penalty, --presence-penalty, --seed, --stop (repeatable), --ignore-eos.
 `--engine reference` runs the NumPy reference engine (the oracle; slow); `--engine cuda` the GPU backend.
@@ -36,7 +40,7 @@ from dataclasses import fields
 
 from ringllm.backends import make_engine
 from ringllm.runtime.errors import ConfigError, RingLLMError
-from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, UPDATE_MODES, KVConfig
+from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, PRESSES, UPDATE_MODES, KVConfig
 from ringllm.sampling import SamplingParams
 
 # Each command imports the model loader, engines, LLM and server when it runs (not here), so that
@@ -63,6 +67,9 @@ class _Runner:
         self.model = model
         self.kv = _kv_summary(args)
         kv = _kv_config(args)
+        if kv.compress is not None:
+            raise ConfigError("perplexity feeds the text token by token (decode semantics); --kv-compress compresses "
+                              "a prompt after its prefill (generate, chat, serve)")
         if args.engine == "reference":
             from ringllm.runtime.reference import ReferenceEngine
             self.eng = ReferenceEngine(model.spec, model.tensors)
@@ -390,6 +397,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.engine == "reference":
         raise ConfigError("bench measures the cpu or cuda engine, not the reference engine")
+    if args.kv_compress is not None:
+        raise ConfigError("bench times plain prefill and decode; prompt compression's cost is measured by "
+                          "bench/compression_speed.py")
     model = _load(args, tokenizer=False)
     if args.engine == "cuda":
         eng = make_engine("cuda", model.spec, model.tensors, args.threads, min(512, args.pp))
@@ -443,7 +453,6 @@ def _bench(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from ringllm.server import ServerSettings, serve
 
-    llm = _llm(args, warmup=True)
     key = args.api_key if args.api_key is not None else os.environ.get("RINGLLM_API_KEY") or None
     settings = ServerSettings(api_key=key, max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
                               queue_size=args.queue_size, max_batch=args.max_batch, model_name=args.model_name,
@@ -451,10 +460,41 @@ def _serve(args: argparse.Namespace) -> int:
                               aliases=tuple(args.model_alias or ()), strict_model=args.strict_model,
                               cache_bytes=None if args.cache_mb is None else int(args.cache_mb * (1 << 20)),
                               web_ui=not args.no_webui)
+    if args.ray:
+        return _serve_ray(args, settings)
+    ray_only = [f for f in ("replicas", "min_replicas", "max_replicas", "ray_address") if getattr(args, f) is not None]
+    if ray_only or args.no_affinity:
+        flags = ", ".join("--" + f.replace("_", "-") for f in ray_only + (["no_affinity"] if args.no_affinity else []))
+        raise ConfigError(f"{flags} only apply with --ray (replicas on Ray Serve)")
+    llm = _llm(args, warmup=True)
     name = args.model_name or llm.model_name
     print(f"ringllm serve: model {name!r} on http://{args.host}:{args.port}/v1 "
           f"({'API key required' if key else 'no API key'}; docs at /docs)", file=sys.stderr, flush=True)
     serve(llm, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
+    return 0
+
+
+def _serve_ray(args: argparse.Namespace, settings) -> int:
+    """serve --ray: the same server on Ray Serve replicas (ringllm.ray_serve)."""
+    from ringllm import ray_serve
+
+    ray_serve.require_ray()
+    if args.engine != "cpu":
+        raise ConfigError("--ray runs the cpu engine on every replica")
+    for flag in ("replicas", "min_replicas", "max_replicas"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    template = getattr(args, "chat_template", None)
+    opts = ray_serve.ServeOptions(
+        model=args.model, kv=_kv_config(args).to_dict(), n_threads=args.threads or 1,
+        chat_template=_read_text(template, "chat template") if template else None,
+        seed=args.seed if args.seed is not None else 0, settings=settings, replicas=args.replicas or 1,
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas, affinity=not args.no_affinity)
+    where = f"Ray at {args.ray_address}" if args.ray_address else "a local Ray instance"
+    print(f"ringllm serve --ray: {opts.replicas if args.min_replicas is None and args.max_replicas is None else 'autoscaled'} "
+          f"replica(s) on {where}, http://{args.host}:{args.port}/v1 (Ctrl-C stops it)", file=sys.stderr, flush=True)
+    ray_serve.run(opts, args.host, args.port, args.ray_address)
     return 0
 
 
@@ -506,6 +546,10 @@ def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
         opt = "--kv-" + f.name.replace("_", "-")
         if f.name == "update":
             g.add_argument(opt, dest="kv_update", choices=UPDATE_MODES, default=None)
+        elif f.name == "compress":
+            g.add_argument(opt, dest="kv_compress", choices=PRESSES, default=None,
+                           help="compress the prompt after prefill with this press (with --kv-compress-budget B or "
+                                "--kv-compress-ratio R; gvote takes neither)")
         else:
             typ = float if "float" in str(f.type) else int
             g.add_argument(opt, dest="kv_" + f.name, type=typ, default=None, metavar=typ.__name__.upper())
@@ -596,6 +640,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="404 for a request naming a model other than --model-name and its aliases (default: any "
                         "model id is served by the one model)")
     s.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
+    r = s.add_argument_group("scale-out on Ray Serve (the ray extra: pip install 'ringllm[ray]')")
+    r.add_argument("--ray", action="store_true", help="serve from Ray Serve replicas, one engine each")
+    r.add_argument("--replicas", type=int, default=None, help="engine replicas (default 1; -t threads each)")
+    r.add_argument("--min-replicas", type=int, default=None, help="autoscale: Ray Serve's lower bound")
+    r.add_argument("--max-replicas", type=int, default=None, help="autoscale: Ray Serve's upper bound")
+    r.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    r.add_argument("--no-affinity", action="store_true",
+                   help="route with Ray Serve's default router instead of by conversation and prompt prefix")
     s.add_argument("--cache-mb", type=float, default=None,
                    help="prompt cache budget in MiB (0: off; default: a quarter of the machine's memory, at most 4 GiB)")
     s.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")

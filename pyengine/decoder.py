@@ -59,12 +59,16 @@ class Decoder:
     Generation's.
 
     llm: the LLM (its .engine, .tokenizer and .spec are read); record: the Record to write;
-    store: the sequence's KV store; prefill_ids: the tokens prefill() feeds; history: the token
+    store: the sequence's KV store (None with `compress`, which builds it); prefill_ids: the tokens prefill() feeds; history: the token
     history the penalties see (extended with every sampled token)."""
 
     def __init__(self, llm, record: Record, store, prefill_ids: list[int], history: list[int],
-                 sampler: Sampler, max_tokens: int | None, stopper: StopMatcher, ignore_eos: bool):
+                 sampler: Sampler, max_tokens: int | None, stopper: StopMatcher, ignore_eos: bool,
+                 compress=None):
         self.llm, self.record, self.store = llm, record, store
+        # compress: None, or callable(ids) -> (store, logits) that prefills and compresses the prompt
+        # (KVConfig.compress; LLM.compress_prefill): prefill() then takes the store it returns
+        self.compress = compress
         self.prefill_ids, self.history, self.sampler = prefill_ids, history, sampler
         self.max_tokens, self.stopper = max_tokens, stopper
         self.eos = frozenset() if ignore_eos else llm.tokenizer.eos_ids
@@ -75,29 +79,54 @@ class Decoder:
         self._t1: float | None = None         # wall clock and compile seconds when the token clock started
         self._c1 = 0.0
         self._text_dec = None
+        self._prompt_done = 0                  # prompt tokens fed so far (prefill may go in parts)
 
     @property
     def done(self) -> bool:
         return self.record.done
 
-    def prefill(self) -> None:
-        """Prefill the prompt into the store and sample the first token (one engine call)."""
+    @property
+    def prefilled(self) -> bool:
+        """Whether the whole prompt is in the store (and the first token sampled)."""
+        return self._prompt_done >= len(self.prefill_ids)
+
+    def prefill(self, chunk: int | None = None) -> bool:
+        """Feed the prompt into the store: all of it (one engine call), or its next `chunk` tokens,
+        so that a caller can interleave a long prompt with other sequences' decode steps. After the
+        last part, sample the first token (which may end the generation: EOS, max_tokens 0).
+        Returns self.prefilled."""
         rec, tm, llm = self.record, self.record.timings, self.llm
         ids = self.prefill_ids
+        if self.prefilled:
+            raise RingLLMError("Decoder.prefill(): the prompt is already in the store")
+        part = ids[self._prompt_done:] if chunk is None else ids[self._prompt_done:self._prompt_done + max(1, chunk)]
         rec.prompt_tokens = len(ids)
         t0 = time.perf_counter()
         rec.in_engine = True
         with CompileSpan() as compiling:
-            logits = llm.engine.prefill(ids, self.store)
+            if self.compress is not None:      # the whole prompt at once: the press needs all of it
+                part = ids
+                self.store, logits = self.compress(ids)
+            else:
+                logits = llm.engine.prefill(part, self.store)
         rec.in_engine = False
-        rec.fed.extend(ids)
-        tm.prompt_tokens, tm.prompt_s = len(ids), time.perf_counter() - t0 - compiling.seconds
+        rec.fed.extend(part)
+        self._prompt_done += len(part)
+        tm.prompt_tokens, tm.prompt_s = self._prompt_done, tm.prompt_s + time.perf_counter() - t0 - compiling.seconds
         tm.compile_s += compiling.seconds
         tm.peak_memory_bytes = engine_peak_memory(llm.engine)
+        if not self.prefilled:
+            return False
+        self._first_token(logits)
+        return True
+
+    def _first_token(self, logits) -> None:
+        """After the prompt: sample the first token, or end here (max_tokens 0, EOS first)."""
+        rec = self.record
         if self.max_tokens == 0:
             rec.finish_reason, rec.done = "length", True
             return
-        self._text_dec = llm.tokenizer.stream_decoder()
+        self._text_dec = self.llm.tokenizer.stream_decoder()
         self._start_clock()
         self._next = self.sampler.sample(logits, self.history)
         if self._next in self.eos:

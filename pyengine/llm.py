@@ -49,6 +49,7 @@ from ringllm.models.loader import load_model
 from ringllm.runtime import compile_clock
 from ringllm.runtime.compile_clock import CompileSpan
 from ringllm.runtime.errors import ConfigError, RingLLMError
+from ringllm.runtime.host_memory import release_file_pages
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.speculative import make_layer_draft, speculative_generate
 from ringllm.runtime.warmup import estimate_compile_seconds, warm
@@ -69,7 +70,9 @@ class LLM:
     Args:
         model: None (the bundled SmolLM2-135M-Instruct), a GGUF file, or an HF checkpoint directory.
         kv: KVConfig of every sequence this LLM decodes (default: policy full at the model's context).
-        backend: "cpu" (Numba engine), "cuda" (ringllm.native), "reference" (the NumPy oracle; slow).
+        backend: "cpu" (Numba engine), "cuda" (ringllm.native), "reference" (the NumPy oracle; slow),
+            "none" (no engine: tokenizer, chat template and grammars only, for a front end such as
+            the Ray Serve ingress; the weights stay unread in the file's mapping).
         n_threads: CPU threads (None: all cores).
         seed: seeds the generator that seeds each call made without its own seed.
         progress: tqdm bars while loading (None: only when stderr is a terminal).
@@ -112,9 +115,11 @@ class LLM:
                 compile_clock.expect(estimate_compile_seconds(
                     {t.qtype for t in self.model.tensors.values() if len(t.shape) == 2}, kv))
             self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch)
+            if self._engine is not None:    # the engine holds its own copy of the weights: the file's pages go
+                release_file_pages(t.data for t in self.model.tensors.values())
             self.compile_s = 0.0
             bar.update(1)
-            if warmup and backend != "reference":
+            if warmup and backend in ("cpu", "cuda"):
                 bar.set_description("warming up")
                 with CompileSpan() as compiling:
                     warm(self._engine, kv)
@@ -136,6 +141,9 @@ class LLM:
 
     @property
     def engine(self):
+        if self._engine is None:
+            raise ConfigError("this LLM was loaded with backend 'none': it tokenizes, renders chats and compiles "
+                              "grammars, but has no engine to run the model")
         return self._engine
 
     @property
@@ -334,19 +342,65 @@ class LLM:
         ids = self.prompt_ids(prompt)
         stopper = StopMatcher(stop)
         sampler = self._sampler(params, seed)
-        if store is None:
-            store = self._engine.new_store(kv or self.kv)
+        kv = kv or self.kv
+        compress = None
+        if kv.compress is not None:          # prefill whole, press, release (runtime/compress.py)
+            if store is not None:
+                raise ConfigError("a compressing KVConfig prefills the whole prompt into a store of its own; it "
+                                  "cannot continue a given store")
+            self.check_prompt(len(ids), kv)
+            room = self.n_ctx - len(ids) if max_tokens is None else min(int(max_tokens), self.n_ctx - len(ids))
             done = 0
+
+            def compress(prefill_ids):
+                return self.compress_prefill(prefill_ids, kv, room)
+        elif store is None:
+            store = self.engine.new_store(kv)
+            done = 0
+            check_room(store, self.spec, len(ids))      # the clear error, before a generator exists
         else:
             done = store.n_seen
             if not 0 <= done < len(ids):
                 raise ConfigError(f"a store continued by a decoder must hold fewer tokens than the prompt ({len(ids)}); "
                                   f"it holds {done}")
-        check_room(store, self.spec, len(ids) - done)      # the clear error, before a generator exists
+            check_room(store, self.spec, len(ids) - done)
         record = Record()
         if grammar is not None:
             sampler.constraint = record.constraint = grammar.start()
-        return Decoder(self, record, store, ids[done:], list(ids), sampler, max_tokens, stopper, ignore_eos)
+        return Decoder(self, record, store, ids[done:], list(ids), sampler, max_tokens, stopper, ignore_eos,
+                       compress=compress)
+
+    # ------------------------------------------------------------------------------------------
+    # Prompt compression (KVConfig.compress)
+    # ------------------------------------------------------------------------------------------
+
+    def check_prompt(self, n: int, kv: KVConfig, held: int = 0) -> None:
+        """ConfigError before anything runs when a compressing call cannot take an n-token prompt:
+        past KVConfig.max_prompt (default the model's context), past the context with what the
+        store holds (`held`), or on a backend without compression."""
+        if self.backend not in ("cpu", "reference"):
+            raise ConfigError(f"prompt compression runs on the cpu and reference backends, not {self.backend!r}")
+        limit = kv.max_prompt or self.n_ctx
+        if n > limit:
+            raise ConfigError(f"the prompt has {n} tokens, more than max_prompt {limit}: raise KVConfig.max_prompt "
+                              "or shorten the prompt")
+        if held + n > self.n_ctx:
+            raise ConfigError(f"{held + n} tokens (held and new) exceed the model's context {self.n_ctx}: a "
+                              "compressing prefill holds the whole prompt first")
+
+    def compress_prefill(self, ids: Sequence[int], kv: KVConfig, room: int, prior=None):
+        """Prefill ids after `prior` (a store, or None: a fresh one) and compress them with kv's press
+        (runtime/compress.py; the reference engine's runtime/reference_press.py on backend
+        "reference"). Returns (the decode store, the last token's logits (n_vocab,)); the store is
+        the one kv_stats() reports from now on. The caller holds the engine lock."""
+        if self.backend == "reference":
+            from ringllm.runtime.reference_press import reference_compress_prefill
+            store, logits = reference_compress_prefill(self._engine.ref, ids, kv, room, prior)
+        else:
+            from ringllm.runtime.compress import compress_prefill
+            store, logits = compress_prefill(self._engine, ids, kv, room, prior)
+        self._store = store
+        return store, logits
 
     def complete(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         """generate(..., stream=False)."""
@@ -375,7 +429,7 @@ class LLM:
         if kind not in ("store", "layers") or not value.isdigit() or int(value) < 1:
             raise ConfigError(f"draft must be 'store:C' or 'layers:N' with a positive integer, got {draft!r}")
         ids = self.prompt_ids(prompt)
-        store = self._engine.new_store(self.kv)
+        store = self.engine.new_store(self.kv)
         check_room(store, self.spec, len(ids) + max_tokens + gamma)     # the verify runs gamma rows ahead
         if kind == "layers":
             drafts = self._layer_drafts
@@ -468,17 +522,20 @@ class LLM:
         store holds when it arrives)."""
         if isinstance(ids, str) or len(ids) == 0:
             raise ConfigError("logits() takes a non-empty list of token ids (use tokenize() for text)")
+        if self.kv.compress is not None:
+            raise ConfigError("logits() feeds tokens one at a time (decode semantics); KVConfig.compress compresses "
+                              "a prompt after its prefill (generate, chat, chat sessions)")
         ids = self.prompt_ids(list(ids))
         with self.engine_lock():
-            store = self._engine.new_store(self.kv)
+            store = self.engine.new_store(self.kv)
             check_room(store, self.spec, len(ids))
             self._store = store
-            return np.asarray(self._engine.logits(ids, store), dtype=np.float32)
+            return np.asarray(self.engine.logits(ids, store), dtype=np.float32)
 
     def kv_stats(self) -> dict:
         """Stats of the KV store of the latest generate()/logits() call (an empty store before
         any): at least capacity, length, evicted_total."""
         store = self._store
         if store is None:
-            store = self._store = self._engine.new_store(self.kv)
+            store = self._store = self.engine.new_store(self.kv)
         return store_stats(store, self.kv)

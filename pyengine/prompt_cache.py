@@ -2,7 +2,7 @@
 the same tokens.
 
     cache = PromptCache(max_bytes=512 << 20)
-    store, n = cache.take(ids, kv)             # a store holding ids[:n] (forked from a cached one), or (None, 0)
+    store, n = cache.take(ids, kv)             # a store holding ids[:n] (restored from a cached one), or (None, 0)
     ... prefill ids[n:] into it, generate ...
     cache.put(tokens_fed, store)                # the store, keyed by every token fed into it, in order
 
@@ -21,12 +21,13 @@ order). A request with ids R reuses the entry of the same KVConfig that gives th
     tokens by the attention later tokens paid them, cannot be cut: it serves only requests that
     extend all of it.
 
-A hit is forked (KVStore.fork copies the slots in use), so the entry stays as it was for other
-requests and two requests never write one store. put() takes the store itself (no copy): the
-request that fed it is over. Only the CPU engine's dense KVStore is cached (other backends'
-stores have no fork). Entries are evicted least recently used first to stay within
-max_bytes (an entry counts the bytes of the slots it has written, KVStore.fork's copy); a store
-larger than the whole budget is not kept. One thread (the server's worker) uses a cache.
+An entry keeps a snapshot of the store (KVStore.snapshot: the slots it wrote, not the arrays
+sized for its whole capacity), so the budget counts the bytes the cache really holds; a hit
+restores a fresh store from it (KVStore.from_snapshot), so the entry stays as it was for other
+requests and two requests never write one store. Only the CPU engine's dense KVStore is cached
+(other backends' stores have no snapshot). Entries are evicted least recently used first to stay
+within max_bytes; a store larger than the whole budget is not kept. One thread (the server's
+worker) uses a cache.
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringllm.runtime.kv_config import KVConfig
-from ringllm.runtime.kv_store import KVStore
+from ringllm.runtime.kv_store import KVStore, StoreSnapshot
 
-__all__ = ["PromptCache", "default_cache_bytes", "store_bytes"]
+__all__ = ["PromptCache", "default_cache_bytes"]
 
 
 def default_cache_bytes() -> int:
@@ -51,26 +52,10 @@ def default_cache_bytes() -> int:
     return int(min(total // 4, 4 << 30))
 
 
-def store_bytes(store) -> int:
-    """Bytes of a store's slots ever written (what a fork copies and keeps resident)."""
-    n = store.n_seen
-    total = 0
-    for name in store.array_fields:
-        for a in getattr(store, name):
-            axis = 2 if name == "hist" else 1
-            if name in ("count", "evicted", "extra", "ksum") or a.ndim <= axis:
-                total += a.nbytes
-            else:
-                total += a.nbytes * min(a.shape[axis], n) // max(a.shape[axis], 1)
-    return int(total)
-
-
 @dataclass
 class _Entry:
     tokens: np.ndarray       # (n,) int64: every token fed into the store, in order
-    kv: KVConfig
-    store: object
-    nbytes: int
+    snap: StoreSnapshot      # the store, cut to the slots it wrote
 
 
 class PromptCache:
@@ -84,14 +69,15 @@ class PromptCache:
         self.max_bytes = max(0, int(max_bytes))
         self._entries: OrderedDict[int, _Entry] = OrderedDict()       # oldest use first
         self._ids = 0
-        self.bytes = 0
+        self.bytes = 0                      # of the snapshots and their token keys
+        self.spec = None                    # the model of the stores (set by the first put)
         self.hits = self.misses = self.tokens_reused = self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def take(self, ids, kv: KVConfig) -> tuple[object | None, int]:
-        """(store, n): a fork of the best entry for prompt `ids` under `kv`, holding ids[:n] (n >= 1),
+        """(store, n): a store restored from the best entry for prompt `ids` under `kv`, holding ids[:n] (n >= 1),
         or (None, 0) when no entry gives a token."""
         if not self._entries:
             self.misses += 1
@@ -99,7 +85,7 @@ class PromptCache:
         req = np.asarray(ids, dtype=np.int64)
         best, best_n = None, 0
         for key, e in self._entries.items():
-            if e.kv != kv:
+            if e.snap.kv != kv:
                 continue
             n = _usable(e, req)
             if n > best_n:
@@ -109,7 +95,7 @@ class PromptCache:
             return None, 0
         entry = self._entries[best]
         self._entries.move_to_end(best)
-        store = entry.store.fork()
+        store = KVStore.from_snapshot(self.spec, entry.snap)
         if store.n_seen > best_n:
             store.truncate(best_n)
         self.hits += 1
@@ -121,19 +107,23 @@ class PromptCache:
         the same history and KVConfig. The least recently used entries go to make room."""
         if (self.max_bytes == 0 or not isinstance(store, KVStore) or not len(tokens) or store.n_seen != len(tokens)
                 or store.journal is not None):
-            return      # off, another backend's store (no fork), or a store whose history is not `tokens`
+            return      # off, another backend's store (no snapshot), or a store whose history is not `tokens`
         toks = np.asarray(tokens, dtype=np.int64).copy()
-        size = store_bytes(store)
+        if toks.nbytes > self.max_bytes:
+            return
+        snap = store.snapshot()
+        size = snap.nbytes + toks.nbytes
         if size > self.max_bytes:
             return
+        self.spec = store.spec
         for key, e in list(self._entries.items()):
-            if e.kv == store.kv and e.tokens.size == toks.size and np.array_equal(e.tokens, toks):
+            if e.snap.kv == snap.kv and e.tokens.size == toks.size and np.array_equal(e.tokens, toks):
                 self._drop(key)
         while self._entries and self.bytes + size > self.max_bytes:
             self._drop(next(iter(self._entries)))
             self.evictions += 1
         self._ids += 1
-        self._entries[self._ids] = _Entry(toks, store.kv, store, size)
+        self._entries[self._ids] = _Entry(toks, snap)
         self.bytes += size
 
     def clear(self) -> None:
@@ -146,7 +136,7 @@ class PromptCache:
 
     def _drop(self, key: int) -> None:
         e = self._entries.pop(key)
-        self.bytes -= e.nbytes
+        self.bytes -= e.snap.nbytes + e.tokens.nbytes
 
 
 def _usable(entry: _Entry, req: np.ndarray) -> int:
@@ -158,6 +148,6 @@ def _usable(entry: _Entry, req: np.ndarray) -> int:
     common = int(diff[0]) if diff.size else m
     if common == h.size and h.size < req.size:
         return common
-    if entry.store.truncatable():
+    if entry.snap.truncatable:
         return min(common, req.size - 1)
     return 0

@@ -44,10 +44,12 @@ from ringllm.server_worker import Job, Worker
 __all__ = ["create_app", "ServerSettings", "serve", "APIError", "Job", "Worker"]
 
 
-def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
-    """The FastAPI app serving `llm` (the worker thread starts with the app and stops with it)."""
+def create_app(llm, settings: ServerSettings | None = None, worker_factory=None) -> FastAPI:
+    """The FastAPI app serving `llm` (the worker thread starts with the app and stops with it).
+    worker_factory(llm, settings, metrics): what runs the requests instead of a local Worker
+    (ringllm.ray_serve: replicas on Ray Serve); the routes, checks and errors stay these."""
     s = settings or ServerSettings()
-    routes = Routes(llm, s)
+    routes = Routes(llm, s, worker_factory)
     app = FastAPI(title="ringllm", version=__version__, lifespan=routes.lifespan,
                   description="OpenAI-compatible API of an embeddable LLM runtime with an in-place KV store.")
     install_error_handlers(app)

@@ -89,6 +89,8 @@ class SamplingRequest(StrictModel):
     kv: dict[str, Any] | None = Field(
         None, description='extension: this request\'s KV store, any KVConfig field, e.g. {"policy": "h2o", '
                           '"capacity": 256} (omitted: the server\'s)')
+    session_id: str | None = Field(None, max_length=256, description="extension: a conversation key; with "
+                                   "`serve --ray`, requests that share it go to the replica holding its KV store")
     cache_prompt: bool = Field(True, description="extension (llama-server): continue from the cached store of an "
                                                  "earlier request that shares the prompt's first tokens")
 

@@ -70,7 +70,9 @@ class ServerMetrics:
         """Read the worker's queue, batch and prompt cache at scrape time."""
         self.queue_depth.set_function(worker.jobs.qsize)
         self.active.set_function(lambda: worker.active)
-        cache = worker.cache
+        cache = getattr(worker, "cache", None)
+        if cache is None:           # a host whose caches live elsewhere (the Ray replicas)
+            return
         self.cache_entries.set_function(lambda: len(cache))
         self.cache_bytes.set_function(lambda: cache.bytes)
         self.cache_hits.set_function(lambda: cache.hits)

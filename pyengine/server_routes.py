@@ -77,8 +77,9 @@ class Routes:
     The worker starts with the app (lifespan) and stops with it; an app used without its
     lifespan (e.g. some test clients) starts one on the first request that needs it."""
 
-    def __init__(self, llm, settings: ServerSettings):
+    def __init__(self, llm, settings: ServerSettings, worker_factory=None):
         self.llm, self.settings = llm, settings
+        self.worker_factory = worker_factory
         self.name = settings.model_name or llm.model_name
         self.names = {self.name, *settings.aliases}
         self.created = int(time.time())
@@ -86,6 +87,8 @@ class Routes:
         self._worker: Worker | None = None
 
     def _new_worker(self) -> Worker:
+        if self.worker_factory is not None:      # another host of the same routes (ringllm.ray_serve)
+            return self.worker_factory(self.llm, self.settings, self.metrics)
         s = self.settings
         cache = default_cache_bytes() if s.cache_bytes is None else s.cache_bytes
         return Worker(self.llm, s.queue_size, s.max_batch, cache_bytes=cache, metrics=self.metrics)
@@ -121,7 +124,7 @@ class Routes:
         return {"model": self.name, "aliases": sorted(self.names - {self.name}), "n_ctx": self.llm.n_ctx,
                 "kv": self.llm.kv.to_dict(), "policies": list(POLICIES), "positions": list(POSITION_MODES),
                 "max_tokens_cap": s.max_tokens_cap, "default_max_tokens": s.default_max_tokens,
-                "strict_model": s.strict_model, "prompt_cache": self.worker().cache.stats()}
+                "strict_model": s.strict_model, "prompt_cache": self.worker().cache_stats()}
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
@@ -160,7 +163,7 @@ class Routes:
             if first:
                 text = ""
             body = {"id": rid, "object": "text_completion", "created": t, "model": name,
-                    "choices": [] if usage else [{"index": 0, "text": text or "", "finish_reason": finish,
+                    "system_fingerprint": job.served_by, "choices": [] if usage else [{"index": 0, "text": text or "", "finish_reason": finish,
                                                   "logprobs": None}]}
             if usage:
                 body["usage"] = usage
@@ -170,7 +173,7 @@ class Routes:
 
         def final(text, finish, info):
             return {"id": rid, "object": "text_completion", "created": t, "model": name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                    "system_fingerprint": job.served_by, "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
                     "usage": usage(info), **end_fields(info)}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
@@ -231,7 +234,7 @@ class Routes:
 
         def body(choice=None, usage=None):
             out = {"id": rid, "object": "chat.completion.chunk", "created": t, "model": name,
-                   "system_fingerprint": None, "choices": [] if choice is None else [choice]}
+                   "system_fingerprint": job.served_by, "choices": [] if choice is None else [choice]}
             if usage:
                 out["usage"] = usage
             return out
@@ -264,7 +267,8 @@ class Routes:
                 message = {"role": "assistant", "content": content}
                 if calls:
                     message["tool_calls"], finish = calls, "tool_calls"
-            return {"id": rid, "object": "chat.completion", "created": t, "model": name, "system_fingerprint": None,
+            return {"id": rid, "object": "chat.completion", "created": t, "model": name,
+                    "system_fingerprint": job.served_by,
                     "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                     "usage": usage(info), **end_fields(info)}
 
@@ -336,7 +340,7 @@ class Routes:
     async def submit(self, request: Request, kind: str, ids: list[int], params: dict,
                      req: SamplingRequest) -> Job:
         job = Job(kind, ids, params, asyncio.get_running_loop(), asyncio.Queue(), kv=self.kv_config(req),
-                  cache_prompt=req.cache_prompt)
+                  cache_prompt=req.cache_prompt, affinity=req.session_id or req.user)
         self.worker().submit(job)
         return job
 
@@ -368,6 +372,7 @@ class Routes:
             ev = await self.next_event(job)
             if ev[0] == "error":
                 raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
+            job.served_by = ev[1]              # ("start", replica name or None)
             if not stream:
                 text = []
                 while True:

@@ -7,10 +7,11 @@
 
 Up to max_batch requests are decoded together (one engine call per token for all of them,
 ringllm.batch.BatchDecoder), each with its own KV store and sampling settings; the others wait in
-the bounded FIFO queue. A request joins the batch between two steps (its prompt prefilled alone
-first) and leaves it when it finishes or its client goes away (job.cancel).
+the bounded FIFO queue. A request joins the batch between two steps: its prompt goes in alone, in
+PREFILL_CHUNK-token parts between the running streams' steps (so a long prompt does not stall them),
+whole when nothing else is decoding; it leaves when it finishes or its client goes away (job.cancel).
 
-Prompt cache (ringllm.prompt_cache): a request starts from a fork of the cached store that
+Prompt cache (ringllm.prompt_cache): a request starts from a copy of the cached store that
 shares the most of its prompt (job.cache_prompt, the default) and prefills only the rest; when it
 ends (finished or cancelled between two tokens), its store goes into the cache under every token
 it was fed. A store an engine failure interrupted is never cached.
@@ -20,7 +21,8 @@ thread via the event loop. The worker posts events as it goes and hands them ove
 step (one call_soon_threadsafe per event loop for every request of the step, not one per token per
 request), so the HTTP side wakes once per step:
 
-    ("start",)                                              admitted: the request is valid and prefilled
+    ("start", served_by)                                    admitted: the request is valid and prefilled
+                                                            (served_by: the replica's name, or None)
     ("chunk", text, token, finish_reason)                   one token
     ("end", finish_reason, info)     info: prompt_tokens, completion_tokens, cached_tokens, timings, kv_stats
     ("error", status, message)                              400 for a RingLLMError, 500 for anything else
@@ -45,7 +47,9 @@ from ringllm.runtime.kv_config import KVConfig
 from ringllm.server_api import APIError
 from ringllm.server_metrics import ServerMetrics
 
-__all__ = ["Job", "Worker"]
+__all__ = ["Job", "PREFILL_CHUNK", "Worker"]
+
+PREFILL_CHUNK = 64        # prompt tokens fed between two decode steps of the running streams
 
 
 @dataclass
@@ -66,6 +70,8 @@ class Job:
     cached: int = 0              # prompt tokens the prompt cache gave
     evicted0: int = 0            # the store's evictions when the request got it
     last_token: float = 0.0      # when its latest chunk was emitted
+    served_by: str | None = None # the replica that serves it (ringllm.ray_serve), from its "start" event
+    affinity: str | None = None  # the request's conversation key (user / session_id): where Ray routes it
 
 
 
@@ -79,13 +85,14 @@ class Worker:
     """The thread that owns the LLM (see the module docstring); it starts when built."""
 
     def __init__(self, llm, queue_size: int, max_batch: int = 8, cache_bytes: int = 0,
-                 metrics: ServerMetrics | None = None):
-        self.llm = llm
+                 metrics: ServerMetrics | None = None, served_by: str | None = None):
+        self.llm, self.served_by = llm, served_by
         self.cache = PromptCache(cache_bytes)
         self.metrics = metrics or ServerMetrics()
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.batch = BatchDecoder(llm, max_batch)
         self.live: dict[int, tuple[Job, Any]] = {}       # batch tag -> (job, its Decoder)
+        self.prefilling: dict[int, tuple[Job, Any]] = {}  # admitted, prompt still going in (oldest first)
         self._tags = itertools.count()
         self.busy = False
         self.peak_batch = 0                               # most requests stepped together so far
@@ -98,7 +105,10 @@ class Worker:
 
     @property
     def active(self) -> int:
-        return len(self.live)
+        return len(self.live) + len(self.prefilling)
+
+    def cache_stats(self) -> dict:
+        return self.cache.stats()
 
     def submit(self, job: Job) -> None:
         try:
@@ -118,15 +128,18 @@ class Worker:
     def _run(self) -> None:
         while not self._stopping:
             while not self.batch.full:               # admit: wait when idle, else take only what waits
-                self.busy = bool(self.live)
+                self.busy = bool(self.live or self.prefilling)
                 try:
-                    job = self.jobs.get(block=not self.live)
+                    job = self.jobs.get(block=not (self.live or self.prefilling))
                 except queue.Empty:
                     break
                 if job is None or self._stopping:
                     return
                 self.busy = True
                 self._admit(job)
+                self._hand_off()
+            if self.prefilling:
+                self._prefill()
                 self._hand_off()
             if self.live:
                 self._step()
@@ -151,13 +164,15 @@ class Worker:
                     job.cancel.set()
 
     def _admit(self, job: Job) -> None:
-        """Check the request, prefill it and put it in the batch (or answer it at once)."""
+        """Check the request and admit it: its prompt goes in by _prefill, then it joins the batch."""
         if job.cancel.is_set():
             self.counters["cancelled"] += 1
             return
         try:
             kv = job.kv or self.llm.kv
-            store, job.cached = self.cache.take(job.ids, kv) if job.cache_prompt else (None, 0)
+            # a compressing KVConfig prefills each prompt whole into a store of its own: nothing to continue
+            use_cache = job.cache_prompt and kv.compress is None
+            store, job.cached = self.cache.take(job.ids, kv) if use_cache else (None, 0)
             dec = self.llm.decoder(job.ids, kv=kv, store=store, **job.params)
             job.evicted0 = dec.store.stats()["evicted_total"] if store is not None else 0
         except RingLLMError as exc:
@@ -166,19 +181,40 @@ class Worker:
         except BaseException as exc:          # the worker outlives whatever one request did
             self._fail(job, 500, f"internal error: {type(exc).__name__}: {exc}")
             return
-        self._post(job, ("start",))
+        self._post(job, ("start", self.served_by))
         tag = next(self._tags)
+        self.batch.admit(dec, tag)
+        self.prefilling[tag] = (job, dec)
+
+    def _prefill(self) -> None:
+        """Feed the oldest admitted prompt: whole when nothing is decoding, else PREFILL_CHUNK tokens,
+        so that the running streams get a token between two chunks of a long prompt."""
+        for tag in [t for t, (job, _) in self.prefilling.items() if job.cancel.is_set()]:
+            self.batch.leave(tag)
+            job, dec = self.prefilling.pop(tag)
+            self.counters["cancelled"] += 1
+            self._keep(job, dec)
+            self.metrics.finished("cancelled", job, dec)
+        if not self.prefilling:
+            return
+        tag = next(iter(self.prefilling))
+        job, dec = self.prefilling[tag]
         try:
-            joined = self.batch.join(dec, tag)
+            done = self.batch.prefill_step(PREFILL_CHUNK if self.live else None)
         except RingLLMError as exc:
+            del self.prefilling[tag]
             self._fail(job, 400, str(exc))
             return
-        except BaseException as exc:
+        except BaseException as exc:          # the worker outlives whatever one request did
+            del self.prefilling[tag]
             self._fail(job, 500, f"internal error: {type(exc).__name__}: {exc}")
             return
+        if done is None:
+            return
+        del self.prefilling[tag]
         job.last_token = time.perf_counter()
         self.metrics.first_token(job.last_token - job.submitted)
-        if joined:
+        if done[2]:
             self.live[tag] = (job, dec)
         else:                                 # ended at its prefill (EOS first, max_tokens 0)
             self._end(job, dec)
@@ -232,7 +268,7 @@ class Worker:
     def _keep(self, job: Job, dec) -> None:
         """Put the request's store into the prompt cache under every token it was fed (not a store
         an engine step was interrupted in)."""
-        if job.cache_prompt and not dec.record.in_engine:
+        if job.cache_prompt and not dec.record.in_engine and dec.store is not None and dec.store.kv.compress is None:
             self.cache.put(job.ids[:job.cached] + dec.record.fed, dec.store)
 
     def _fail(self, job: Job, status: int, message: str) -> None:

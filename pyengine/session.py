@@ -190,12 +190,15 @@ class ChatSession:
         if self.store is None:
             ids = llm.chat_ids(llm.render_chat(self.messages + [user], add_generation_prompt=True,
                                                **self.chat_template_kwargs))
-            store = llm.engine.new_store(self.kv)
+            store = llm.engine.new_store(self.kv) if self.kv.compress is None else None
         else:
             delta = self._turn_delta(user)
             ids = list(self.pending) + llm.tokenizer.encode(delta, add_bos=False, parse_special=True)
             store = self.store
-        check_room(store, llm.spec, len(ids))
+        if self.kv.compress is None:
+            check_room(store, llm.spec, len(ids))
+        else:
+            llm.check_prompt(len(ids), self.kv, self._held())
 
         def commit(gen: Record) -> None:
             self.messages = self.messages + [user, {"role": "assistant", "content": gen.text}]
@@ -222,7 +225,10 @@ class ChatSession:
         if constraint is not None and other["ignore_eos"]:
             raise ConfigError("ignore_eos cannot be combined with the answer's constraint")
         ids = list(self.pending)
-        check_room(self.store, self.llm.spec, len(ids))
+        if self.kv.compress is None:
+            check_room(self.store, self.llm.spec, len(ids))
+        else:
+            self.llm.check_prompt(len(ids), self.kv, self._held())
 
         def commit(gen: Record) -> None:
             last = dict(self.messages[-1])
@@ -230,6 +236,26 @@ class ChatSession:
             self.messages = self.messages[:-1] + [last]
 
         return self._answer(ids, self.store, params, other, constraint, commit, stream)
+
+    def _held(self) -> int:
+        """Tokens the session's store holds now (the most any layer holds; 0 before the first turn)."""
+        if self.store is None:
+            return 0
+        return int(self.store.n_seen) - int(getattr(self.store, "released", 0))
+
+    def _compressor(self, store, max_tokens):
+        """With KVConfig.compress: the Decoder's compress callable for a turn after `store` (each turn's
+        new tokens are pressed on their own; the earlier turns stay as they were kept), else None."""
+        if self.kv.compress is None:
+            return None
+        llm, kv = self.llm, self.kv
+        held = self._held()
+
+        def compress(ids):
+            free = llm.n_ctx - held - len(ids)
+            room = free if max_tokens is None else min(int(max_tokens), free)
+            return llm.compress_prefill(ids, kv, room, prior=store)
+        return compress
 
     def _answer(self, ids: list[int], store, params: SamplingParams, other: dict, constraint, commit,
                 stream: bool) -> "Generation | Completion":
@@ -243,12 +269,13 @@ class ChatSession:
         gen = Record()
         gen.constraint = constraint
 
+        dec = Decoder(llm, gen, store, ids, self.tokens + ids, sampler, other["max_tokens"], stopper,
+                      other["ignore_eos"], compress=self._compressor(store, other["max_tokens"]))
+
         def body():
             with llm.engine_lock():
-                history = self.tokens + ids
                 try:
-                    yield from Decoder(llm, gen, store, ids, history, sampler, other["max_tokens"], stopper,
-                                       other["ignore_eos"]).run()
+                    yield from dec.run()
                 except GeneratorExit:
                     raise
                 except BaseException as exc:
@@ -259,7 +286,7 @@ class ChatSession:
                 finally:
                     if gen.fed and not self._damaged:
                         n_prompt = len(ids)
-                        self.store = store
+                        self.store = dec.store
                         self.tokens.extend(gen.fed)
                         unfed = gen.tokens[len(gen.fed) - n_prompt:]
                         self.pending = [] if gen.finish_reason == "stop" else list(unfed)
@@ -297,6 +324,9 @@ class ChatSession:
                     raise ConfigError(f"the {llm.backend} backend's KV store cannot be saved")
                 st = state_fn()
                 kv_state = {"kv": st["kv"], "n_seen": int(st["n_seen"]), "hist_layout": st.get("hist_layout")}
+                for key in ("released", "ring_rope", "layer_capacity"):      # a compressed prompt's store
+                    if st.get(key):
+                        kv_state[key] = st[key]
                 arrays = {f"kv/{name}": np.asarray(a) for name, a in st["arrays"].items()}
             header = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "model": model_identity(llm),
                       "session_kv": self.kv.to_dict(), "system": self.system, "seed": int(self.seed),
@@ -379,7 +409,8 @@ class ChatSession:
                 from ringllm.runtime.kv_store import KVStore
                 st = header["store"]
                 state = {"kv": st["kv"], "n_seen": int(st["n_seen"]), "hist_layout": st.get("hist_layout"),
-                         "arrays": {n[3:]: a for n, a in arrays.items() if n.startswith("kv/")}}
+                         "arrays": {n[3:]: a for n, a in arrays.items() if n.startswith("kv/")},
+                         **{key: st[key] for key in ("released", "ring_rope", "layer_capacity") if key in st}}
                 if len(state["arrays"]) != len(arrays):
                     raise ValueError("unexpected arrays in the file")
                 restore = getattr(llm.engine, "restore_store", None)

@@ -57,9 +57,17 @@ class _Buffers:
         self.ff_gu = np.zeros((T, 2 * spec.n_ff), f32)       # stacked gate|up projection
 
     def view(self, T: int) -> "_Buffers":
+        """The first T rows of every buffer (views)."""
+        return self._rows(slice(0, T))
+
+    def view_row(self, t: int) -> "_Buffers":
+        """Row t of every buffer, as (1, width) views."""
+        return self._rows(slice(t, t + 1))
+
+    def _rows(self, rows: slice) -> "_Buffers":
         out = object.__new__(_Buffers)
         for name, arr in vars(self).items():
-            setattr(out, name, arr[:T])
+            setattr(out, name, arr[rows])
         return out
 
 
@@ -101,6 +109,7 @@ class CPUEngine:
         if n_batch < 1:
             raise ConfigError(f"n_batch must be >= 1, got {n_batch}")
         self.spec, self.n_threads, self.n_batch = spec, n_threads, n_batch
+        self.tensors = tensors            # the checkpoint's tensors as loaded (a press reads W_q: runtime/compress.py)
         self.mats = self._pack_matrices(tensors)
         self.vecs = {name: dequantize(t.data, t.qtype, t.shape) for name, t in tensors.items() if len(t.shape) == 1}
         self.embd = tensors["token_embd.weight"]
@@ -168,7 +177,8 @@ class CPUEngine:
             self.offs = np.zeros(cap, np.int64)
             self.head_offs = np.zeros((self.spec.n_head_kv, cap), np.int64)
         policy_mode = "fused" if self.rope == "fused" or store.policy_impl.plain_keys else "rebased"
-        modes = [policy_mode if store.uses_policy(il) else self.rope for il in range(self.spec.n_layer)]
+        ring_mode = store.ring_rope or self.rope          # a compressed store may fix its own (kv_store.py)
+        modes = [policy_mode if store.uses_policy(il) else ring_mode for il in range(self.spec.n_layer)]
         if store.update == "shift" and self.rope in ("rk", "kshift"):
             raise ConfigError(f"rope {self.rope!r} works on the in-place store only (update 'inplace')")
         old = store.layer_rope_mode
@@ -259,11 +269,11 @@ class CPUEngine:
         for start in range(0, ids.size, self.n_batch):
             chunk = ids[start:start + self.n_batch]
             last = start + chunk.size == ids.size
-            logits = self._chunk(chunk, store, want_logits=all_logits or last)
+            logits = self._chunk(chunk, store, want_logits="all" if all_logits else "last" if last else None)
             if all_logits:
                 out[start:start + chunk.size] = logits
             elif last:
-                return logits[-1:]   # a view of the run buffer: decode allocates no logits array
+                return logits        # (1, n_vocab), a view of the run buffer: decode allocates no logits array
         return out
 
     # -----------------------------------------------------------------------------------------
@@ -315,7 +325,10 @@ class CPUEngine:
         else:
             rms_norm_rows(out, x, self.vecs[name + ".weight"], self.spec.norm_eps)
 
-    def _chunk(self, ids: np.ndarray, store: KVStore, want_logits: bool) -> np.ndarray:
+    def _chunk(self, ids: np.ndarray, store: KVStore, want_logits: str | None) -> np.ndarray:
+        """Feed ids (T,) through every layer. want_logits "all": logits (T, n_vocab); "last": the last
+        row's only (1, n_vocab), the output head run on that row alone (a prompt's other rows need
+        none); None: nothing (an empty view)."""
         s = self.spec
         T = ids.size
         b = self.buf1 if T == 1 else self.buf.view(T)
@@ -324,8 +337,10 @@ class CPUEngine:
         for il in range(s.n_layer):
             self._layer(il, b, segments)
         store.n_seen += T
-        if not want_logits:
+        if want_logits is None:
             return self.logits_buf[:0]
+        if want_logits == "last" and T > 1:
+            return self._head(b.view_row(T - 1), 1)
         return self._head(b, T)
 
     def _embed(self, b: _Buffers, ids: np.ndarray) -> None:
@@ -389,6 +404,8 @@ class CPUEngine:
         outputs land in b.att[t]. rope: the layer's rope.LayerRope. Ring layers go through the layer's
         RoPE strategy (rope.STRATEGIES), policy layers through _attend_policy."""
         nh, hd = self.spec.n_head, self.spec.head_dim
+        if store.query_hook is not None:        # a compressing prefill's observation window (runtime/compress.py)
+            store.query_hook(il, b.h[t0:t0 + T], b.q[t0:t0 + T], seq0)
         policy = store.policy_impl if store.uses_policy(il) else None
         hook = store.mass_hook
         mass = store.mass if (policy is not None and policy.needs_mass) or hook is not None else self.no_mass

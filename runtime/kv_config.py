@@ -17,7 +17,7 @@ max(C + lazy, H + 1) tokens at once, which is what it allocates.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.eviction import keep_after
@@ -27,6 +27,10 @@ POLICIES = ("full", "streaming", "h2o", "scissorhands", "tova", "knorm", "lsh", 
             "adakv", "gvote", "rkv")
 POSITION_MODES = ("reindexed", "original")
 UPDATE_MODES = ("inplace", "shift")
+# prompt compression after prefill (runtime/press.py): the presses, and the decode-time policies a
+# compressed store can continue with (the ring policies: their slots need no per-token policy state)
+PRESSES = ("snapkv", "pyramidkv", "adakv", "gvote", "tova", "knorm", "streaming", "random")
+COMPRESS_DECODE_POLICIES = ("full", "streaming")
 
 
 @dataclass
@@ -52,6 +56,23 @@ class KVConfig:
     rkv_lambda: `rkv` weight of importance against redundancy, in [0, 1].
     seed: seed of `random`, `lsh` projections and `gvote` sampling.
     update: "inplace" (EQUIP) | "shift" (shift-and-append baseline for benchmarks: survivors copied down).
+
+    Prompt compression after prefill (runtime/press.py, runtime/compress.py; generate, chat and chat
+    sessions): the whole prompt is prefilled into a transient store sized to it, the press scores the
+    prompt's tokens with the last `compress_window` queries, the chosen ones are kept and the store is
+    rebuilt at the kept size plus the decode room; decoding then runs under `policy` (full or
+    streaming; with streaming, `capacity` is the room for new tokens beside the kept ones).
+    compress: one of PRESSES, or None (no compression).
+    compress_budget: tokens each kv head keeps of the prompt (the per-layer mean for pyramidkv, the
+        per-head mean for adakv); a budget above the prompt keeps everything.
+    compress_ratio: the share of the prompt kept, in (0, 1]: floor(n x ratio) tokens.
+        Exactly one of budget and ratio, except for gvote, which chooses its own budget (neither).
+    compress_window: observation window w (the last w prompt queries score the others; kvpress's 64);
+        gvote: its n_f future positions.
+    compress_pool: average-pooling kernel over neighbouring tokens of snapkv/pyramidkv/adakv scores
+        (odd, >= 1; kvpress's 5).
+    max_prompt: longest prompt a compressing call prefills (None: the model's context); a longer one
+        is a ConfigError at the call.
     """
 
     capacity: int | None = None
@@ -73,6 +94,12 @@ class KVConfig:
     rkv_lambda: float = 0.1
     seed: int = 0
     update: str = "inplace"
+    compress: str | None = None
+    compress_budget: int | None = None
+    compress_ratio: float | None = None
+    compress_window: int = 64
+    compress_pool: int = 5
+    max_prompt: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -104,6 +131,7 @@ class KVConfig:
         need(0.0 < self.gvote_p <= 1.0, f"gvote_p must be in (0, 1], got {self.gvote_p}")
         need(self.gvote_samples >= 1, f"gvote_samples must be >= 1, got {self.gvote_samples}")
         need(0.0 <= self.rkv_lambda <= 1.0, f"rkv_lambda must be in [0, 1], got {self.rkv_lambda}")
+        self._validate_compress(need)
         if self.policy == "full":
             need(self.capacity is None or self.capacity >= 1, f"capacity must be >= 1, got {self.capacity}")
             need(not (self.lazy or self.slack or self.max_drop),
@@ -117,6 +145,40 @@ class KVConfig:
         recent = self.resolved_recent
         need(self.sinks + recent < self.capacity, f"sinks + recent = {self.sinks} + {recent} must be below the capacity "
              f"{self.capacity}: at least one slot must be evictable")
+
+    def _validate_compress(self, need) -> None:
+        """The prompt-compression fields (class docstring): a press by name, its budget, the decode-time
+        policies a compressed store supports."""
+        if self.compress is None:
+            for name in ("compress_budget", "compress_ratio", "max_prompt"):
+                need(getattr(self, name) is None, f"{name} needs a press: set compress to one of {', '.join(PRESSES)}")
+            return
+        need(self.compress in PRESSES, f"compress {self.compress!r} unknown; valid: {', '.join(PRESSES)}")
+        need(self.policy in COMPRESS_DECODE_POLICIES and not self.staged,
+             f"a compressed prompt decodes under policy {' or '.join(COMPRESS_DECODE_POLICIES)} (without staged "
+             f"eviction); got policy {self.policy!r}: the other policies keep per-token state the press does not "
+             "have for the kept tokens")
+        need(self.update == "inplace", "compress needs update 'inplace'")
+        budget, ratio = self.compress_budget, self.compress_ratio
+        if self.compress == "gvote":
+            need(budget is None and ratio is None, "gvote chooses its own budget: give neither compress_budget nor "
+                 "compress_ratio (gvote_p and gvote_samples steer it)")
+        else:
+            need((budget is None) != (ratio is None), f"press {self.compress!r} needs exactly one of compress_budget "
+                 "(tokens kept) and compress_ratio (share kept)")
+        need(budget is None or budget >= 1, f"compress_budget must be >= 1, got {budget}")
+        need(ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 < ratio <= 1.0),
+             f"compress_ratio must be in (0, 1], got {ratio!r}")
+        need(self.compress_window >= 1, f"compress_window must be >= 1, got {self.compress_window}")
+        need(self.compress_pool >= 1 and self.compress_pool % 2 == 1,
+             f"compress_pool must be an odd integer >= 1, got {self.compress_pool}")
+        need(self.max_prompt is None or self.max_prompt >= 1, f"max_prompt must be >= 1, got {self.max_prompt}")
+
+    def decode_config(self, capacity: int) -> "KVConfig":
+        """The KVConfig of the store a compressed prompt decodes in: this one's decode-time policy at
+        `capacity` slots (the kept tokens plus the room), without the compression fields."""
+        return replace(self, capacity=capacity, compress=None, compress_budget=None, compress_ratio=None,
+                       max_prompt=None)
 
     # -----------------------------------------------------------------------------------------
 

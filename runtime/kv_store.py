@@ -56,7 +56,7 @@ from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, keep_after
 from ringllm.runtime.key_sum import key_sums
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
-from ringllm.runtime.host_memory import small_pages
+from ringllm.runtime.host_memory import lazy_zeros, small_pages
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
@@ -66,8 +66,22 @@ from ringllm.runtime.rope import LAYOUTS, rebase_limit, relayout_keys
 # Store
 # ---------------------------------------------------------------------------------------------
 
-# the slot axis of each per-layer array that has one (fork copies only the slots ever written)
+# the slot axis of each per-layer array that has one (snapshots hold only the slots ever written)
 SLOT_AXIS = {"k": 1, "v": 1, "rk": 1, "hist": 2, "seq": 1, "rank": 1, "pos": 1, "kbase": 1, "score": 1, "aux": 1}
+
+
+class StoreSnapshot:
+    """A KVStore's state cut to the slots it has written (KVStore.snapshot / from_snapshot): kv,
+    n_seen, the layers' RoPE layouts, arrays {field: [per-layer array]} (slot fields cut to
+    min(P, n_seen) slots), whether the store could be truncated, and meta (a compressed prompt's
+    per-layer capacities, ring RoPE layout, released count and press stats). nbytes: what it holds."""
+
+    __slots__ = ("kv", "n_seen", "layer_rope_mode", "arrays", "truncatable", "meta", "nbytes")
+
+    def __init__(self, kv: KVConfig, n_seen: int, layer_rope_mode, arrays: dict, truncatable: bool, meta: dict):
+        self.kv, self.n_seen, self.layer_rope_mode = kv, int(n_seen), layer_rope_mode
+        self.arrays, self.truncatable, self.meta = arrays, truncatable, meta
+        self.nbytes = int(sum(a.nbytes for per_layer in arrays.values() for a in per_layer))
 
 
 class KVStore:
@@ -84,7 +98,8 @@ class KVStore:
     what it keeps per slot lives in score/aux/hist so that it moves with the slot.
     """
 
-    def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, **kwargs):
+    def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, *, layer_capacity: list[int] | None = None,
+                 **kwargs):
         if kv is None:
             kv = KVConfig(**kwargs)
         elif kwargs:
@@ -105,6 +120,15 @@ class KVStore:
         self.policy_impl = make_policy(kv, spec)
         nkv, hd = spec.n_head_kv, spec.head_dim
         budgets = self.policy_impl.layer_budgets(self.capacity, spec.n_layer)
+        # layer_capacity: per-layer slots of a ring store (a compressed prompt's decode store, whose layers
+        # keep different numbers of tokens: runtime/compress.py); each at most the capacity
+        self.layer_capacity_override = None
+        if layer_capacity is not None:
+            caps = [int(c) for c in layer_capacity]
+            if not kv.ring or len(caps) != spec.n_layer or min(caps) < 1 or max(caps) > self.capacity:
+                raise ConfigError(f"layer_capacity needs a ring policy (full, streaming) and {spec.n_layer} values in "
+                                  f"1..{self.capacity}; got {layer_capacity!r} with policy {kv.policy!r}")
+            budgets = self.layer_capacity_override = caps
         self.layer_capacity: list[int] = []      # tokens kept after pruning (C_l)
         self.layer_sinks: list[int] = []
         self.layer_ring: list[bool] = []         # True: the streaming ring kernel serves this layer
@@ -126,17 +150,17 @@ class KVStore:
         self.layer_physical = phys
         hw = self.policy_impl.history_width
         with small_pages():           # a new store's first token would fault in huge pages (host_memory.py)
-            self.k = [np.zeros((nkv, p, hd), np.float32) for p in phys]
-            self.v = [np.zeros((nkv, p, hd), np.float32) for p in phys]
-            self.hist = [np.zeros((nkv, hw, p), np.float32) for p in phys]
+            self.k = [lazy_zeros((nkv, p, hd), np.float32) for p in phys]
+            self.v = [lazy_zeros((nkv, p, hd), np.float32) for p in phys]
+            self.hist = [lazy_zeros((nkv, hw, p), np.float32) for p in phys]
         self.seq = [np.full((nkv, p), -1, np.int64) for p in phys]
-        self.rank = [np.zeros((nkv, p), np.int64) for p in phys]
-        self.pos = self.rank if self.reindexed else [np.zeros((nkv, p), np.int64) for p in phys]
-        self.kbase = [np.zeros((nkv, p), np.int64) for p in phys]
+        self.rank = [lazy_zeros((nkv, p), np.int64) for p in phys]
+        self.pos = self.rank if self.reindexed else [lazy_zeros((nkv, p), np.int64) for p in phys]
+        self.kbase = [lazy_zeros((nkv, p), np.int64) for p in phys]
         self.count = [np.zeros(nkv, np.int64) for _ in phys]
         self.evicted = [np.zeros(nkv, np.int64) for _ in phys]
-        self.score = [np.zeros((nkv, p), np.float64) for p in phys]
-        self.aux = [np.zeros((nkv, p), np.int64) for p in phys]
+        self.score = [lazy_zeros((nkv, p), np.float64) for p in phys]
+        self.aux = [lazy_zeros((nkv, p), np.int64) for p in phys]
         # per-layer policy state that is not per slot (GVote's recent queries), shape from the policy
         self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
         ks_rows = nkv if self.policy_impl.keeps_key_sum else 0
@@ -147,7 +171,7 @@ class KVStore:
         # victims of the next write into each layer, chosen by the compiled step at the end of the one
         # before (policy_step.choose_next): per layer (n_kv, P) f64 slots, (n_kv,) counts, and the
         # sequence index of the write they are for (-1: none; any other change to the layer clears it)
-        self.pend = [np.zeros((nkv, p), np.float64) for p in phys]
+        self.pend = [lazy_zeros((nkv, p), np.float64) for p in phys]
         self.pend_drop = [np.zeros(nkv, np.int64) for _ in phys]
         self.pend_tag = [np.full(1, -1, np.int64) for _ in phys]
         # write-kernel scratch per kv head (the compiled policy step runs the heads on separate threads;
@@ -175,6 +199,16 @@ class KVStore:
         # optional callable(il, mass (n_kv, P) f32, store) run after each attention step with the per-slot
         # attention mass (group-summed); for measurements such as the attention loss of eviction
         self.mass_hook = None
+        # optional callable(il, h (T, n_embd) f32, q (T, n_head * hd) f32, seq0) run by the CPU engine per
+        # layer and prompt chunk with the attention input and the queries before RoPE (a compressing
+        # prefill captures its observation window with it: runtime/compress.py)
+        self.query_hook = None
+        # prompt compression (runtime/compress.py): tokens seen but released by a press (the room
+        # check counts held tokens: n_seen - released), and the RoPE layout of the ring layers when
+        # it is not the engine's (a compressed store in reindexed mode reads its keys "fused")
+        self.released = 0
+        self.ring_rope: str | None = None
+        self.press_stats: dict = {}
         # --- speculative rollback journal (runtime/kv_multi.py): None unless begin_journal() ran ---
         self.journal = None
 
@@ -184,9 +218,10 @@ class KVStore:
 
     def check_room(self, n_new: int) -> None:
         """Raise before any work when policy full would overflow the model's context."""
-        if self.policy == "full" and self.n_seen + n_new > self.capacity:
-            raise ConfigError(f"{self.n_seen + n_new} tokens exceed the model's context {self.capacity} with "
-                              "policy 'full'; choose an eviction policy (e.g. streaming) or a shorter input")
+        if self.policy == "full" and self.n_seen - self.released + n_new > self.capacity:
+            raise ConfigError(f"{self.n_seen - self.released + n_new} tokens exceed the model's context "
+                              f"{self.capacity} with policy 'full'; choose an eviction policy (e.g. streaming) or a "
+                              "shorter input")
 
     def drops(self, il: int) -> int:
         """Tokens the next write into layer il evicts per head (staged eviction, Algorithm 1; adakv
@@ -357,26 +392,54 @@ class KVStore:
         store can each be fed on from here, and each decodes exactly as this store would have (a chat
         branch, a prompt prefix shared by several requests). The copy belongs to no engine yet: the
         engine adopts it on its first use. ConfigError during a rollback journal."""
+        return KVStore.from_snapshot(self.spec, self.snapshot())
+
+    def snapshot(self) -> "StoreSnapshot":
+        """This store's state in as many bytes as it has written (StoreSnapshot): what a prompt cache
+        keeps instead of the store itself, whose arrays are sized for its whole capacity.
+        ConfigError during a rollback journal."""
         if self.journal is not None:
-            raise ConfigError("fork during a rollback journal: commit() or rollback() first")
-        copy = KVStore(self.spec, self.kv)
-        copy.layer_rope_mode = list(self._layer_rope_mode) if self._layer_rope_mode is not None else None
+            raise ConfigError("snapshot during a rollback journal: commit() or rollback() first")
+        arrays = {}
         for name in self.array_fields:
             axis = SLOT_AXIS.get(name)
-            for src, dst in zip(getattr(self, name), getattr(copy, name)):
+            per_layer = []
+            for a in getattr(self, name):
+                if axis is None:
+                    per_layer.append(a.copy())
+                else:       # slots past min(P, n_seen) were never written: a fresh store's zeros/-1 are theirs
+                    used = (slice(None),) * axis + (slice(0, min(a.shape[axis], self.n_seen)),)
+                    per_layer.append(np.ascontiguousarray(a[used]))
+            arrays[name] = per_layer
+        meta = {"layer_capacity": self.layer_capacity_override, "ring_rope": self.ring_rope,
+                "released": int(self.released), "press_stats": dict(self.press_stats)}
+        return StoreSnapshot(self.kv, self.n_seen, list(self._layer_rope_mode) if self._layer_rope_mode else None,
+                             arrays, self.truncatable(), meta)
+
+    @classmethod
+    def from_snapshot(cls, spec: ModelSpec, snap: "StoreSnapshot") -> "KVStore":
+        """A store equal to the one the snapshot was taken of (a fresh allocation; the snapshot is
+        left as it is and may be restored again)."""
+        store = cls(spec, snap.kv, layer_capacity=snap.meta["layer_capacity"])
+        store.layer_rope_mode = list(snap.layer_rope_mode) if snap.layer_rope_mode is not None else None
+        store.ring_rope, store.released = snap.meta["ring_rope"], snap.meta["released"]
+        store.press_stats = dict(snap.meta["press_stats"])
+        for name, per_layer in snap.arrays.items():
+            axis = SLOT_AXIS.get(name)
+            for src, dst in zip(per_layer, getattr(store, name)):
                 if axis is None:
                     dst[...] = src
-                else:       # slots past min(P, n_seen) were never written: the fresh zeros/-1 are theirs
-                    used = (slice(None),) * axis + (slice(0, min(src.shape[axis], self.n_seen)),)
-                    dst[used] = src[used]
-        copy.n_seen = self.n_seen
-        return copy
+                else:
+                    dst[(slice(None),) * axis + (slice(0, src.shape[axis]),)] = src
+        store.n_seen = snap.n_seen
+        return store
 
     def truncatable(self) -> bool:
-        """Whether truncate() can cut this store: every layer is a ring that has evicted nothing, so
-        slot i holds token i and no slot carries state that later tokens changed (policy full, and
-        streaming / sliding-window layers before their first eviction)."""
-        return (self.journal is None and all(self.layer_ring)
+        """Whether truncate() can cut this store: every layer is a ring that has evicted (or, after a
+        compressing prefill, released) nothing, so slot i holds token i and no slot carries state that
+        later tokens changed (policy full, and streaming / sliding-window layers before their first
+        eviction)."""
+        return (self.journal is None and self.released == 0 and all(self.layer_ring)
                 and all(int(e.sum()) == 0 for e in self.evicted))
 
     def truncate(self, n_keep: int) -> None:
@@ -401,6 +464,7 @@ class KVStore:
                 "evicted_total": int(sum(int(e.sum()) for e in self.evicted)), "policy": self.policy,
                 "sinks": self.sinks, "recent": self.recent, "positions": self.positions, "update": self.update,
                 "tokens_seen": self.n_seen, "layer_capacity": list(self.layer_capacity),
+                **({"released": int(self.released), **self.press_stats} if self.released or self.press_stats else {}),
                 **self.policy_impl.stats(),
                 "bytes": int(sum(a.nbytes for a in self.k + self.v + self.seq + self.rank + self.kbase + self.score
                                  + self.aux + self.hist) + (0 if self.reindexed else sum(a.nbytes for a in self.pos)))}
@@ -468,7 +532,8 @@ class KVStore:
         arrays = {f"{name}.{il}": a for name in self.array_fields for il, a in enumerate(getattr(self, name))}
         return {"kv": self.kv.to_dict(), "n_seen": int(self.n_seen), "arrays": arrays,
                 "layer_rope_mode": list(self.layer_rope_mode) if self.layer_rope_mode else None,
-                "hist_layout": "window_major"}
+                "hist_layout": "window_major", "released": int(self.released), "ring_rope": self.ring_rope,
+                "layer_capacity": self.layer_capacity_override}
 
     @classmethod
     def restore(cls, spec: ModelSpec, state: dict) -> "KVStore":
@@ -476,7 +541,7 @@ class KVStore:
         dtype against a freshly built store (ConfigError naming the first mismatch), so a damaged
         state never half-loads."""
         try:
-            store = cls(spec, KVConfig.from_dict(dict(state["kv"])))
+            store = cls(spec, KVConfig.from_dict(dict(state["kv"])), layer_capacity=state.get("layer_capacity"))
             n_seen, arrays = int(state["n_seen"]), state["arrays"]
             rope_mode = state.get("layer_rope_mode")
             if rope_mode is not None and (len(rope_mode) != spec.n_layer or not set(rope_mode) <= set(LAYOUTS)):
@@ -484,6 +549,10 @@ class KVStore:
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"KV store state is malformed: {e!r}") from None
         store.layer_rope_mode = list(rope_mode) if rope_mode is not None else None    # allocates rk if used
+        ring_rope = state.get("ring_rope")
+        if ring_rope is not None and ring_rope not in LAYOUTS:
+            raise ConfigError(f"KV store state is malformed: ring_rope {ring_rope!r}")
+        store.ring_rope, store.released = ring_rope, int(state.get("released", 0))
         fresh = store.state()["arrays"]
         if not any(name.startswith("kbase.") for name in arrays):    # saved before "rebased" existed: no
             arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("kbase.")}}   # rebased layers

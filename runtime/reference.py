@@ -89,6 +89,10 @@ class ReferenceCache:
         self.impl = REF_POLICIES[kv.policy](kv, spec)
         self.n_seen = 0
         self.query_history: list[dict[int, np.ndarray]] = [{} for _ in range(spec.n_layer)]   # seq -> q (n_head, hd)
+        # optional callable(il, h (T, n_embd), q (T, n_head, hd) before RoPE, seq0) per layer and chunk (a
+        # compressing prefill's observation window: runtime/reference_press.py)
+        self.query_hook = None
+        self.released = 0          # tokens a press released (runtime/reference_press.py)
         hd, nkv = spec.head_dim, spec.n_head_kv
         budgets = (self.impl.budgets(kv.capacity, spec.n_layer) if hasattr(self.impl, "budgets")
                    else [kv.capacity or 0] * spec.n_layer)
@@ -112,6 +116,8 @@ class ReferenceCache:
     def n_drop(self, il: int) -> int:
         """Tokens to evict before token number L = held + 1 enters layer il."""
         lc = self.layers[il]
+        if lc.ragged and not lc.policy:       # a compressed prompt's ring layer: each head on its own (insert)
+            return 0
         if lc.ragged:
             return self.impl.layer_drops(lc, self.kv)
         held = lc.seq.shape[1] + 1
@@ -127,8 +133,12 @@ class ReferenceCache:
         q (n_head, head_dim) its query before RoPE (policies that choose by the query)."""
         lc = self.layers[il]
         n_drop = self.n_drop(il)
-        if lc.ragged:
+        if lc.ragged and not lc.policy:       # ring: a full head drops its oldest non-sink token
+            drop = [np.arange(lc.sinks, lc.sinks + 1) if lc.capacity and s.size + 1 > lc.capacity
+                    else np.zeros(0, np.int64) for s in lc.seq]
+        elif lc.ragged:
             drop = self.impl.layer_victims(lc, il, n_drop) if n_drop > 0 else [np.zeros(0, np.int64)] * len(lc.seq)
+        if lc.ragged:
             for h, d in enumerate(drop):       # per head: shift the victims out, append the new token
                 lc.k[h] = np.concatenate([np.delete(lc.k[h], d, axis=0), k[h][None]])
                 lc.v[h] = np.concatenate([np.delete(lc.v[h], d, axis=0), v[h][None]])
@@ -311,6 +321,8 @@ class ReferenceEngine:
         if s.rope_attn_factor[il] != 1.0:      # HF multiplies cos and sin: the same as scaling q, k's rotated dims
             q[..., :s.rotary_dim] *= np.float32(s.rope_attn_factor[il])
             k[..., :s.rotary_dim] *= np.float32(s.rope_attn_factor[il])
+        if cache.query_hook is not None:
+            cache.query_hook(il, h, q, int(seqs[0]))
         group = nh // nkv
         out = np.zeros((T, nh, hd), np.float32)
         base, scale = layer_freqs(s, il), s.rope_scale[il]

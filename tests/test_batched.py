@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import novel_text as _novel_text
 
 from ringllm.models.loader import load_model
 from ringllm.runtime.engine import CPUEngine
@@ -153,6 +154,45 @@ def test_batch_decoder_gives_each_sequence_what_it_gets_alone(llm):
         assert [c.finish_reason for c in have] == [c.finish_reason for c in want], i
         assert decs[i].record.text == "".join(c.text for c in have)
     assert decs[0].store.stats()["evicted_total"] > 0
+
+
+@pytest.fixture(scope="module")
+def novel_text():
+    return _novel_text()
+
+
+def test_a_long_prompt_goes_in_by_chunks_between_the_running_streams_steps(llm, novel_text):
+    """admit() + prefill_step(64): a 300-token prompt enters in five chunks while a running stream
+    gets a token after each one; both generate what they generate alone (the prompt's chunks are
+    the engine's own 64-row chunks, so its store is the one a whole prefill gives)."""
+    from ringllm.batch import BatchDecoder
+
+    long_prompt = llm.tokenize(novel_text[:3000])[:300]
+    want_long = [c.token for c in llm.generate(long_prompt, max_tokens=12, ignore_eos=True)]
+    want_run = [c.token for c in llm.generate("Once upon a time", max_tokens=30, ignore_eos=True)]
+    batch = BatchDecoder(llm, max_batch=2)
+    assert batch.join(llm.decoder("Once upon a time", max_tokens=30, ignore_eos=True), tag="run")
+    got = {"run": [], "long": []}
+    for tag, chunk in batch.step():
+        got[tag].append(chunk.token)
+    long_dec = llm.decoder(long_prompt, max_tokens=12, ignore_eos=True)
+    batch.admit(long_dec, tag="long")
+    assert batch.prefilling == 1 and batch.full and "long" in batch
+    chunks, tokens_meanwhile = 0, 0
+    while batch.prefilling:
+        done = batch.prefill_step(64)
+        chunks += 1
+        assert (done is None) == (chunks < 5)
+        if done is None:
+            for tag, chunk in batch.step():
+                got[tag].append(chunk.token)
+                tokens_meanwhile += 1
+    assert done == ("long", long_dec, True) and tokens_meanwhile == 4
+    while batch.active:
+        for tag, chunk in batch.step():
+            got[tag].append(chunk.token)
+    assert got["run"] == want_run and got["long"] == want_long
+    assert long_dec.record.timings.prompt_tokens == 300
 
 
 def test_batch_decoder_refuses_misuse(llm):

@@ -1,6 +1,6 @@
 """The server's prompt cache (ringllm.prompt_cache) and the store verbs it stands on (KVStore.fork,
-truncate): a request continued from a cached store decodes what a fresh store gives, under every
-policy; which entries are reusable; the byte budget."""
+snapshot, truncate): a request continued from a cached store decodes what a fresh store gives,
+under every policy; which entries are reusable; the byte budget."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 import ringllm
 from conftest import novel_text
 from ringllm import KVConfig
-from ringllm.prompt_cache import PromptCache, store_bytes
+from ringllm.prompt_cache import PromptCache
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import POLICIES
 
@@ -78,6 +78,10 @@ def test_fork_copies_only_what_was_written_and_is_independent(llm, text_ids):
     eng = llm.engine
     st = eng.new_store(KVConfig(capacity=64, policy="h2o", sinks=4))
     eng.prefill(text_ids[:100], st)
+    full = eng.new_store(KVConfig())
+    eng.prefill(text_ids[:100], full)
+    snap = full.snapshot()                       # 100 of 8192 slots: the snapshot holds those only
+    assert snap.nbytes < full.stats()["bytes"] / 40 and snap.truncatable
     fk = st.fork()
     for name in st.array_fields:
         for a, b in zip(getattr(st, name), getattr(fk, name)):
@@ -141,7 +145,7 @@ def test_budget_evicts_least_recently_used(llm, text_ids):
         st = eng.new_store(kv)
         eng.prefill(text_ids[i * 50:i * 50 + 50], st)
         stores.append(st)
-    size = store_bytes(stores[0])
+    size = stores[0].snapshot().nbytes + 50 * 8           # an entry: the snapshot and its 50 token ids
     cache = PromptCache(2 * size + size // 2)          # room for two
     cache.put(text_ids[0:50], stores[0])
     cache.put(text_ids[50:100], stores[1])

@@ -1,0 +1,303 @@
+"""Prompt compression after prefill (KVConfig.compress): every press on the CPU engine
+(runtime/press.py, runtime/compress.py) against the reference engine's own version
+(runtime/reference_press.py, written apart): the same kept tokens in every (layer, kv head) and
+logits within 1e-4 over the prompt's last token and the decode steps after it, on tiny random
+checkpoints (Llama with GQA; Gemma 3 with sliding-window layers, one kv head and q/k norms); the
+presses' definitions (kvpress's) on hand-checkable cases; bad input; the chat-session path; the API,
+CLI and the memory really released.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import ringllm
+from ringllm.models.loader import load_model
+from ringllm.runtime.compress import compress_prefill
+from ringllm.runtime.engine import CPUEngine
+from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_config import PRESSES, KVConfig
+from ringllm.runtime.press import adakv_keep, avg_pool, pyramid_budget, top_newest
+from ringllm.runtime.reference import ReferenceEngine
+from ringllm.runtime.reference_press import reference_compress_prefill
+
+TOL = 1e-4
+PROMPT_LEN = 96
+
+# knobs that make each press choose a real subset on a tiny random model (its attention is nearly flat,
+# so gvote's default nucleus would keep everything; pyramidkv's line needs budgets above beta x w)
+PRESS_KV = {
+    "snapkv": dict(compress_ratio=0.3),
+    "pyramidkv": dict(compress_ratio=0.5, pyramid_beta=2.0),
+    "adakv": dict(compress_ratio=0.3),
+    "gvote": dict(gvote_p=0.3, gvote_samples=2),
+    "tova": dict(compress_budget=20),
+    "knorm": dict(compress_ratio=0.25),
+    "streaming": dict(compress_budget=24),
+    "random": dict(compress_ratio=0.4, seed=3),
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(request, tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tiny_checkpoints import build_tiny
+
+    d = str(tmp_path_factory.mktemp(request.param))
+    build_tiny(request.param, d)
+    loaded = load_model(d, tokenizer=False)
+    return loaded, CPUEngine(loaded.spec, loaded.tensors, n_batch=16), ReferenceEngine(loaded.spec, loaded.tensors)
+
+
+def kept_sets(store, cache):
+    """Per (layer, head): the engine store's sequence indices (sorted) and the reference cache's."""
+    spec = store.spec
+    return [[(np.sort(store.seq[il][h, :store.count[il][h]]), np.asarray(cache.layers[il].seq[h]))
+             for h in range(spec.n_head_kv)] for il in range(spec.n_layer)]
+
+
+def assert_same_kept(store, cache):
+    for il, row in enumerate(kept_sets(store, cache)):
+        for h, (a, b) in enumerate(row):
+            assert np.array_equal(a, b), f"layer {il} head {h}: engine keeps {a.tolist()}, reference {b.tolist()}"
+
+
+def decode_both(eng, store, ref, cache, le, lr, n):
+    """n greedy steps on both; logits within TOL at every step (the prompt's last one included)."""
+    np.testing.assert_allclose(le, lr, rtol=0, atol=TOL, err_msg="prompt's last logits")
+    for i in range(n):
+        tok = int(np.argmax(lr))
+        le, lr = eng.step(tok, store).copy(), ref.forward([tok], cache)[0]
+        np.testing.assert_allclose(le, lr, rtol=0, atol=TOL, err_msg=f"decode step {i}")
+
+
+def prompt_ids(seed=0, n=PROMPT_LEN):
+    return np.random.default_rng(seed).integers(3, 250, n).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine against reference
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("press", PRESSES)
+@pytest.mark.parametrize("positions", ["reindexed", "original"])
+def test_press_matches_reference(tiny, press, positions):
+    loaded, eng, ref = tiny
+    kv = KVConfig(compress=press, compress_window=12, compress_pool=5, positions=positions, **PRESS_KV[press])
+    ids = prompt_ids()
+    store, le = compress_prefill(eng, ids, kv, room=16)
+    cache, lr = reference_compress_prefill(ref, ids, kv, room=16)
+    assert_same_kept(store, cache)
+    spec = loaded.spec
+    pressed = [il for il in range(spec.n_layer) if not spec.window[il]]
+    kept = [int(store.count[il][h]) for il in pressed for h in range(spec.n_head_kv)]
+    assert max(kept) < PROMPT_LEN, "the press chose a real subset"
+    assert store.released == PROMPT_LEN - max(int(c.max()) for c in store.count)
+    decode_both(eng, store, ref, cache, le, lr, 6)
+
+
+@pytest.mark.parametrize("press", ["snapkv", "adakv"])
+def test_streaming_decode_after_compression_matches_reference(tiny, press):
+    """The decode-time policy streaming runs on the kept tokens: capacity = kept + KVConfig.capacity per
+    layer, its ring evicting the kept prompt's oldest non-sinks first (heads apart under adakv)."""
+    _, eng, ref = tiny
+    kv = KVConfig(policy="streaming", capacity=6, sinks=2, compress=press, compress_ratio=0.25, compress_window=8)
+    ids = prompt_ids(1)
+    store, le = compress_prefill(eng, ids, kv, room=0)
+    cache, lr = reference_compress_prefill(ref, ids, kv, room=0)
+    decode_both(eng, store, ref, cache, le, lr, 14)          # past the room: the ring evicts
+    assert sum(int(e.sum()) for e in store.evicted) > 0
+    assert_same_kept(store, cache)
+
+
+def test_chat_turn_compresses_its_own_tokens(tiny):
+    """A second prompt after a compressed store (a chat session's next turn): the earlier kept tokens
+    stay, the new ones are pressed; engine and reference agree through both turns."""
+    _, eng, ref = tiny
+    kv = KVConfig(compress="adakv", compress_ratio=0.4, compress_window=8)
+    first, second = prompt_ids(2, 64), prompt_ids(3, 40)
+    store, le = compress_prefill(eng, first, kv, room=4)
+    cache, lr = reference_compress_prefill(ref, first, kv, room=4)
+    decode_both(eng, store, ref, cache, le, lr, 3)
+    before = [[set(store.seq[il][h, :store.count[il][h]].tolist()) for h in range(store.spec.n_head_kv)]
+              for il in range(store.spec.n_layer)]
+    store2, le = compress_prefill(eng, second, kv, room=4, prior=store)
+    cache2, lr = reference_compress_prefill(ref, second, kv, room=4, prior=cache)
+    assert_same_kept(store2, cache2)
+    for il in range(store.spec.n_layer):
+        for h in range(store.spec.n_head_kv):
+            now = set(store2.seq[il][h, :store2.count[il][h]].tolist())
+            if not store.spec.window[il]:
+                assert before[il][h] <= now, "earlier turns are kept as they were"
+                assert 0 < len(now - before[il][h]) < len(second)
+    decode_both(eng, store2, ref, cache2, le, lr, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The presses' definitions (kvpress) on cases checked by hand
+# ---------------------------------------------------------------------------------------------
+
+
+def test_avg_pool_is_torch_avg_pool1d():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).random((3, 40))
+    for k in (1, 3, 5, 7):
+        want = torch.nn.functional.avg_pool1d(torch.tensor(x)[:, None], kernel_size=k, padding=k // 2, stride=1)
+        np.testing.assert_allclose(avg_pool(x, k), want[:, 0].numpy(), rtol=0, atol=1e-12)
+
+
+def test_pyramid_budgets_fall_linearly_with_mean_the_budget():
+    L, m, w = 30, 4000, 64
+    b = [pyramid_budget(2000, m, w, 20.0, il, L) for il in range(L)]
+    assert b[0] == 3900 and b[-1] == 100 and all(x > y for x, y in zip(b, b[1:]))
+    assert abs(np.mean(b) - 2000) <= 1
+    # below beta x w the line would go under the window: kvpress falls back to snapkv's budget
+    assert {pyramid_budget(1000, m, w, 20.0, il, L) for il in range(L)} == {1000}
+
+
+def test_selection_ties_go_to_the_newer_token_and_adakv_keeps_its_floor():
+    assert top_newest(np.array([1.0, 2.0, 1.0, 1.0, 0.0]), 2).tolist() == [1, 3]
+    scores = np.array([[9.0, 8, 7, 6, 5, 4], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]])
+    keep = adakv_keep(scores, n_kept=3, alpha=0.34)          # floor(3 x 0.34) = 1 safe token per head
+    assert keep[0].tolist() == [0, 1, 2, 3, 4] and keep[1].tolist() == [5]
+    keep = adakv_keep(scores, n_kept=3, alpha=0.0)           # no floor: the layer's best 6 are all head 0's
+    assert keep[0].tolist() == list(range(6)) and keep[1].tolist() == []
+
+
+def test_snapkv_keeps_its_window_and_streaming_its_sinks(tiny):
+    loaded, eng, _ = tiny
+    spec = loaded.spec
+    ids = prompt_ids(4)
+    for kv in (KVConfig(compress="snapkv", compress_budget=20, compress_window=12),
+               KVConfig(compress="streaming", compress_budget=20, sinks=4)):
+        store, _ = compress_prefill(eng, ids, kv, room=1)
+        for il in range(spec.n_layer):
+            if spec.window[il]:
+                continue
+            for h in range(spec.n_head_kv):
+                seq = set(store.seq[il][h, :store.count[il][h]].tolist())
+                assert len(seq) == 20
+                assert set(range(PROMPT_LEN - 12, PROMPT_LEN)) <= seq
+                if kv.compress == "streaming":
+                    assert seq == set(range(4)) | set(range(PROMPT_LEN - 16, PROMPT_LEN))
+
+
+def test_budget_over_the_prompt_keeps_everything(tiny):
+    _, eng, _ = tiny
+    ids = prompt_ids(5, 30)
+    for kv in (KVConfig(compress="snapkv", compress_budget=500), KVConfig(compress="knorm", compress_ratio=1.0)):
+        store, _ = compress_prefill(eng, ids, kv, room=2)
+        assert store.released == 0 and store.stats()["kept_share"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(compress="h2o_press", compress_ratio=0.5), "compress 'h2o_press' unknown"),
+    (dict(compress="snapkv"), "exactly one of compress_budget"),
+    (dict(compress="snapkv", compress_budget=10, compress_ratio=0.5), "exactly one of compress_budget"),
+    (dict(compress="gvote", compress_ratio=0.5), "gvote chooses its own budget"),
+    (dict(compress="snapkv", compress_ratio=0.0), r"compress_ratio must be in \(0, 1\]"),
+    (dict(compress="snapkv", compress_budget=0), "compress_budget must be >= 1"),
+    (dict(compress="snapkv", compress_ratio=0.5, compress_pool=4), "compress_pool must be an odd"),
+    (dict(compress="snapkv", compress_ratio=0.5, policy="h2o", capacity=64), "decodes under policy full or streaming"),
+    (dict(max_prompt=100), "needs a press"),
+    (dict(compress_ratio=0.5), "needs a press"),
+])
+def test_bad_configs_are_refused(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        KVConfig(**kw)
+
+
+def test_prompt_over_max_prompt_is_an_error_at_the_call(tiny):
+    _, eng, _ = tiny
+    kv = KVConfig(compress="snapkv", compress_ratio=0.5, max_prompt=50)
+    with pytest.raises(ConfigError, match="more than max_prompt 50"):
+        compress_prefill(eng, prompt_ids(6, 51), kv, room=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# API, chat session, CLI (the bundled SmolLM2)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    return ringllm.LLM(smollm2_path, n_threads=1, progress=False,
+                       kv=KVConfig(compress="snapkv", compress_ratio=0.3, compress_window=16, max_prompt=600))
+
+
+def story(n_words=300):
+    from conftest import novel_text
+    return " ".join(novel_text()[5000:].split()[:n_words])
+
+
+def test_generate_releases_the_pruned_prompt(smol):
+    out = smol.complete(story() + "\nSummarize:", max_tokens=6, ignore_eos=True)
+    st = smol.kv_stats()
+    n = out.prompt_tokens
+    assert st["tokens_seen"] == n + 5 and st["prompt_tokens"] == n
+    assert abs(st["kept_share"] - 0.3) < 0.01
+    kept = st["length"] - 5
+    assert st["released"] == n - kept and kept < 0.4 * n
+    assert st["capacity"] == kept + 6              # the kept tokens plus the room for the answer
+    plain = ringllm.LLM(smol.model_path, n_threads=1, progress=False).engine.new_store(KVConfig(capacity=n + 6))
+    assert st["bytes"] < 0.45 * plain.stats()["bytes"]
+    with pytest.raises(ConfigError, match="more than max_prompt 600"):
+        smol.complete(story(700), max_tokens=2)
+    with pytest.raises(ConfigError, match="decode semantics"):
+        smol.logits([1, 2, 3])
+
+
+def test_chat_session_compresses_each_turn_and_saves(smol, tmp_path):
+    s = smol.chat_session()
+    s.send(story(150) + "\nWho is speaking?", max_tokens=4, stream=False)
+    first = s.kv_stats()
+    assert first["released"] > 0
+    s.send("And what happens next? " + story(60), max_tokens=4, stream=False)
+    second = s.kv_stats()
+    assert second["released"] > first["released"] and second["tokens_seen"] == len(s.tokens)
+    path = s.save(tmp_path / "c.session")
+    loaded = type(s).load(smol, path)
+    assert loaded.kv_stats()["released"] == second["released"]
+    a = s.send("Thanks.", max_tokens=4, stream=False).tokens
+    b = loaded.send("Thanks.", max_tokens=4, stream=False).tokens
+    assert a == b
+
+
+def test_cli_generate_with_compression(smollm2_path):
+    from test_cli import T1, run
+
+    r = run("generate", "-p", story(200) + "\nAnswer:", "-n", "3", "--kv-compress", "tova", "--kv-compress-budget",
+            "64", "--json", *T1)
+    assert r.returncode == 0, r.stderr
+    kv = json.loads(r.stdout)["kv"]
+    assert kv["press"] == "tova" and kv["released"] > 0 and kv["length"] <= 64 + 3
+    bad = run("generate", "-p", "hi", "--kv-compress", "gvote", "--kv-compress-ratio", "0.5", *T1)
+    assert bad.returncode != 0 and "gvote chooses its own budget" in bad.stderr
+    ppl = run("perplexity", "-f", __file__, "--kv-compress", "snapkv", "--kv-compress-ratio", "0.5", *T1)
+    assert ppl.returncode != 0 and "decode semantics" in ppl.stderr
+
+
+@pytest.mark.parametrize("rope", ["fused", "rk", "kshift"])
+@pytest.mark.parametrize("positions", ["reindexed", "original"])
+def test_every_engine_rope_strategy(tiny, rope, positions):
+    """The transient store's keys come out of, and the decode store's go into, every ring layout."""
+    loaded, _, ref = tiny
+    eng = CPUEngine(loaded.spec, loaded.tensors, n_batch=16, rope=rope)
+    kv = KVConfig(compress="adakv", compress_ratio=0.3, compress_window=8, positions=positions)
+    ids = prompt_ids(7)
+    store, le = compress_prefill(eng, ids, kv, room=6)
+    cache, lr = reference_compress_prefill(ref, ids, kv, room=6)
+    assert_same_kept(store, cache)
+    decode_both(eng, store, ref, cache, le, lr, 4)
+    store2, le = compress_prefill(eng, prompt_ids(8, 30), kv, room=4, prior=store)      # a chat turn after it
+    cache2, lr = reference_compress_prefill(ref, prompt_ids(8, 30), kv, room=4, prior=cache)
+    assert_same_kept(store2, cache2)
+    decode_both(eng, store2, ref, cache2, le, lr, 3)
