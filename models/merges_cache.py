@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from typing import Callable, Sequence
 
 import numpy as np
 
 from ringllm.runtime import user_cache_dir
+from ringllm.runtime.atomic_file import atomic_open
 
 FORMAT = 1
 
@@ -46,16 +46,12 @@ def _read(path: str, tokens: Sequence[str]) -> list[tuple[str, str]] | None:
 def _write(path: str, tokens: Sequence[str], merges: list[tuple[str, str]]) -> None:
     index = {t: i for i, t in enumerate(tokens)}
     ids = np.array([(index[a], index[b]) for a, b in merges], np.int32).reshape(-1, 2)
-    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
+        with atomic_open(path, "wb") as f:     # whole or absent: a reader never sees half a file
             np.save(f, ids, allow_pickle=False)
-        os.replace(tmp, path)           # whole or absent: a reader never sees half a file
     except OSError:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
+        pass                                    # a cache: not writing it only costs time next run
 
 
 def cached_merges(tokens: Sequence[str], ranks: Sequence[float],

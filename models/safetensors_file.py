@@ -33,21 +33,32 @@ def read_safetensors(path: str) -> dict[str, QTensor]:
             header = json.loads(fh.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelFileError(path, f"safetensors header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ModelFileError(path, f"safetensors header is a JSON {type(header).__name__}, expected an object")
     data_start = 8 + n
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     out: dict[str, QTensor] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(info, dict):
+            raise ModelFileError(path, f"tensor '{name}': header entry is not an object")
         dtype = info.get("dtype")
+        if not isinstance(dtype, str):
+            raise ModelFileError(path, f"tensor '{name}': dtype {dtype!r} is not a string")
         if dtype not in DTYPES:
             if dtype in ("I64", "I32", "BOOL", "U8", "I8"):
                 continue   # buffers such as position ids, not weights
             raise UnsupportedModelError(path, f"tensor '{name}' has dtype {dtype}; supported: {sorted(DTYPES)}")
         qtype, itemsize = DTYPES[dtype]
-        shape = tuple(int(d) for d in info["shape"])
-        begin, end = (int(x) for x in info["data_offsets"])
-        count = int(np.prod(shape)) if shape else 1
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
+            raise ModelFileError(path, f"tensor '{name}': shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ModelFileError(path, f"tensor '{name}': data_offsets {offsets!r} is not [begin, end]")
+        shape, (begin, end) = tuple(shape), offsets
+        count = int(np.prod(shape, dtype=object)) if shape else 1
         if end - begin != count * itemsize:
             raise ModelFileError(path, f"tensor '{name}': {end - begin} bytes for shape {shape} {dtype}")
         if data_start + end > size:

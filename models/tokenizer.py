@@ -688,6 +688,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise ConfigError(f"encode() takes a str, got {type(text).__name__}")
+        _check_unicode(text)
         with self._lock:
             self._backend.encode_special_tokens = not parse_special
             try:
@@ -766,6 +767,18 @@ class Tokenizer:
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(text: str) -> None:
+    """ConfigError when `text` holds a lone surrogate (a str can, e.g. from JSON "\\ud800" or bytes
+    decoded with surrogateescape); such text has no UTF-8 form, so no tokens."""
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise ConfigError(f"text is not valid Unicode: a lone surrogate U+{ord(bad.group()):04X} at character "
+                          f"{bad.start()}; decode bytes with errors='replace' or remove it")
 
 
 def _state(obj) -> str:

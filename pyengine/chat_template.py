@@ -21,8 +21,11 @@ vocabulary has <start_of_turn>, ChatML otherwise.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
+import re
+import threading
 from datetime import datetime
 from typing import Any
 
@@ -124,13 +127,158 @@ def _plain(value: Any, where: str) -> Any:
                       "(only JSON-like values)")
 
 
+# ---------------------------------------------------------------------------------------------
+# Bounds on what a template may compute (a model file is untrusted input)
+# ---------------------------------------------------------------------------------------------
+
+MAX_NUMBER_ARG = 100_000         # largest integer a template may pass to a call, filter or % format
+MAX_VALUE_LEN = 16_000_000       # longest string or list a template may build with * + ~ or pass on
+MAX_INT_BITS = 4096              # largest integer a template may compute with * and **
+RENDER_SECONDS = 2.0             # a render (compile included) that runs longer is stopped
+MAX_OUTPUT_CHARS = 1_000_000     # plus twice the conversation's own length: the longest rendering
+_WIDE_FORMAT = re.compile(r"\d{6,}")   # a width or precision of 100000 or more in a format string
+
+
+def _check_value(value: Any, what: str) -> None:
+    """SecurityError when `value` is an integer or a sequence past the bounds above."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and abs(value) > MAX_NUMBER_ARG:
+        raise SecurityError(f"{what}: the number {value if value.bit_length() < 64 else 'given'} is larger "
+                            f"than a chat template may use ({MAX_NUMBER_ARG})")
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_VALUE_LEN:
+        raise SecurityError(f"{what}: a value of {len(value)} items is longer than a chat template may "
+                            f"build ({MAX_VALUE_LEN})")
+
+
+def _check_expansion(obj: Any, name: str, args: tuple) -> None:
+    """SecurityError when a str method or filter that grows its input (replace, join, expandtabs)
+    would build more than MAX_VALUE_LEN characters; the result's length is computed, not guessed."""
+    if name == "replace" and isinstance(obj, str) and len(args) >= 2 and \
+            isinstance(args[0], str) and isinstance(args[1], str):
+        count = obj.count(args[0]) if args[0] else len(obj) + 1
+        grown = len(obj) + count * (len(args[1]) - len(args[0]))
+    elif name == "join" and isinstance(obj, str) and args and _size(args[0]) is not None:
+        grown = len(obj) * len(args[0])
+    elif name == "join" and args and isinstance(args[0], str) and hasattr(obj, "__len__"):
+        grown = len(args[0]) * len(obj)                    # the filter: seq|join(sep)
+    elif name == "expandtabs" and isinstance(obj, str):
+        grown = len(obj) + obj.count("\t") * (int(args[0]) if args and isinstance(args[0], int) else 8)
+    else:
+        return
+    if grown > MAX_VALUE_LEN:
+        raise SecurityError(f"{name} would build {grown} characters, more than a chat template may "
+                            f"build ({MAX_VALUE_LEN})")
+
+
+def _check_format(fmt: str) -> None:
+    if _WIDE_FORMAT.search(fmt):
+        raise SecurityError("a format string with a width or precision of 100000 or more")
+
+
+def _size(value: Any) -> int | None:
+    return len(value) if isinstance(value, (str, list, tuple)) else None
+
+
 class _StrictSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, but an unsafe attribute is an error at once instead of an
-    Undefined that renders as ''."""
+    Undefined that renders as ''; and bounded: no call, filter, operator or format may build a
+    value past the MAX_* bounds (so no single step allocates gigabytes), while render_chat bounds
+    the time and the output of the whole render."""
+
+    intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
 
     def unsafe_undefined(self, obj: Any, attribute: str):
         raise SecurityError(f"access to attribute {attribute!r} of a "
                             f"{type(obj).__name__!r} object is unsafe")
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            _check_value(value, f"call of {getattr(__obj, '__name__', type(__obj).__name__)}()")
+        if isinstance(getattr(__obj, "__self__", None), str):
+            _check_expansion(__obj.__self__, __obj.__name__, args)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Any:
+        wrapper = super().wrap_str_format(value)
+        if wrapper is not None:
+            _check_format(value.__self__)
+        return wrapper
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        ints = isinstance(left, int) and isinstance(right, int)
+        if operator == "**" and ints and right > 0 and abs(left) > 1 and \
+                abs(left).bit_length() * right > MAX_INT_BITS:
+            raise SecurityError(f"{left} ** {right} is larger than a chat template may compute")
+        if operator == "*":
+            if ints and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                raise SecurityError("a product larger than a chat template may compute")
+            for seq, n in ((left, right), (right, left)):
+                if _size(seq) is not None and isinstance(n, int) and _size(seq) * n > MAX_VALUE_LEN:
+                    raise SecurityError(f"a repetition of {_size(seq)} items {n} times is longer than a "
+                                        f"chat template may build ({MAX_VALUE_LEN})")
+        if operator == "+" and _size(left) is not None and _size(right) is not None and \
+                _size(left) + _size(right) > MAX_VALUE_LEN:
+            raise SecurityError(f"a concatenation longer than a chat template may build ({MAX_VALUE_LEN})")
+        if operator == "%" and isinstance(left, str):
+            _check_format(left)
+            for arg in right if isinstance(right, (tuple, list)) else (right,):
+                _check_value(arg, "% format")
+        return super().call_binop(context, operator, left, right)
+
+
+def _bounded_filter(name: str, fn: Any) -> Any:
+    """`fn` (a Jinja filter) refusing number and sequence arguments past the bounds (`center(10**9)`),
+    and for `format`, wide format strings. Compiled templates call filters directly, not through
+    the environment, so the bound lives in the filter itself."""
+
+    @functools.wraps(fn)      # keeps jinja_pass_arg: pass_context / pass_eval_context filters still get it
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        first = 1 if getattr(fn, "jinja_pass_arg", None) is not None else 0   # the context / eval context
+        value, rest = (args[first], args[first + 1:]) if len(args) > first else (None, ())
+        for arg in (*rest, *kwargs.values()):
+            _check_value(arg, f"filter {name}")
+        if name in ("replace", "join"):
+            _check_expansion(value, name, rest)
+        if name == "format" and isinstance(value, str):
+            _check_format(value)
+        return fn(*args, **kwargs)
+
+    return bounded
+
+
+class _RenderTimeout(BaseException):
+    """Raised inside a render that ran past RENDER_SECONDS (a BaseException: no except Exception
+    in Jinja's runtime may swallow it)."""
+
+
+def _time_bounded(fn: Any, *args: Any) -> Any:
+    """fn(*args), stopped with _RenderTimeout when it runs longer than RENDER_SECONDS.
+
+    A timer thread raises the exception asynchronously in this thread
+    (PyThreadState_SetAsyncExc), so a runaway loop of template bytecode stops wherever it is; it
+    works in any thread (a server worker too), unlike SIGALRM. The lock and the `done` flag make
+    sure the exception is never delivered after fn has returned."""
+    tid = threading.get_ident()
+    lock, state = threading.Lock(), {"done": False, "fired": False}
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_RenderTimeout))
+
+    timer = threading.Timer(RENDER_SECONDS, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        return fn(*args)
+    finally:
+        with lock:
+            state["done"] = True
+        timer.cancel()
+        if state["fired"]:      # clear an exception not yet delivered
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -145,6 +293,7 @@ class _Namespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _Namespace._check(name)
+        _check_value(value, f"namespace attribute {name!r}")
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
@@ -200,6 +349,7 @@ def _environment() -> _StrictSandbox:
     env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True,
                          extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters.update({name: _bounded_filter(name, fn) for name, fn in env.filters.items()})
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _Namespace
@@ -228,14 +378,36 @@ def _unsafe_names(tree: jinja2.nodes.Node) -> list[str]:
 def _compile(template: str) -> jinja2.Template:
     env = _environment()
     try:
-        tree = env.parse(template)
+        tree = _time_bounded(env.parse, template)
     except TemplateSyntaxError as exc:
         raise ConfigError(f"chat template is not valid Jinja (line {exc.lineno}): {exc.message}") from None
+    except (RecursionError, MemoryError) as exc:
+        raise ConfigError(f"chat template is too deeply nested to compile ({type(exc).__name__})") from None
+    except _RenderTimeout:
+        raise ConfigError(f"chat template took over {RENDER_SECONDS} s to parse") from None
     unsafe = _unsafe_names(tree)
     if unsafe:
         raise ConfigError("chat template is unsafe and was not run: it reaches for the internal "
                           f"attribute(s) {', '.join(sorted(set(unsafe)))}")
-    return env.from_string(tree)
+    try:
+        return _time_bounded(env.from_string, tree)
+    except TemplateError as exc:
+        raise ConfigError(f"chat template does not compile: {exc}") from None
+    except (RecursionError, MemoryError, SyntaxError, ValueError, TypeError, OverflowError) as exc:
+        raise ConfigError(f"chat template does not compile ({type(exc).__name__}: {exc})") from None
+    except _RenderTimeout:
+        raise ConfigError(f"chat template took over {RENDER_SECONDS} s to compile") from None
+
+
+def _render_bounded(compiled: jinja2.Template, max_chars: int, variables: dict) -> str:
+    """The template's output, streamed and cut off with a SecurityError past max_chars."""
+    out, n = [], 0
+    for chunk in compiled.generate(**variables):
+        n += len(chunk)
+        if n > max_chars:
+            raise SecurityError(f"the rendering grew past {max_chars} characters")
+        out.append(chunk)
+    return "".join(out)
 
 
 # Names render_chat fills itself; template kwargs may not set them.
@@ -307,7 +479,8 @@ def render_chat(template: str | None, messages: list[dict], add_generation_promp
     extra: more variables for the template (tools, documents, enable_thinking, ...), plain
     JSON-like values only; `tools` and `documents` are None unless given, as in transformers.
     Errors are ConfigError: bad or empty messages, invalid or unsafe template, a template that
-    raises (raise_exception) or fails while rendering.
+    raises (raise_exception) or fails while rendering, or one past the bounds (RENDER_SECONDS,
+    the output limit, the MAX_* bounds on values it builds).
     """
     if template is None:
         template = fallback_template(tokenizer)
@@ -321,10 +494,15 @@ def render_chat(template: str | None, messages: list[dict], add_generation_promp
     variables = {"tools": None, "documents": None}
     variables.update({k: _plain(v, k) for k, v in extra.items()})
     compiled = _compile(template)
+    variables.update(messages=_template_messages(plain_messages), add_generation_prompt=bool(add_generation_prompt),
+                     bos_token=bos_token, eos_token=eos_token)
+    max_chars = MAX_OUTPUT_CHARS + 2 * len(json.dumps(variables, default=str))
     try:
-        return compiled.render(messages=_template_messages(plain_messages),
-                               add_generation_prompt=bool(add_generation_prompt),
-                               bos_token=bos_token, eos_token=eos_token, **variables)
+        return _time_bounded(_render_bounded, compiled, max_chars, variables)
+    except _RenderTimeout:
+        raise ConfigError(f"chat template ran longer than {RENDER_SECONDS} s and was stopped") from None
+    except MemoryError:
+        raise ConfigError("chat template ran out of memory and was stopped") from None
     except SecurityError as exc:
         raise ConfigError(f"chat template is unsafe and was stopped: {exc}") from None
     except _TemplateRaised as exc:

@@ -283,7 +283,7 @@ class Sampler:
         try:
             rng = np.random.Generator(np.random.PCG64())
             rng.bit_generator.state = state["rng"]
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise ConfigError(f"sampler state is malformed: {exc!r}") from None
         self.rng = rng
 

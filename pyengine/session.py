@@ -20,8 +20,9 @@ store's arrays and one JSON header: format name and version, the model's identit
 the messages, the token history, tokens sampled but not yet fed, the sampler's generator state and
 defaults, the state of an answer max_tokens cut (its grammar and the tokens the grammar accepted,
 replayed on load, so continue_answer() after a load goes on exactly as without it), and a SHA-256
-over header and arrays. A file is written to a temporary name and renamed,
-so a crash never leaves half a file; a damaged, truncated or foreign file raises SessionFileError
+over header and arrays. A file is written through runtime/atomic_file.py (temporary
+file in the same folder, fsync, rename, folder fsync), so a crash never leaves half a file and a
+full disk raises SessionFileError with the old file kept; a damaged, truncated or foreign file raises SessionFileError
 (a ConfigError) naming the problem, and nothing is changed until everything has been checked.
 """
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from ringllm.chat_template import check_template_kwargs, validate_messages
 from ringllm.constraints import constraint_from_state
 from ringllm.decoder import Decoder, check_max_tokens
 from ringllm.generation import Completion, Generation, Record
+from ringllm.runtime.atomic_file import atomic_open
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.sampling import Sampler, SamplingParams, StopMatcher
@@ -335,16 +336,12 @@ class ChatSession:
                       "store": kv_state, "cut_answer": self.cut_answer}
             header["checksum"] = file_checksum(header, arrays)
             blob = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
-            folder = os.path.dirname(os.path.abspath(path))
-            fd, tmp = tempfile.mkstemp(prefix=".session-", suffix=".tmp", dir=folder)
             try:
-                with os.fdopen(fd, "wb") as fh:
+                with atomic_open(path, "wb") as fh:
                     np.savez_compressed(fh, __header__=blob, **arrays)
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
+            except OSError as exc:
+                raise SessionFileError(path, f"cannot be written ({exc.strerror or exc}); the previous "
+                                       "file, if any, is unchanged") from exc
         return path
 
     @classmethod
@@ -427,7 +424,7 @@ class ChatSession:
                 raise ValueError("a history without a store")
         except SessionFileError:
             raise
-        except (RingLLMError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (RingLLMError, KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise SessionFileError(path, f"inconsistent content: {exc}") from None
         obj = cls.__new__(cls)
         obj.llm, obj.kv, obj.system, obj.seed = llm, session_kv, system, seed

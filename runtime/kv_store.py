@@ -567,8 +567,39 @@ class KVStore:
             a = np.asarray(arrays[name])
             if a.shape != ref.shape or a.dtype != ref.dtype:
                 raise ConfigError(f"KV store state array {name}: shape {a.shape} {a.dtype}, expected {ref.shape} {ref.dtype}")
+        if n_seen < 0:
+            raise ConfigError(f"KV store state: n_seen {n_seen} is negative")
         for name, ref in fresh.items():
             ref[...] = arrays[name]
         store.n_seen = n_seen
+        store.check_slots()
         store.policy_impl.after_restore(store)
         return store
+
+    def check_slots(self) -> None:
+        """ConfigError unless the slot metadata is what the write kernels keep (a restored state is
+        untrusted: a count past the slots, or a position past the RoPE table, would index out of
+        bounds inside a Numba kernel, a segfault rather than an error). Per layer and kv head:
+        0 <= count <= slots; the occupied slots hold distinct sequence indices in [0, n_seen), the
+        others -1; reindexed mode: rank is each token's rank by sequence index (the position);
+        original mode: pos is the sequence index (rank is not kept there); kbase in [0, n_seen]; evicted >= 0."""
+        for il in range(self.spec.n_layer):
+            seq, rank, count = self.seq[il], self.rank[il], self.count[il]
+            n_slots = seq.shape[1]
+            if (count < 0).any() or (count > n_slots).any() or (self.evicted[il] < 0).any():
+                raise ConfigError(f"KV store state: layer {il} counts {count.tolist()} outside 0..{n_slots} "
+                                  "(or negative evictions)")
+            if self.kbase[il].size and ((self.kbase[il] < 0).any() or (self.kbase[il] > self.n_seen).any()):
+                raise ConfigError(f"KV store state: layer {il} key base positions outside 0..{self.n_seen}")
+            for h in range(seq.shape[0]):
+                n = int(count[h])
+                held = seq[h, :n]
+                if (held < 0).any() or (held >= self.n_seen).any() or np.unique(held).size != n \
+                        or (seq[h, n:] != -1).any():
+                    raise ConfigError(f"KV store state: layer {il} head {h} holds invalid sequence indices")
+                want = np.empty(n, np.int64)
+                want[np.argsort(held, kind="stable")] = np.arange(n)
+                if self.reindexed and not np.array_equal(rank[h, :n], want):
+                    raise ConfigError(f"KV store state: layer {il} head {h} ranks do not follow the sequence order")
+                if not self.reindexed and not np.array_equal(self.pos[il][h, :n], held):
+                    raise ConfigError(f"KV store state: layer {il} head {h} positions are not the sequence indices")

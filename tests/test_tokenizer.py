@@ -564,7 +564,7 @@ def test_unsafe_template_stopped_while_running(template):
 def test_bad_templates():
     with pytest.raises(ConfigError, match="not valid Jinja"):
         render_chat("{% for m in messages %}", [{"role": "user", "content": "x"}])
-    with pytest.raises(ConfigError, match="failed"):
+    with pytest.raises(ConfigError, match="larger than a chat template may use"):    # bounded before it runs
         render_chat("{{ range(10 ** 9) | list }}", [{"role": "user", "content": "x"}])
     with pytest.raises(ConfigError, match="must be a string"):
         render_chat(42, [{"role": "user", "content": "x"}])

@@ -1,0 +1,120 @@
+"""Soak: many tokens through one chat session, saved and reloaded on the way; memory, files, latency.
+
+    python bench/soak.py                         # the full run: 1,000,000 tokens, capacity 512 (about an hour+)
+    python bench/soak.py --tokens 4000 --capacity 64 --reload-every 1000 --name soak_short
+
+One ChatSession of the bundled SmolLM2 (greedy, ignore_eos) gets user turns of `--turn-chars`
+characters of Pride and Prejudice (a few hundred tokens) and answers of `--answer-tokens` tokens, so
+most tokens are prefilled, until `--tokens` tokens have gone through the KV store. Every
+`--reload-every` tokens the session is saved and loaded back (ChatSession.save / load). The same
+conversation runs a second time without reloads; the answers of the two runs must be the same
+tokens (a save/load changes nothing). Sampled at each reload point: RSS, open file descriptors;
+per-token latency (turn time / tokens the turn fed) per segment.
+
+Writes bench/results/<name>.{json,md} (crash-safe, bench/common.py). Not run by CI in this form;
+tests/test_soak.py runs the short form.
+
+Known and measured here, not hidden: the session keeps its token history (one Python int per
+token fed, the `tokens` list sessions save), so RSS grows by about 8 bytes per token plus the
+saved file's size; the store itself is fixed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine, write_results  # noqa: E402
+
+CORPUS = os.path.join(os.path.dirname(__file__), "data", "prideprejudice.txt")
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def run_soak(llm, tokens: int, capacity: int, policy: str, reload_every: int | None, turn_chars: int,
+             answer_tokens: int, folder: str) -> dict:
+    """One soak run; reload_every None: never saved. Returns answers (token lists per turn),
+    samples [(tokens fed, rss MB, open fds)], and per-segment latencies (seconds per token fed)."""
+    import ringllm
+    from ringllm.session import ChatSession
+
+    text = open(CORPUS, encoding="utf-8").read()
+    session = llm.chat_session(kv=ringllm.KVConfig(capacity=capacity, policy=policy), seed=0)
+    path = os.path.join(folder, "soak.session")
+    answers, samples, lat, seg = [], [(0, rss_mb(), open_files())], {}, 0
+    at, next_reload, fed = 0, reload_every, 0
+    while fed < tokens:
+        if at + turn_chars > len(text):
+            at = 0
+        user = text[at:at + turn_chars]
+        at += turn_chars
+        before = len(session.tokens)
+        t0 = time.perf_counter()
+        out = session.send(user, stream=False, max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
+        dt = time.perf_counter() - t0
+        n = len(session.tokens) - before
+        fed += n
+        answers.append(list(out.tokens))
+        lat.setdefault(seg, []).append(dt / max(n, 1))
+        if reload_every and fed >= next_reload:
+            session.save(path)
+            session = ChatSession.load(llm, path)
+            samples.append((fed, rss_mb(), open_files()))
+            next_reload += reload_every
+            seg += 1
+    samples.append((fed, rss_mb(), open_files()))
+    segments = [{"segment": s, "p50_ms": float(np.percentile(v, 50) * 1e3), "p99_ms": float(np.percentile(v, 99) * 1e3),
+                 "turns": len(v)} for s, v in sorted(lat.items())]
+    return {"answers": answers, "samples": samples, "segments": segments, "tokens_fed": fed,
+            "kv": session.kv_stats()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=1_000_000)
+    ap.add_argument("--capacity", type=int, default=512)
+    ap.add_argument("--policy", default="streaming")
+    ap.add_argument("--reload-every", type=int, default=100_000)
+    ap.add_argument("--turn-chars", type=int, default=1200)
+    ap.add_argument("--answer-tokens", type=int, default=32)
+    ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--name", default="soak")
+    args = ap.parse_args()
+    import ringllm
+    llm = ringllm.LLM(None, n_threads=args.threads, progress=False)
+    with tempfile.TemporaryDirectory() as folder:
+        kw = dict(tokens=args.tokens, capacity=args.capacity, policy=args.policy, turn_chars=args.turn_chars,
+                  answer_tokens=args.answer_tokens, folder=folder)
+        reloaded = run_soak(llm, reload_every=args.reload_every, **kw)
+        plain = run_soak(llm, reload_every=None, **kw)
+    same = reloaded["answers"] == plain["answers"]
+    s = reloaded["samples"]
+    payload = {"machine": machine(), "args": vars(args), "same_answers_with_and_without_reloads": same,
+               "samples": s, "segments": reloaded["segments"], "tokens_fed": reloaded["tokens_fed"],
+               "kv": reloaded["kv"]}
+    md = [f"# Soak: {reloaded['tokens_fed']} tokens, SmolLM2, {args.policy} capacity {args.capacity}",
+          "", f"`python bench/soak.py {' '.join(sys.argv[1:])}`", "",
+          f"Answers identical with and without a save/load every {args.reload_every} tokens: **{same}**", "",
+          "| tokens fed | RSS MB | open fds |", "|---|---|---|"]
+    md += [f"| {t} | {r:.1f} | {f} |" for t, r, f in s]
+    md += ["", "| segment | turns | p50 ms/token | p99 ms/token |", "|---|---|---|---|"]
+    md += [f"| {g['segment']} | {g['turns']} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} |" for g in reloaded["segments"]]
+    write_results(args.name, payload, "\n".join(md) + "\n")
+    print("\n".join(md))
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    main()

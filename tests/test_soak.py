@@ -1,0 +1,31 @@
+"""Short form of bench/soak.py: one chat session of SmolLM2 at capacity 64 takes 3,000 tokens
+(user turns of Pride and Prejudice, 8-token greedy answers), saved and reloaded every 1,000 tokens,
+and the same conversation without reloads. The answers are the same tokens; open file descriptors
+are the same at every reload; RSS after the last reload is within 10% of RSS after the first (the
+store is fixed; only the token history grows, by bytes per token)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+import ringllm
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from soak import run_soak  # noqa: E402
+
+
+def test_soak_short(smollm2_path, tmp_path):
+    llm = ringllm.LLM(smollm2_path, n_threads=1, progress=False)
+    kw = dict(tokens=3000, capacity=64, policy="streaming", turn_chars=600, answer_tokens=8, folder=str(tmp_path))
+    reloaded = run_soak(llm, reload_every=1000, **kw)
+    plain = run_soak(llm, reload_every=None, **kw)
+    assert reloaded["tokens_fed"] >= 3000 and len(reloaded["samples"]) >= 4
+    assert reloaded["answers"] == plain["answers"]
+    after_reloads = reloaded["samples"][1:]
+    assert len({fds for _, _, fds in after_reloads}) == 1, after_reloads
+    first, last = after_reloads[0][1], after_reloads[-1][1]
+    assert last <= first * 1.10, after_reloads
+    assert reloaded["kv"]["length"] <= 64
+    print(reloaded["samples"], reloaded["segments"])
