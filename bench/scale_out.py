@@ -80,18 +80,21 @@ def follow_ups(url: str, clients: int, text: str) -> dict:
         start = 5000 + i * 2600
         messages = [{"role": "system", "content": "You answer briefly."},
                     {"role": "user", "content": text[start:start + 2500] + "\nWho is mentioned here?"}]
-        last = None
+        served = []
         for q in ["", "Why?", "Say it in five words."]:
             if q:
                 messages.append({"role": "user", "content": q})
             last = stream_chat(url, {"messages": messages, "max_tokens": 24, "temperature": 0})
+            served.append(last["replica"])
             messages.append({"role": "assistant", "content": last["text"]})
-        return last
+        return {**last, "served": served}
 
     with ThreadPoolExecutor(clients) as pool:
         res = list(pool.map(conversation, range(2 * clients)))
     hits = [r["usage"]["prompt_tokens_details"]["cached_tokens"] >= r["usage"]["prompt_tokens"] // 2 for r in res]
-    return {"conversations": len(res), "turn3_hit_rate": round(sum(hits) / len(res), 2),
+    return {"conversations": len(res), "replicas_used": len({x for r in res for x in r["served"]}),
+            "turn3_same_replica_as_turn2": round(sum(r["served"][2] == r["served"][1] for r in res) / len(res), 2),
+            "turn3_hit_rate": round(sum(hits) / len(res), 2),
             "turn3_ttft_p50_s": round(statistics.median(r["ttft"] for r in res), 3),
             "turn3_ttft_mean_s": round(statistics.fmean(r["ttft"] for r in res), 3),
             "turn3_ttft_hit_s": round(statistics.median(r["ttft"] for r, h in zip(res, hits) if h), 3) if any(hits) else None,
@@ -129,12 +132,14 @@ def main() -> int:
     for r in rows:
         md.append(f"| {r['replicas']} | {r['tok_s']} | {r['ttft_p50_s']} s | {r['ttft_p99_s']} s | {r['replicas_used']} |")
     md += ["", "Follow-up turn (3rd turn of a conversation opened with a ~600-token message), 2 replicas:", "",
-           "| routing | conversations | 3rd turn on the replica holding its store | TTFT mean | TTFT p50 | "
-           "TTFT when it was (median) | TTFT when not (median) |", "|---|---|---|---|---|---|---|"]
+           "| routing | conversations | replicas that served | 3rd turn on the 2nd turn's replica | 3rd turn reused "
+           ">= half its prompt | TTFT mean | TTFT p50 | TTFT when reused (median) | TTFT when not (median) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for k, v in affinity.items():
         name = "ringllm's AffinityRouter" if k == "affinity" else "Ray Serve's default router (--no-affinity)"
-        md.append(f"| {name} | {v['conversations']} | {v['turn3_hit_rate']:.0%} | {v['turn3_ttft_mean_s']} s | "
-                  f"{v['turn3_ttft_p50_s']} s | {v['turn3_ttft_hit_s']} s | {v['turn3_ttft_miss_s']} s |")
+        md.append(f"| {name} | {v['conversations']} | {v['replicas_used']} | {v['turn3_same_replica_as_turn2']:.0%} | "
+                  f"{v['turn3_hit_rate']:.0%} | {v['turn3_ttft_mean_s']} s | {v['turn3_ttft_p50_s']} s | "
+                  f"{v['turn3_ttft_hit_s']} s | {v['turn3_ttft_miss_s']} s |")
     write_results(args.out, {"command": cmdline, "machine": machine(), "throughput": rows, "affinity": affinity},
                   "\n".join(md) + "\n")
     print("\n".join(md))
