@@ -2,13 +2,15 @@
 
 This is the hot loop of the CPU engine, and this module is its public face (`from ringllm.runtime
 import matvec as mv`): `pack` repacks a weight once at load into a layout made for 256-bit SIMD
-(AVX2 + FMA + F16C), `matvec` streams that layout once per call, `matmul` (prefill, X (T, n_cols))
-decodes each tile once and multiplies it with all T rows, `unpack` decodes the whole matrix. The
+(AVX2 + FMA + F16C), `matvec` streams that layout once per call, `matmul` (X (T, n_cols): prefill,
+batched decode, verification) streams it once for all T rows, `unpack` decodes the whole matrix. The
 functions here check their arguments and pick a kernel; the work is done in
 
     simd.py            Numba intrinsics on <8 x float> / <8 x i32> (vfma, ld_f16, andf, ...)
     quant_tiles.py     the packed layout, and one tile kernel per GGML type (a tile of rows @ x)
-    matvec_kernels.py  the entry kernels matvec_<type>(out, buf, x, scratch), generated from one table
+    quant_tile_pairs.py  two-row tile kernels (a tile of rows @ two x), for few-row products
+    matvec_kernels.py  the entry kernels matvec_<type>(out, buf, x, scratch) and rows_<type>(out, buf, X,
+                       scratch), generated from one table
     gemm.py            the tile decoder (unpack) and the register-tiled matmul (prefill)
     packing.py         file blocks -> packed records (NumPy), in huge-page slabs
 
@@ -35,7 +37,7 @@ import numpy as np
 
 from ringllm.runtime.errors import ConfigError, UnsupportedModelError
 from ringllm.runtime.gemm import MATMUL_TILES, UNPACK_TILES
-from ringllm.runtime.matvec_kernels import KERNELS, x_scales
+from ringllm.runtime.matvec_kernels import KERNELS, ROWS_KERNELS, x_scales
 from ringllm.runtime.packing import pack_records
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_tiles import tile_rows
@@ -48,8 +50,9 @@ __all__ = ["PackedMatrix", "pack", "matvec", "matmul", "unpack", "unpack_rows", 
 # Packed matrices
 # ==================================================================================================
 
-# below this many tokens, matmul runs one matvec per token (see bench/matvec_bench.py)
-MATMUL_MIN_T = 5
+# from this many rows on, matmul decodes each tile once into a scratch (gemm.py); below, rows go
+# through the tiles in pairs (quant_tile_pairs.py). See bench/matvec_bench.py.
+MATMUL_MIN_T = 8
 
 
 class PackedMatrix:
@@ -62,18 +65,24 @@ class PackedMatrix:
              therefore not safe to use from two threads at once.
     kernel:  the entry kernel; kernel(out, buf, x, scratch) is matvec without the argument
              checks (it can also be called from other Numba code).
+    rows_kernel: the few-row entry kernel rows_kernel(out, buf, X, rows_scratch) (out (T, n_rows)
+             = X @ W.T, 2 <= T <= rows_scratch.shape[0]), or None for a type without two-row tile
+             kernels (its few-row products run one matvec per row).
+    rows_scratch: float32 (T, len(scratch)), grown by matmul to the largest T it was called with.
     name:    the source tensor's name (names joined by '+' for stacked tensors).
     """
 
-    __slots__ = ("qtype", "n_rows", "n_cols", "buf", "scratch", "name", "kernel",
+    __slots__ = ("qtype", "n_rows", "n_cols", "buf", "scratch", "name", "kernel", "rows_kernel", "rows_scratch",
                  "family", "kind", "tile_rows", "n_tiles", "n_blocks")
 
     def __init__(self, qtype: GGMLType, n_rows: int, n_cols: int, buf: np.ndarray, name: str = ""):
         self.qtype, self.n_rows, self.n_cols, self.buf, self.name = qtype, n_rows, n_cols, buf, name
         self.kernel, self.family, self.kind = KERNELS[qtype]
+        self.rows_kernel = ROWS_KERNELS.get(qtype)
         self.tile_rows = tile_rows(qtype)
         self.scratch = np.zeros(56 + n_cols // 16 + n_cols, np.float32)
         self.scratch[:32] = x_scales(qtype)
+        self.rows_scratch = self.scratch[None, :]
         self.n_tiles = (n_rows + self.tile_rows - 1) // self.tile_rows
         block = BLOCK_LAYOUT[qtype][0]
         self.n_blocks = n_cols // block
@@ -197,13 +206,15 @@ def unpack(pm: PackedMatrix) -> np.ndarray:
 
 
 def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray) -> None:
-    """out (T, n_rows) float32 = X @ W.T for X (T, n_cols) float32 (prefill).
+    """out (T, n_rows) float32 = X @ W.T for X (T, n_cols) float32 (prefill, batched decode, verification).
 
-    T < MATMUL_MIN_T: one matvec per row of X. Otherwise each tile of W (16 or 24 rows) is decoded
-    once into a small float32 scratch (n_cols x rows per thread, allocated per call) and multiplied
-    with all T rows (register tiles of 4 tokens x 16 rows); tiles are split over
-    numba.get_num_threads() threads. No BLAS: NumPy's OpenBLAS threads and Numba's OpenMP threads
-    spin against each other on a small machine (many times slower on 2 cores).
+    T = 1: matvec. 2 <= T < MATMUL_MIN_T: the few-row kernel, the rows in pairs through each tile while
+    it is hot in L1, each weight decoded once per pair (one matvec per row for the types without
+    two-row tiles). Otherwise each tile of W (16 or 24 rows) is decoded once into a small float32
+    scratch (n_cols x rows per thread, allocated per call) and multiplied with all T rows (register
+    tiles of 4 tokens x 16 rows); tiles are split over numba.get_num_threads() threads. No BLAS:
+    NumPy's OpenBLAS threads and Numba's OpenMP threads spin against each other on a small machine
+    (many times slower on 2 cores).
 
     Raises:
         ConfigError: wrong type, dtype or shape of out or X.
@@ -218,7 +229,7 @@ def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray) -> None:
                           f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
     if T == 0:
         return
-    if T < MATMUL_MIN_T:
+    if T < MATMUL_MIN_T and (T == 1 or pm.rows_kernel is None):
         for i in range(T):
             xi = np.ascontiguousarray(X[i])
             if out[i].flags.c_contiguous:
@@ -231,8 +242,13 @@ def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray) -> None:
     if not X.flags.c_contiguous or np.may_share_memory(out, X):
         X = np.array(X, dtype=np.float32, order="C")
     dst = out if out.flags.c_contiguous else np.empty((T, pm.n_rows), np.float32)
-    n_chunks = min(numba.get_num_threads(), pm.n_tiles)
-    wts = np.empty((n_chunks, pm.n_cols, pm.tile_rows), np.float32)
-    MATMUL_TILES[pm.family](dst, pm.buf, X, pm.kind, pm.n_blocks, wts)
+    if T < MATMUL_MIN_T:
+        if pm.rows_scratch.shape[0] < T:
+            pm.rows_scratch = np.repeat(pm.scratch[None, :], T, axis=0)
+        pm.rows_kernel(dst, pm.buf, X, pm.rows_scratch)
+    else:
+        n_chunks = min(numba.get_num_threads(), pm.n_tiles)
+        wts = np.empty((n_chunks, pm.n_cols, pm.tile_rows), np.float32)
+        MATMUL_TILES[pm.family](dst, pm.buf, X, pm.kind, pm.n_blocks, wts)
     if dst is not out:
         out[...] = dst

@@ -35,10 +35,13 @@ from ringllm.runtime.quant_tiles import (QK, QK_K, REC_F16, REC_F32, REC_IQ4_NL,
                                          tile_iq4_nl, tile_iq4_xs, tile_q2_k, tile_q3_k, tile_q4_0, tile_q4_1,
                                          tile_q4_k, tile_q5_0, tile_q5_1, tile_q5_k, tile_q6_k, tile_q8_0,
                                          tile_rows)
+from ringllm.runtime.quant_tile_pairs import (tile2_bf16, tile2_f16, tile2_f32, tile2_q4_0, tile2_q4_1,  # noqa: F401
+                                              tile2_q4_k, tile2_q5_0, tile2_q5_1, tile2_q5_k, tile2_q6_k,
+                                              tile2_q8_0)
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
 from ringllm.runtime.simd import num_threads, vadd, vhsum, vload, vmul, vstore
 
-__all__ = ["KERNELS", "PAR_MIN_WEIGHTS", "x_scales"]
+__all__ = ["KERNELS", "ROWS_KERNELS", "PAR_MIN_WEIGHTS", "x_scales"]
 
 PAR_MIN_WEIGHTS = 65536  # matrices with fewer weights run on the calling thread only (fork/join costs more)
 
@@ -154,62 +157,121 @@ def matvec_{name}(out, buf, x, scratch):
         _finish_tail(out, tail, n_full * {rows})
 '''
 
-# One row per type: its tile kernel, that kernel's record size (bytes per tile and block), the runs of
-# x its block sums cover (32 or 16: prep_x, the tile takes xs and xsum; 0: copy_x, the tile takes x
-# as is), and the (family, kind) that names its tile decoder in gemm.py. Rows per tile come from
+# The few-row product, for types with a two-row tile kernel (quant_tile_pairs.py): out (T, n_rows) =
+# X @ W.T for X (T, n_cols), T >= 2. Each row of X is prepared into its own row of scratch (T, 56 +
+# n_cols // 16 + n_cols), laid out as matvec's; then per tile, the rows go through the tile in pairs
+# (an odd last row through the one-row kernel) while its records are hot in L1, so each weight is
+# read from memory once per call and decoded once per pair of rows. The partial last tile goes into
+# a (T, rows) temporary and from there into out.
+_ROWS_SOURCE = '''
+def rowtile_{name}(out, d0, buf, base, nb, scratch, o, n_cols):
+    """Tile at byte base of buf -> out[:, d0:d0 + {rows}] for every row of the prepared scratch."""
+    T = out.shape[0]
+    j = 0
+    while j + 1 < T:
+        {tile2}(out[j], out[j + 1], d0, buf, base, nb, {x_args2})
+        j += 2
+    if j < T:
+        {tile}(out[j], d0, buf, base, nb, {x_args1})
+
+
+def rows_{name}(out, buf, X, scratch):
+    """{type}: out (T, n_rows) float32 = X @ W.T for X (T, n_cols), T <= scratch.shape[0]."""
+    T = X.shape[0]
+    n_rows = out.shape[1]
+    n_cols = X.shape[1]
+    o = 56 + n_cols // 16
+    for j in range(T):
+        {prep_rows}
+    nb = {nb}
+    stride = nb * {rec}
+    n_full = n_rows // {rows}
+    if num_threads() == 1 or n_full < 2 or n_rows * n_cols < PAR_MIN_WEIGHTS:
+        for t in range(n_full):
+            rowtile_{name}(out, t * {rows}, buf, t * stride, nb, scratch, o, n_cols)
+    else:
+        for t in prange(n_full):
+            rowtile_{name}(out, t * {rows}, buf, t * stride, nb, scratch, o, n_cols)
+    if n_full * {rows} < n_rows:
+        tail = np.empty((T, {rows}), np.float32)
+        rowtile_{name}(tail, np.int64(0), buf, n_full * stride, nb, scratch, o, n_cols)
+        for j in range(T):
+            _finish_tail(out[j], tail[j], n_full * {rows})
+'''
+
+# One row per type: its tile kernel, its two-row tile kernel (None: few-row products run one matvec
+# per row), that kernel's record size (bytes per tile and block), the runs of x its block sums cover
+# (32 or 16: prep_x, the tile takes xs and xsum; 0: copy_x, the tile takes x as is), and the
+# (family, kind) that names its tile decoder in gemm.py. Rows per tile come from
 # quant_tiles.tile_rows and values per block from quant_types.BLOCK_LAYOUT.
 _ENTRIES = (
-    # type          tile         record      x sums  unpack
-    (GGMLType.Q4_0, "tile_q4_0", "REC_Q4_0", 32,     (0, 0)),
-    (GGMLType.Q4_1, "tile_q4_1", "REC_Q4_1", 32,     (0, 1)),
-    (GGMLType.Q5_0, "tile_q5_0", "REC_Q5_0", 32,     (0, 2)),
-    (GGMLType.Q5_1, "tile_q5_1", "REC_Q5_1", 32,     (0, 3)),
-    (GGMLType.Q8_0, "tile_q8_0", "REC_Q8_0", 0,      (0, 4)),
-    (GGMLType.Q4_K, "tile_q4_k", "REC_Q4_K", 32,     (1, 0)),
-    (GGMLType.Q5_K, "tile_q5_k", "REC_Q5_K", 32,     (1, 1)),
-    (GGMLType.Q6_K, "tile_q6_k", "REC_Q6_K", 16,     (1, 2)),
-    (GGMLType.F16,  "tile_f16",  "REC_F16",  0,      (2, 0)),
-    (GGMLType.F32,  "tile_f32",  "REC_F32",  0,      (2, 1)),
-    (GGMLType.BF16, "tile_bf16", "REC_F16",  0,      (2, 2)),
-    (GGMLType.Q2_K, "tile_q2_k", "REC_Q2_K", 16,     (3, 0)),
-    (GGMLType.Q3_K, "tile_q3_k", "REC_Q3_K", 16,     (3, 1)),
-    (GGMLType.IQ4_NL, "tile_iq4_nl", "REC_IQ4_NL", 32, (3, 2)),
-    (GGMLType.IQ4_XS, "tile_iq4_xs", "REC_IQ4_XS", 32, (3, 3)),
+    # type            tile           two-row tile   record        x sums  unpack
+    (GGMLType.Q4_0,   "tile_q4_0",   "tile2_q4_0",  "REC_Q4_0",   32,     (0, 0)),
+    (GGMLType.Q4_1,   "tile_q4_1",   "tile2_q4_1",  "REC_Q4_1",   32,     (0, 1)),
+    (GGMLType.Q5_0,   "tile_q5_0",   "tile2_q5_0",  "REC_Q5_0",   32,     (0, 2)),
+    (GGMLType.Q5_1,   "tile_q5_1",   "tile2_q5_1",  "REC_Q5_1",   32,     (0, 3)),
+    (GGMLType.Q8_0,   "tile_q8_0",   "tile2_q8_0",  "REC_Q8_0",   0,      (0, 4)),
+    (GGMLType.Q4_K,   "tile_q4_k",   "tile2_q4_k",  "REC_Q4_K",   32,     (1, 0)),
+    (GGMLType.Q5_K,   "tile_q5_k",   "tile2_q5_k",  "REC_Q5_K",   32,     (1, 1)),
+    (GGMLType.Q6_K,   "tile_q6_k",   "tile2_q6_k",  "REC_Q6_K",   16,     (1, 2)),
+    (GGMLType.F16,    "tile_f16",    "tile2_f16",   "REC_F16",    0,      (2, 0)),
+    (GGMLType.F32,    "tile_f32",    "tile2_f32",   "REC_F32",    0,      (2, 1)),
+    (GGMLType.BF16,   "tile_bf16",   "tile2_bf16",  "REC_F16",    0,      (2, 2)),
+    (GGMLType.Q2_K,   "tile_q2_k",   None,          "REC_Q2_K",   16,     (3, 0)),
+    (GGMLType.Q3_K,   "tile_q3_k",   None,          "REC_Q3_K",   16,     (3, 1)),
+    (GGMLType.IQ4_NL, "tile_iq4_nl", None,          "REC_IQ4_NL", 32,     (3, 2)),
+    (GGMLType.IQ4_XS, "tile_iq4_xs", None,          "REC_IQ4_XS", 32,     (3, 3)),
 )
 _BLOCK_NAMES = {QK: "QK", QK_K: "QK_K"}
 _ROWS_NAMES = {TILE: "TILE", TILE3: "TILE3"}
 
 
-def _template_line() -> int:
-    """Lines of this file before _ENTRY_SOURCE's text (0 when the source cannot be read)."""
+def _template_line(template: str) -> int:
+    """Lines of this file before the template's text (0 when the source cannot be read)."""
     try:
         with open(__file__, encoding="utf-8") as f:
             text = f.read()
     except OSError:
         return 0
-    at = text.find(_ENTRY_SOURCE)
+    at = text.find(template)
     return text.count("\n", 0, at) if at >= 0 else 0
 
 
-def _entry_kernels() -> dict:
-    """{GGMLType: (entry kernel, unpack family, unpack kind)}, each kernel compiled from _ENTRY_SOURCE
-    into this module's namespace (as matvec_q4_0, ...) and decorated like a hand-written one."""
-    pad = "\n" * _template_line()
-    kernels = {}
-    for qtype, tile, rec, x_sums, (family, kind) in _ENTRIES:
+def _compile(template: str, names: tuple, **fields):
+    """Compile the filled-in template into this module's namespace (with the template's line numbers)
+    and decorate its functions `names` like hand-written kernels; the entry kernel, names[-1], runs
+    in parallel. Returns the entry kernel."""
+    exec(compile("\n" * _template_line(template) + template.format(**fields), __file__, "exec"), globals())
+    for i, fn in enumerate(names):
+        globals()[fn] = njit(cache=True, nogil=True, parallel=i == len(names) - 1)(globals()[fn])
+    return globals()[names[-1]]
+
+
+def _entry_kernels() -> tuple[dict, dict]:
+    """({GGMLType: (matvec entry kernel, unpack family, unpack kind)}, {GGMLType: few-row entry kernel}),
+    each kernel compiled from _ENTRY_SOURCE / _ROWS_SOURCE into this module's namespace (as matvec_q4_0,
+    rows_q4_0, ...)."""
+    kernels, rows_kernels = {}, {}
+    for qtype, tile, tile2, rec, x_sums, (family, kind) in _ENTRIES:
         name = qtype.name.lower()
         block = BLOCK_LAYOUT[qtype][0]
-        source = _ENTRY_SOURCE.format(
-            name=name, type=qtype.name, tile=tile, rec=rec, rows=_ROWS_NAMES[tile_rows(qtype)],
-            nb=f"n_cols // {_BLOCK_NAMES[block]}" if block > 1 else "n_cols",
-            prep=f"prep_x(xs, xsum, x, tab, {x_sums})" if x_sums else "copy_x(xs, x)",
-            x_args="xs, xsum" if x_sums else "xs")
-        exec(compile(pad + source, __file__, "exec"), globals())
-        kernel = njit(cache=True, nogil=True, parallel=True)(globals()["matvec_" + name])
-        globals()["matvec_" + name] = kernel
-        kernels[qtype] = (kernel, family, kind)
-    return kernels
+        fields = dict(name=name, type=qtype.name, tile=tile, tile2=tile2, rec=rec,
+                      rows=_ROWS_NAMES[tile_rows(qtype)],
+                      nb=f"n_cols // {_BLOCK_NAMES[block]}" if block > 1 else "n_cols")
+        kernels[qtype] = (_compile(_ENTRY_SOURCE, ("matvec_" + name,),
+                                   prep=f"prep_x(xs, xsum, x, tab, {x_sums})" if x_sums else "copy_x(xs, x)",
+                                   x_args="xs, xsum" if x_sums else "xs", **fields), family, kind)
+        if tile2 is None:
+            continue
+        row = "scratch[{j}, o:o + n_cols]" + (", scratch[{j}, 56:o]" if x_sums else "")
+        rows_kernels[qtype] = _compile(
+            _ROWS_SOURCE, ("rowtile_" + name, "rows_" + name),
+            prep_rows=(f"prep_x(scratch[j, o:o + n_cols], scratch[j, 56:o], X[j], scratch[j, :32], {x_sums})"
+                       if x_sums else "copy_x(scratch[j, o:o + n_cols], X[j])"),
+            x_args1=row.format(j="j"), x_args2=row.format(j="j") + ", " + row.format(j="j + 1"), **fields)
+    return kernels, rows_kernels
 
 
-# type -> (matvec entry kernel, unpack family, unpack kind)
-KERNELS = _entry_kernels()
+# type -> (matvec entry kernel, unpack family, unpack kind); type -> few-row entry kernel (the types
+# with a two-row tile kernel)
+KERNELS, ROWS_KERNELS = _entry_kernels()

@@ -4,8 +4,8 @@ now, not inside the first prompt.
 Numba compiles a kernel per argument-type signature; sizes do not matter. A short run therefore
 compiles what a long one needs, provided it takes every code path the long one takes:
 
-- prefill of fewer than matvec.MATMUL_MIN_T rows (one matvec per row) and of more (the tiled
-  matrix-matrix kernels), for each weight type of the model;
+- prefill of fewer than matvec.MATMUL_MIN_T rows (the few-row kernels: rows in pairs through each
+  tile) and of more (the tiled matrix-matrix kernels), for each weight type of the model;
 - a single-token step (decode);
 - writes into a full store, where the policy chooses victims (its compiled layer step, its
   scores), with the store's position mode and staged-eviction settings.
@@ -54,7 +54,7 @@ def warm(engine, kv: KVConfig) -> None:
         small = KVConfig(capacity=max(_SMALL_CAPACITIES), policy="full", positions=kv.positions)
     n_vocab = engine.spec.n_vocab
     store = engine.new_store(small)
-    few = [t % n_vocab for t in range(1, MATMUL_MIN_T)]          # the matvec path
+    few = [t % n_vocab for t in range(1, MATMUL_MIN_T)]          # the few-row path
     engine.prefill(few, store)
     if small.policy == "full":
         many = small.capacity - len(few) - 1
@@ -66,14 +66,15 @@ def warm(engine, kv: KVConfig) -> None:
 
 
 def warm_weight_type(qtype: GGMLType) -> None:
-    """Run the kernels a weight of `qtype` uses (decode matvec, prefill matmul, embedding rows) once,
-    on a random 48 x 512 matrix (512: a whole number of blocks of every type)."""
+    """Run the kernels a weight of `qtype` uses (decode matvec, few-row and many-row matmul, embedding
+    rows) once, on a random 48 x 512 matrix (512: a whole number of blocks of every type)."""
     rng = np.random.default_rng(0)
     t = random_qtensor(qtype, 48, 512, rng)
     pm = mv.pack(t)
     x = rng.standard_normal((MATMUL_MIN_T, 512)).astype(np.float32)
     out = np.empty((MATMUL_MIN_T, 48), np.float32)
     mv.matvec(out[0], pm, x[0])
+    mv.matmul(out[:3], pm, x[:3])
     mv.matmul(out, pm, x)
     dequantize_rows(t.data, qtype, 512, np.arange(3))
 

@@ -121,15 +121,36 @@ def test_random_blocks_matvec(qtype, threads):
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
-def test_random_blocks_matmul(qtype):
-    rng = np.random.default_rng(100 + int(qtype))
+def test_random_blocks_matmul(qtype, threads):
+    """Every row count 1..17 (one matvec, the two-row tiles with and without an odd row, the tiled
+    matmul) and 33, on matrices with and without a partial last tile and one large enough for the
+    parallel loop."""
+    rng = np.random.default_rng(100 + int(qtype) + 7 * threads)
     n_cols = 512 if BLOCK_LAYOUT[qtype][0] == 256 else 96
     for n_rows in (3, 17, 300):
         t = random_tensor(qtype, n_rows, n_cols, rng)
         W = oracle(t)
         pm = mv.pack(t)
-        for T in (1, 2, 5, 33):
+        for T in (*range(1, 18), 33):
             check_matmul(pm, W, T, rng, f"{qtype.name} {n_rows}x{n_cols}")
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_few_rows_equal_matvec_bitwise(qtype, threads):
+    """A few-row product (2..MATMUL_MIN_T - 1 rows) equals one matvec per row bit for bit, so a row's
+    result does not depend on the rows batched with it (batched decode, speculative verification)."""
+    rng = np.random.default_rng(300 + int(qtype) + 7 * threads)
+    n_cols = 512 if BLOCK_LAYOUT[qtype][0] == 256 else 160
+    for n_rows in (17, 300):
+        pm = mv.pack(random_tensor(qtype, n_rows, n_cols, rng))
+        for T in range(2, mv.MATMUL_MIN_T):
+            X = rng.standard_normal((T, n_cols)).astype(np.float32)
+            out = np.full((T, n_rows), np.nan, np.float32)
+            mv.matmul(out, pm, X)
+            for i in range(T):
+                ref = np.empty(n_rows, np.float32)
+                mv.matvec(ref, pm, X[i])
+                np.testing.assert_array_equal(out[i], ref, err_msg=f"{qtype.name} {n_rows}x{n_cols} T={T} row {i}")
 
 
 def test_extreme_scales_and_values():
