@@ -47,7 +47,8 @@ def run(eng, ids, B, steps, capacity, sample_every=500):
     from ringllm.runtime.kv_config import KVConfig
 
     stores = [eng.new_store(KVConfig(capacity=capacity, policy="streaming", sinks=4)) for _ in range(B)]
-    nxt = [int(np.argmax(eng.prefill(ids[2000 * i:2000 * i + 128], st))) for i, st in enumerate(stores)]
+    starts = [(2000 * i) % (len(ids) - 128) for i in range(B)]
+    nxt = [int(np.argmax(eng.prefill(ids[s0:s0 + 128], st))) for s0, st in zip(starts, stores)]
     rss = [(0, proc_status_mb("VmRSS"))]
     t0 = time.perf_counter()
     for s in range(1, steps + 1):

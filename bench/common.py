@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from contextlib import contextmanager
 
 from ringllm.runtime.atomic_file import write_bytes
@@ -44,6 +45,34 @@ def write_results(name: str, payload: dict, markdown: str) -> None:
     # crash-safe (temporary file, fsync, rename): a killed benchmark keeps the previous results
     write_bytes(os.path.join(RESULTS, name + ".json"), json.dumps(payload, indent=2))
     write_bytes(os.path.join(RESULTS, name + ".md"), markdown)
+
+
+def stream_chat(url: str, body: dict) -> dict:
+    """One streamed chat request to a ringllm (or OpenAI-compatible) server at `url`: {"ttft": seconds to the first
+    content chunk (None when none came), "seconds": the whole request, "tokens": content chunks, "text": the answer,
+    "usage": the final usage (stream_options.include_usage), "replica": the last system_fingerprint}."""
+    import httpx
+    t0 = time.perf_counter()
+    first, n, fp, usage, parts = None, 0, None, None, []
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True,
+                      "stream_options": {"include_usage": True}}, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            fp = ev.get("system_fingerprint") or fp
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev["choices"]:
+                text = ch["delta"].get("content")
+                if text:
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    parts.append(text)
+                    n += 1
+    return {"ttft": first, "tokens": n, "seconds": time.perf_counter() - t0, "replica": fp, "usage": usage,
+            "text": "".join(parts)}
 
 
 def llama_cpp_model(path: str, n_ctx: int, n_threads: int, logits_all: bool = False):

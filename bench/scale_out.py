@@ -22,38 +22,14 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_server, machine, write_results  # noqa: E402
+from common import bench_server, machine, stream_chat, write_results  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prideprejudice.txt")
-
-
-def stream_chat(url: str, body: dict) -> dict:
-    t0 = time.perf_counter()
-    first, n, fp, usage, parts = None, 0, None, None, []
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True,
-                      "stream_options": {"include_usage": True}}, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            ev = json.loads(line[6:])
-            fp = ev.get("system_fingerprint") or fp
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for ch in ev["choices"]:
-                if ch["delta"].get("content"):
-                    first = first if first is not None else time.perf_counter() - t0
-                    parts.append(ch["delta"]["content"])
-                    n += 1
-    return {"ttft": first, "tokens": n, "seconds": time.perf_counter() - t0, "replica": fp, "usage": usage,
-            "text": "".join(parts)}
 
 
 def throughput(url: str, clients: int, rounds: int, tokens: int) -> dict:

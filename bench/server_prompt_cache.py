@@ -18,36 +18,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
-import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_server, machine, write_results  # noqa: E402
+from common import bench_server, machine, stream_chat, write_results  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prideprejudice.txt")
-
-
-def stream_chat(url: str, body: dict) -> tuple[float, str, dict]:
-    """(seconds to the first content chunk, the answer, the usage) of a streamed chat request."""
-    t0 = time.perf_counter()
-    first, parts, usage = None, [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True,
-                      "stream_options": {"include_usage": True}}, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for ch in ev["choices"]:
-                text = ch["delta"].get("content")
-                if text:
-                    if first is None:
-                        first = time.perf_counter() - t0
-                    parts.append(text)
-    return first if first is not None else time.perf_counter() - t0, "".join(parts), usage
 
 
 def user_turns(text: str, start: int, chars: int) -> list[str]:
@@ -64,13 +40,15 @@ def run_conversation(url: str, turns: list[str], kv: dict | None) -> dict:
     extra = {"model": "bench", "max_tokens": 48, "temperature": 0, **({"kv": kv} if kv else {})}
     for text in turns[:4]:
         messages.append({"role": "user", "content": text})
-        _, answer, _ = stream_chat(url, {**extra, "messages": messages})
-        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "assistant", "content": stream_chat(url, {**extra, "messages": messages})["text"]})
     messages.append({"role": "user", "content": turns[4]})
-    t_cached, a_cached, u_cached = stream_chat(url, {**extra, "messages": messages})
-    t_fresh, a_fresh, u_fresh = stream_chat(url, {**extra, "messages": messages, "cache_prompt": False})
-    return {"history_tokens": u_fresh["prompt_tokens"], "cached_tokens": u_cached["prompt_tokens_details"]["cached_tokens"],
-            "ttft_cached_s": t_cached, "ttft_fresh_s": t_fresh, "same_answer": a_cached == a_fresh}
+    cached = stream_chat(url, {**extra, "messages": messages})
+    fresh = stream_chat(url, {**extra, "messages": messages, "cache_prompt": False})
+    return {"history_tokens": fresh["usage"]["prompt_tokens"],
+            "cached_tokens": cached["usage"]["prompt_tokens_details"]["cached_tokens"],
+            "ttft_cached_s": cached["ttft"] if cached["ttft"] is not None else cached["seconds"],
+            "ttft_fresh_s": fresh["ttft"] if fresh["ttft"] is not None else fresh["seconds"],
+            "same_answer": cached["text"] == fresh["text"]}
 
 
 def parse_kv(spec: str) -> dict | None:
@@ -112,7 +90,7 @@ def main() -> int:
                         "ttft_cached_s": round(c, 3), "ttft_fresh_s": round(f, 3), "speedup": round(f / c, 1),
                         "same_answers": all(r["same_answer"] for r in sel)})
     cmdline = "python bench/server_prompt_cache.py " + " ".join(sys.argv[1:])
-    md = [f"# Prompt cache: time to first token of a chat's 5th turn through `ringllm serve`\n",
+    md = ["# Prompt cache: time to first token of a chat's 5th turn through `ringllm serve`\n",
           f"Command: `{cmdline}`  ",
           f"Machine: {machine()}\n",
           "Medians over the repeats (each a fresh 5-turn conversation; the 5th request carries the whole "

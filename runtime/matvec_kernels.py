@@ -26,7 +26,7 @@ kernel in another file also starts a fresh cache. The generated code gets this f
 of the template, so tracebacks and Numba's error messages point at _ENTRY_SOURCE.
 """
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange  # noqa: F401 (prange: named by the generated entry kernels)
 
 # the tile kernels and record sizes are named by the generated source (_ENTRIES), not by Python code here
 from ringllm.runtime.quant_tiles import (QK, QK_K, REC_F16, REC_F32, REC_IQ4_NL, REC_IQ4_XS, REC_Q2_K,  # noqa: F401
@@ -39,7 +39,7 @@ from ringllm.runtime.quant_tile_pairs import (tile2_bf16, tile2_f16, tile2_f32, 
                                               tile2_q4_k, tile2_q5_0, tile2_q5_1, tile2_q5_k, tile2_q6_k,
                                               tile2_q8_0)
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
-from ringllm.runtime.simd import num_threads, vadd, vhsum, vload, vmul, vstore
+from ringllm.runtime.simd import num_threads, vadd, vhsum, vload, vmul, vstore  # noqa: F401 (num_threads: ditto)
 
 __all__ = ["KERNELS", "ROWS_KERNELS", "PAR_MIN_WEIGHTS", "x_scales"]
 
