@@ -111,11 +111,14 @@ def main() -> int:
            "| routing | conversations | replicas that served | 3rd turn on the 2nd turn's replica | 3rd turn reused "
            ">= half its prompt | TTFT mean | TTFT p50 | TTFT when reused (median) | TTFT when not (median) |",
            "|---|---|---|---|---|---|---|---|---|"]
+    def seconds(x):
+        return "-" if x is None else f"{x} s"
+
     for k, v in affinity.items():
         name = "ringllm's AffinityRouter" if k == "affinity" else "Ray Serve's default router (--no-affinity)"
         md.append(f"| {name} | {v['conversations']} | {v['replicas_used']} | {v['turn3_same_replica_as_turn2']:.0%} | "
                   f"{v['turn3_hit_rate']:.0%} | {v['turn3_ttft_mean_s']} s | {v['turn3_ttft_p50_s']} s | "
-                  f"{v['turn3_ttft_hit_s']} s | {v['turn3_ttft_miss_s']} s |")
+                  f"{seconds(v['turn3_ttft_hit_s'])} | {seconds(v['turn3_ttft_miss_s'])} |")
     write_results(args.out, {"command": cmdline, "machine": machine(), "throughput": rows, "affinity": affinity},
                   "\n".join(md) + "\n")
     print("\n".join(md))
