@@ -4,7 +4,14 @@ Numba's OpenMP layer (libgomp) spins for GOMP_SPINCOUNT (default 300,000) iterat
 waiting thread sleeps. When another process wants one of the cores, the spinning thread holds it
 while the thread that has work waits for the scheduler, and a decode step's tail latency grows
 several-fold; a spin count of 1,000 avoids that at the same speed on an idle machine (figures in
-bench/results/long_stream.md). Set before libgomp is loaded; a value the user exported wins.
+bench/results/long_stream.md). OMP_WAIT_POLICY=active keeps that count when libgomp "throttles":
+once a process holds more OpenMP threads than cores (two threads that each ran a parallel kernel,
+e.g. a server that warmed up on its main thread and decodes on a worker thread, each with its own
+thread team), libgomp's default cuts the spin to 100 iterations, every kernel's workers fall asleep
+between the ~150 parallel regions of a decode step, and decoding runs at half speed. With the
+policy active and the spin count set, the throttled count is the same 1,000 (threads still sleep
+after it: an idle process stays idle). Both are set before libgomp is loaded; values the user
+exported win.
 
 Numba's on-disk cache (cache=True) checks only the source file a kernel is defined in: a kernel
 that compiles in one from another file (a policy's layer step compiles in the store's write
@@ -21,6 +28,7 @@ import sys
 import tempfile
 
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+os.environ.setdefault("OMP_WAIT_POLICY", "active")
 
 
 def user_cache_dir(*parts: str) -> str:
