@@ -51,8 +51,11 @@ __all__ = ["PackedMatrix", "pack", "matvec", "matmul", "unpack", "unpack_rows", 
 # ==================================================================================================
 
 # from this many rows on, matmul decodes each tile once into a scratch (gemm.py); below, rows go
-# through the tiles in pairs (quant_tile_pairs.py). See bench/matvec_bench.py.
-MATMUL_MIN_T = 8
+# through the tiles in pairs (quant_tile_pairs.py). Chosen inside a model's decode step, where the
+# tiled kernel's scratch competes with the activations and the KV store for L2: batched decode of
+# SmolLM2 on 2 cores is faster in pairs up to 16 rows and tiled from 24 (bench/results/few_rows.md
+# times the kernels alone, where tiling wins from about 8 rows).
+MATMUL_MIN_T = 20
 
 
 class PackedMatrix:
