@@ -30,13 +30,16 @@ from ringllm.runtime.quant_types import GGMLType
 from ringllm.runtime.random_weights import random_qtensor
 
 _SMALL_CAPACITIES = (16, 32, 64, 128)
+_FEW = 3            # rows of warm()'s few-row prefill: a pair through the two-row tiles and an odd row
 
 
 def small_config(kv: KVConfig) -> KVConfig | None:
     """kv with the smallest capacity in _SMALL_CAPACITIES it validates with (an evicting policy's own
-    capacity when smaller; policy full always gets the smallest, which holds warm()'s tokens without
-    evicting); None when none does (a protected window larger than the sizes tried)."""
+    capacity when smaller; policy full the smallest that holds warm()'s tokens without evicting);
+    None when none does (a protected window larger than the sizes tried)."""
     for cap in _SMALL_CAPACITIES:
+        if kv.policy == "full" and cap < _FEW + MATMUL_MIN_T + 1:
+            continue
         if kv.policy != "full" and kv.capacity is not None and kv.capacity <= cap:
             return kv
         try:
@@ -54,7 +57,7 @@ def warm(engine, kv: KVConfig) -> None:
         small = KVConfig(capacity=max(_SMALL_CAPACITIES), policy="full", positions=kv.positions)
     n_vocab = engine.spec.n_vocab
     store = engine.new_store(small)
-    few = [t % n_vocab for t in range(1, MATMUL_MIN_T)]          # the few-row path
+    few = [t % n_vocab for t in range(1, _FEW + 1)]               # the few-row path
     engine.prefill(few, store)
     if small.policy == "full":
         many = small.capacity - len(few) - 1
