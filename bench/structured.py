@@ -114,7 +114,8 @@ def validity(args) -> dict:
 def merge_validity(runs: list[dict]) -> dict:
     """One validity record from several runs (other generation indices or schemas): counts added."""
     out = {"model": runs[0]["model"], "max_tokens": runs[0]["max_tokens"], "machine": runs[0]["machine"],
-           "commands": [r["command"] for r in runs], "schemas": {}}
+           "commands": [r["command"] for r in runs], "notes": [r["note"] for r in runs if r.get("note")],
+           "schemas": {}}
     for run in runs:
         for key, r in run["schemas"].items():
             acc = out["schemas"].setdefault(key, {"n": 0, "valid": 0, "tokens": 0, "seconds": 0.0, "failures": []})
@@ -161,7 +162,8 @@ def report() -> str:
                   f"Machine: {m['cpu']}, {m['cores']} cores. Commands (their results added up): "
                   + ", ".join(f"`{c}`" for c in v["commands"]) + ". Greedy: generation i answers conversation "
                   f"i; sampled: conversation i at temperature 1.0, top_p 0.95, seed i. max_tokens "
-                  f"{v['max_tokens']}. Valid = json.loads parses it and jsonschema validates it.", "",
+                  f"{v['max_tokens']}. Valid = json.loads parses it and jsonschema validates it."
+                  + "".join(f" Note: {n}." for n in dict.fromkeys(v["notes"])), "",
                   "| schema | greedy valid | sampled valid | tokens / answer | s / answer |", "|---|---|---|---|---|"]
         names = list(dict.fromkeys(k.split("/")[0] for k in v["schemas"]))
         for name in names:

@@ -27,8 +27,8 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.quant_tiles import (PF_DIST, QK, QK_K, REC_F16, REC_F32, REC_Q4_0, REC_Q4_1, REC_Q4_K,
-                                         REC_Q5_0, REC_Q5_1, REC_Q5_K, REC_Q6_K, REC_Q8_0, _f5, _f6, _nib,
-                                         _prefetch_range)
+                                         REC_Q5_0, REC_Q5_1, REC_Q5_K, REC_Q6_K, REC_Q8_0, field5, field6, nibble,
+                                         prefetch_range)
 from ringllm.runtime.simd import (ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, prefetch, vadd, vbcast, vfma,
                                   vfnma, vmul, vsplat, vstore, vsub, vzero)
 
@@ -57,20 +57,20 @@ def _q4_pass(buf, ra, rb, xs0, xs1, xb, two):
         for i in range(0, 8, 2):
             u = vbcast(xs0, xb + 8 * s + i)
             v = vbcast(xs1, xb + 8 * s + i)
-            q = _nib(wa, i)
+            q = nibble(wa, i)
             a0 = vfma(q, u, a0)
             b0 = vfma(q, v, b0)
             if two:
-                q = _nib(wb, i)
+                q = nibble(wb, i)
                 c0 = vfma(q, u, c0)
                 e0 = vfma(q, v, e0)
             u = vbcast(xs0, xb + 8 * s + i + 1)
             v = vbcast(xs1, xb + 8 * s + i + 1)
-            q = _nib(wa, i + 1)
+            q = nibble(wa, i + 1)
             a1 = vfma(q, u, a1)
             b1 = vfma(q, v, b1)
             if two:
-                q = _nib(wb, i + 1)
+                q = nibble(wb, i + 1)
                 c1 = vfma(q, u, c1)
                 e1 = vfma(q, v, e1)
     return vadd(a0, a1), vadd(b0, b1), vadd(c0, c1), vadd(e0, e1)
@@ -92,20 +92,20 @@ def _q5_step(wa, wb, xs0, xs1, c, i, acc, two):
     a0, a1, b0, b1, c0, c1, e0, e1 = acc
     u = vbcast(xs0, c)
     v = vbcast(xs1, c)
-    q = _f5(wa, i)
+    q = field5(wa, i)
     a0 = vfma(q, u, a0)
     b0 = vfma(q, v, b0)
     if two:
-        q = _f5(wb, i)
+        q = field5(wb, i)
         c0 = vfma(q, u, c0)
         e0 = vfma(q, v, e0)
     u = vbcast(xs0, c + 1)
     v = vbcast(xs1, c + 1)
-    q = _f5(wa, i + 1)
+    q = field5(wa, i + 1)
     a1 = vfma(q, u, a1)
     b1 = vfma(q, v, b1)
     if two:
-        q = _f5(wb, i + 1)
+        q = field5(wb, i + 1)
         c1 = vfma(q, u, c1)
         e1 = vfma(q, v, e1)
     return a0, a1, b0, b1, c0, c1, e0, e1
@@ -156,36 +156,36 @@ def _dot2_q6(buf, r, xs0, xs1, xb):
         for i in range(5):
             u = vbcast(xs0, xb + 5 * m + i)
             v = vbcast(xs1, xb + 5 * m + i)
-            q = _f6(wa0, i)
+            q = field6(wa0, i)
             a0 = vfma(q, u, a0)
             e0 = vfma(q, v, e0)
-            q = _f6(wa1, i)
+            q = field6(wa1, i)
             a1 = vfma(q, u, a1)
             e1 = vfma(q, v, e1)
             u = vbcast(xs0, xb + 16 + 5 * m + i)
             v = vbcast(xs1, xb + 16 + 5 * m + i)
-            q = _f6(wb0, i)
+            q = field6(wb0, i)
             b0 = vfma(q, u, b0)
             f0 = vfma(q, v, f0)
-            q = _f6(wb1, i)
+            q = field6(wb1, i)
             b1 = vfma(q, u, b1)
             f1 = vfma(q, v, f1)
     w0 = ld_i32(buf, r + 192)
     w1 = ld_i32(buf, r + 416)
     u = vbcast(xs0, xb + 15)
     v = vbcast(xs1, xb + 15)
-    q = _f6(w0, 0)
+    q = field6(w0, 0)
     a0 = vfma(q, u, a0)
     e0 = vfma(q, v, e0)
-    q = _f6(w1, 0)
+    q = field6(w1, 0)
     a1 = vfma(q, u, a1)
     e1 = vfma(q, v, e1)
     u = vbcast(xs0, xb + 31)
     v = vbcast(xs1, xb + 31)
-    q = _f6(w0, 1)
+    q = field6(w0, 1)
     b0 = vfma(q, u, b0)
     f0 = vfma(q, v, f0)
-    q = _f6(w1, 1)
+    q = field6(w1, 1)
     b1 = vfma(q, u, b1)
     f1 = vfma(q, v, f1)
     return a0, b0, a1, b1, e0, f0, e1, f1
@@ -219,7 +219,7 @@ def _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, rec, bi
     p2 = vzero()
     for b in range(nb):
         r = base + b * rec
-        _prefetch_range(buf, r + PF_DIST, rec)
+        prefetch_range(buf, r + PF_DIST, rec)
         if bits == 4:
             a0, a1, a2, c0, c1, c2 = _dot2_q4(buf, r, xs0, xs1, b * QK)
         else:
@@ -309,7 +309,7 @@ def tile2_q8_0(dst0, dst1, d0, buf, base, nb, x0, x1):
     z = vzero()
     for b in range(nb):
         r = base + b * REC_Q8_0
-        _prefetch_range(buf, r + PF_DIST, REC_Q8_0)
+        prefetch_range(buf, r + PF_DIST, REC_Q8_0)
         ev = (z, z, z, z)
         od = (z, z, z, z)
         xb = b * QK
@@ -349,7 +349,7 @@ def _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, rec, 
         dd1 = ld_f16(buf, r + 16)
         dd2 = ld_f16(buf, r + 32)
         for j in range(8):
-            _prefetch_range(buf, r + PF_DIST + j * (rec // 8), rec // 8)
+            prefetch_range(buf, r + PF_DIST + j * (rec // 8), rec // 8)
             if bits == 4:
                 a0, a1, a2, c0, c1, c2 = _dot2_q4(buf, r + 480 + fs * j, xs0, xs1, b * QK_K + QK * j)
             else:
@@ -403,7 +403,7 @@ def tile2_q6_k(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
         dd0 = ld_f16(buf, r)
         dd1 = ld_f16(buf, r + 16)
         for j in range(8):
-            _prefetch_range(buf, r + PF_DIST + j * (REC_Q6_K // 8), REC_Q6_K // 8)
+            prefetch_range(buf, r + PF_DIST + j * (REC_Q6_K // 8), REC_Q6_K // 8)
             a0, b0, a1, b1, c0, f0, c1, f1 = _dot2_q6(buf, r + 288 + 448 * j, xs0, xs1, b * QK_K + QK * j)
             u = 2 * j
             sa0 = vmul(vbcast(xsum0, b * 16 + u), k32)
@@ -463,7 +463,7 @@ def _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, kind):
     for c in range(0, n2, 2):
         r = base + c * rec
         if kind == 1:
-            _prefetch_range(buf, r + PF_DIST, 2 * REC_F32)
+            prefetch_range(buf, r + PF_DIST, 2 * REC_F32)
         else:
             prefetch(buf, r + PF_DIST)
         ev = _float_pair(buf, r, kind, x0, x1, c, ev)

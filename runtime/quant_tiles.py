@@ -82,14 +82,14 @@ def tile_rows(qtype: GGMLType) -> int:
 # ==================================================================================================
 
 @njit(cache=True, nogil=True, inline="always")
-def _prefetch_range(buf, start, nbytes):
+def prefetch_range(buf, start, nbytes):
     """prefetch every 64-byte line of buf[start:start + nbytes] (nbytes a constant)."""
     for pf in range(0, nbytes, 64):
         prefetch(buf, start + pf)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _nib(w, i):
+def nibble(w, i):
     """Nibble i (0..7) of every lane of w, as float q * 2^(4i) (i < 7) or q (i == 7)."""
     if i == 7:
         return srlf(w, 28)
@@ -112,18 +112,18 @@ def _dot_q4(buf, r, xs, xb):
         w2 = ld_i32(buf, r + 256 + 32 * s)
         for i in range(0, 8, 2):
             x0 = vbcast(xs, xb + 8 * s + i)
-            a0 = vfma(_nib(w0, i), x0, a0)
-            c0 = vfma(_nib(w1, i), x0, c0)
-            e0 = vfma(_nib(w2, i), x0, e0)
+            a0 = vfma(nibble(w0, i), x0, a0)
+            c0 = vfma(nibble(w1, i), x0, c0)
+            e0 = vfma(nibble(w2, i), x0, e0)
             x1 = vbcast(xs, xb + 8 * s + i + 1)
-            a1 = vfma(_nib(w0, i + 1), x1, a1)
-            c1 = vfma(_nib(w1, i + 1), x1, c1)
-            e1 = vfma(_nib(w2, i + 1), x1, e1)
+            a1 = vfma(nibble(w0, i + 1), x1, a1)
+            c1 = vfma(nibble(w1, i + 1), x1, c1)
+            e1 = vfma(nibble(w2, i + 1), x1, e1)
     return vadd(a0, a1), vadd(c0, c1), vadd(e0, e1)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _f5(w, i):
+def field5(w, i):
     """5-bit field i (0..5, bits 5i..5i+4) of every lane of w, as float q * 2^(5i) (i < 5) or q."""
     if i == 5:
         return srlf(w, 25)
@@ -146,29 +146,29 @@ def _dot_q5(buf, r, xs, xb):
         w2 = ld_i32(buf, r + 384 + 32 * m)
         for i in range(0, 6, 2):
             x0 = vbcast(xs, xb + 6 * m + i)
-            a0 = vfma(_f5(w0, i), x0, a0)
-            c0 = vfma(_f5(w1, i), x0, c0)
-            e0 = vfma(_f5(w2, i), x0, e0)
+            a0 = vfma(field5(w0, i), x0, a0)
+            c0 = vfma(field5(w1, i), x0, c0)
+            e0 = vfma(field5(w2, i), x0, e0)
             x1 = vbcast(xs, xb + 6 * m + i + 1)
-            a1 = vfma(_f5(w0, i + 1), x1, a1)
-            c1 = vfma(_f5(w1, i + 1), x1, c1)
-            e1 = vfma(_f5(w2, i + 1), x1, e1)
+            a1 = vfma(field5(w0, i + 1), x1, a1)
+            c1 = vfma(field5(w1, i + 1), x1, c1)
+            e1 = vfma(field5(w2, i + 1), x1, e1)
     w0 = ld_i32(buf, r + 160)
     w1 = ld_i32(buf, r + 352)
     w2 = ld_i32(buf, r + 544)
     x0 = vbcast(xs, xb + 30)
-    a0 = vfma(_f5(w0, 0), x0, a0)
-    c0 = vfma(_f5(w1, 0), x0, c0)
-    e0 = vfma(_f5(w2, 0), x0, e0)
+    a0 = vfma(field5(w0, 0), x0, a0)
+    c0 = vfma(field5(w1, 0), x0, c0)
+    e0 = vfma(field5(w2, 0), x0, e0)
     x1 = vbcast(xs, xb + 31)
-    a1 = vfma(_f5(w0, 1), x1, a1)
-    c1 = vfma(_f5(w1, 1), x1, c1)
-    e1 = vfma(_f5(w2, 1), x1, e1)
+    a1 = vfma(field5(w0, 1), x1, a1)
+    c1 = vfma(field5(w1, 1), x1, c1)
+    e1 = vfma(field5(w2, 1), x1, e1)
     return vadd(a0, a1), vadd(c0, c1), vadd(e0, e1)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _f6(w, i):
+def field6(w, i):
     """6-bit field i (0..4, bits 6i..6i+5) of every lane of w, as float q * 2^(6i) (i < 4) or q."""
     if i == 4:
         return srlf(w, 24)
@@ -191,19 +191,19 @@ def _dot_q6(buf, r, xs, xb):
         wb1 = ld_i32(buf, r + 320 + 32 * m)
         for i in range(5):
             xa = vbcast(xs, xb + 5 * m + i)
-            a0 = vfma(_f6(wa0, i), xa, a0)
-            a1 = vfma(_f6(wa1, i), xa, a1)
+            a0 = vfma(field6(wa0, i), xa, a0)
+            a1 = vfma(field6(wa1, i), xa, a1)
             xv = vbcast(xs, xb + 16 + 5 * m + i)
-            b0 = vfma(_f6(wb0, i), xv, b0)
-            b1 = vfma(_f6(wb1, i), xv, b1)
+            b0 = vfma(field6(wb0, i), xv, b0)
+            b1 = vfma(field6(wb1, i), xv, b1)
     w0 = ld_i32(buf, r + 192)
     w1 = ld_i32(buf, r + 416)
     xa = vbcast(xs, xb + 15)
-    a0 = vfma(_f6(w0, 0), xa, a0)
-    a1 = vfma(_f6(w1, 0), xa, a1)
+    a0 = vfma(field6(w0, 0), xa, a0)
+    a1 = vfma(field6(w1, 0), xa, a1)
     xv = vbcast(xs, xb + 31)
-    b0 = vfma(_f6(w0, 1), xv, b0)
-    b1 = vfma(_f6(w1, 1), xv, b1)
+    b0 = vfma(field6(w0, 1), xv, b0)
+    b1 = vfma(field6(w1, 1), xv, b1)
     return a0, b0, a1, b1
 
 
@@ -265,13 +265,13 @@ def _dot_q4x16(buf, r, xs, xb):
         wb2 = ld_i32(buf, r + 320 + 32 * s)
         for i in range(8):
             xa = vbcast(xs, xb + 8 * s + i)
-            a0 = vfma(_nib(wa0, i), xa, a0)
-            a1 = vfma(_nib(wa1, i), xa, a1)
-            a2 = vfma(_nib(wa2, i), xa, a2)
+            a0 = vfma(nibble(wa0, i), xa, a0)
+            a1 = vfma(nibble(wa1, i), xa, a1)
+            a2 = vfma(nibble(wa2, i), xa, a2)
             xv = vbcast(xs, xb + 16 + 8 * s + i)
-            b0 = vfma(_nib(wb0, i), xv, b0)
-            b1 = vfma(_nib(wb1, i), xv, b1)
-            b2 = vfma(_nib(wb2, i), xv, b2)
+            b0 = vfma(nibble(wb0, i), xv, b0)
+            b1 = vfma(nibble(wb1, i), xv, b1)
+            b2 = vfma(nibble(wb2, i), xv, b2)
     return a0, b0, a1, b1, a2, b2
 
 
@@ -350,7 +350,7 @@ def tile_q4_0(dst, d0, buf, base, nb, xs, xsum):
     o2 = vzero()
     for b in range(nb):
         r = base + b * REC_Q4_0
-        _prefetch_range(buf, r + PF_DIST, REC_Q4_0)
+        prefetch_range(buf, r + PF_DIST, REC_Q4_0)
         a0, a1, a2 = _dot_q4(buf, r, xs, b * QK)
         s8 = vmul(vbcast(xsum, b), vsplat(np.float32(8.0)))
         o0 = vfma(ld_f16(buf, r + 384), vsub(a0, s8), o0)
@@ -369,7 +369,7 @@ def tile_q4_1(dst, d0, buf, base, nb, xs, xsum):
     o2 = vzero()
     for b in range(nb):
         r = base + b * REC_Q4_1
-        _prefetch_range(buf, r + PF_DIST, REC_Q4_1)
+        prefetch_range(buf, r + PF_DIST, REC_Q4_1)
         a0, a1, a2 = _dot_q4(buf, r, xs, b * QK)
         sb = vbcast(xsum, b)
         o0 = vfma(ld_f16(buf, r + 384), a0, o0)
@@ -391,7 +391,7 @@ def tile_q5_0(dst, d0, buf, base, nb, xs, xsum):
     o2 = vzero()
     for b in range(nb):
         r = base + b * REC_Q5_0
-        _prefetch_range(buf, r + PF_DIST, REC_Q5_0)
+        prefetch_range(buf, r + PF_DIST, REC_Q5_0)
         a0, a1, a2 = _dot_q5(buf, r, xs, b * QK)
         s16 = vmul(vbcast(xsum, b), vsplat(np.float32(16.0)))
         o0 = vfma(ld_f16(buf, r + 576), vsub(a0, s16), o0)
@@ -410,7 +410,7 @@ def tile_q5_1(dst, d0, buf, base, nb, xs, xsum):
     o2 = vzero()
     for b in range(nb):
         r = base + b * REC_Q5_1
-        _prefetch_range(buf, r + PF_DIST, REC_Q5_1)
+        prefetch_range(buf, r + PF_DIST, REC_Q5_1)
         a0, a1, a2 = _dot_q5(buf, r, xs, b * QK)
         sb = vbcast(xsum, b)
         o0 = vfma(ld_f16(buf, r + 576), a0, o0)
@@ -431,7 +431,7 @@ def tile_q8_0(dst, d0, buf, base, nb, x):
     o1 = vzero()
     for b in range(nb):
         r = base + b * REC_Q8_0
-        _prefetch_range(buf, r + PF_DIST, REC_Q8_0)
+        prefetch_range(buf, r + PF_DIST, REC_Q8_0)
         a0 = vzero()
         a1 = vzero()
         c0 = vzero()
@@ -466,7 +466,7 @@ def tile_q4_k(dst, d0, buf, base, nb, xs, xsum):
         dd1 = ld_f16(buf, r + 16)
         dd2 = ld_f16(buf, r + 32)
         for j in range(8):
-            _prefetch_range(buf, r + PF_DIST + j * (REC_Q4_K // 8), REC_Q4_K // 8)
+            prefetch_range(buf, r + PF_DIST + j * (REC_Q4_K // 8), REC_Q4_K // 8)
             a0, a1, a2 = _dot_q4(buf, r + 480 + 384 * j, xs, b * QK_K + QK * j)
             sb = vbcast(xsum, b * 8 + j)
             o0 = vfma(vmul(dd0, ld_u8(buf, r + 96 + 24 * j)), a0, o0)
@@ -493,7 +493,7 @@ def tile_q5_k(dst, d0, buf, base, nb, xs, xsum):
         dd1 = ld_f16(buf, r + 16)
         dd2 = ld_f16(buf, r + 32)
         for j in range(8):
-            _prefetch_range(buf, r + PF_DIST + j * (REC_Q5_K // 8), REC_Q5_K // 8)
+            prefetch_range(buf, r + PF_DIST + j * (REC_Q5_K // 8), REC_Q5_K // 8)
             a0, a1, a2 = _dot_q5(buf, r + 480 + 576 * j, xs, b * QK_K + QK * j)
             sb = vbcast(xsum, b * 8 + j)
             o0 = vfma(vmul(dd0, ld_u8(buf, r + 96 + 24 * j)), a0, o0)
@@ -521,7 +521,7 @@ def tile_q6_k(dst, d0, buf, base, nb, xs, xsum):
         dd0 = ld_f16(buf, r)
         dd1 = ld_f16(buf, r + 16)
         for j in range(8):
-            _prefetch_range(buf, r + PF_DIST + j * (REC_Q6_K // 8), REC_Q6_K // 8)
+            prefetch_range(buf, r + PF_DIST + j * (REC_Q6_K // 8), REC_Q6_K // 8)
             a0, b0, a1, b1 = _dot_q6(buf, r + 288 + 448 * j, xs, b * QK_K + QK * j)
             u = 2 * j
             sa = vmul(vbcast(xsum, b * 16 + u), vsplat(np.float32(32.0)))
@@ -555,7 +555,7 @@ def tile_q2_k(dst, d0, buf, base, nb, xs, xsum):
         dm1 = ld_f16(buf, r + 64)       # int -> float port that bounds the inner loop
         dm2 = ld_f16(buf, r + 80)
         for j in range(8):
-            _prefetch_range(buf, r + PF_DIST + j * (REC_Q2_K // 8), REC_Q2_K // 8)
+            prefetch_range(buf, r + PF_DIST + j * (REC_Q2_K // 8), REC_Q2_K // 8)
             a0, b0, a1, b1, a2, b2 = _dot_q2(buf, r + 480 + 192 * j, xs, b * QK_K + QK * j)
             u = 2 * j
             sa = vbcast(xsum, b * 16 + u)
@@ -602,7 +602,7 @@ def tile_q3_k(dst, d0, buf, base, nb, xs, xsum):
         dd1 = ld_f16(buf, r + 16)
         dd2 = ld_f16(buf, r + 32)
         for j in range(8):
-            _prefetch_range(buf, r + PF_DIST + j * (REC_Q3_K // 8), REC_Q3_K // 8)
+            prefetch_range(buf, r + PF_DIST + j * (REC_Q3_K // 8), REC_Q3_K // 8)
             a0, b0, a1, b1, a2, b2 = _dot_q4x16(buf, r + 432 + 384 * j, xs, b * QK_K + QK * j)
             u = 2 * j
             sa = vmul(vbcast(xsum, b * 16 + u), vsplat(np.float32(4.0)))
@@ -631,7 +631,7 @@ def tile_iq4_nl(dst, d0, buf, base, nb, xs, xsum):
     o2 = vzero()
     for b in range(nb):
         r = base + b * REC_IQ4_NL
-        _prefetch_range(buf, r + PF_DIST, REC_IQ4_NL)
+        prefetch_range(buf, r + PF_DIST, REC_IQ4_NL)
         a0, a1, a2 = _dot_iq4(buf, r, xs, b * QK, lut)
         s128 = vmul(vbcast(xsum, b), vsplat(np.float32(128.0)))
         o0 = vfma(ld_f16(buf, r + 384), vsub(a0, s128), o0)
@@ -659,7 +659,7 @@ def tile_iq4_xs(dst, d0, buf, base, nb, xs, xsum):
         dd1 = ld_f16(buf, r + 16)
         dd2 = ld_f16(buf, r + 32)
         for j in range(8):
-            _prefetch_range(buf, r + PF_DIST + j * (REC_IQ4_XS // 8), REC_IQ4_XS // 8)
+            prefetch_range(buf, r + PF_DIST + j * (REC_IQ4_XS // 8), REC_IQ4_XS // 8)
             a0, a1, a2 = _dot_iq4(buf, r + 240 + 384 * j, xs, b * QK_K + QK * j, lut)
             s128 = vmul(vbcast(xsum, b * 8 + j), vsplat(np.float32(128.0)))
             o0 = vfma(vmul(dd0, ld_i8(buf, r + 48 + 24 * j)), vsub(a0, s128), o0)
@@ -732,7 +732,7 @@ def tile_f32(dst, d0, buf, base, nb, x):
     n2 = nb - nb % 2
     for c in range(0, n2, 2):
         r = base + c * REC_F32
-        _prefetch_range(buf, r + PF_DIST, 2 * REC_F32)
+        prefetch_range(buf, r + PF_DIST, 2 * REC_F32)
         x0 = vbcast(x, c)
         a0 = vfma(ld_f32(buf, r), x0, a0)
         c0 = vfma(ld_f32(buf, r + 32), x0, c0)

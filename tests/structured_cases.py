@@ -52,7 +52,7 @@ SCHEMAS: dict[str, dict] = {
         "type": "object",
         "properties": {"title": {"type": "string", "maxLength": 40},
                        "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
-                       "rating": {"type": "number", "minimum": 0, "maximum": 10},
+                       "rating": {"type": "number", "minimum": 0, "maximum": 10, "multipleOf": 0.5},
                        "genre": {"type": "string", "maxLength": 20}},
         "required": ["title", "year"], "additionalProperties": False,
     },
