@@ -122,7 +122,7 @@ class LLM:
             if warmup and backend in ("cpu", "cuda"):
                 bar.set_description("warming up")
                 with CompileSpan() as compiling:
-                    warm(self._engine, kv)
+                    warm(self._engine, kv, few_rows=False)
                 self.compile_s = compiling.seconds
                 bar.update(1)
         finally:

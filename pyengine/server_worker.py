@@ -44,6 +44,7 @@ from ringllm.batch import BatchDecoder
 from ringllm.prompt_cache import PromptCache
 from ringllm.runtime.errors import RingLLMError
 from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.warmup import warm_few_rows
 from ringllm.server_api import APIError
 from ringllm.server_metrics import ServerMetrics
 
@@ -91,6 +92,8 @@ class Worker:
         self.metrics = metrics or ServerMetrics()
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.batch = BatchDecoder(llm, max_batch)
+        if max_batch > 1 and getattr(llm, "backend", None) == "cpu":     # batched steps run the few-row kernels: compile them now
+            warm_few_rows(llm.engine)
         self.live: dict[int, tuple[Job, Any]] = {}       # batch tag -> (job, its Decoder)
         self.prefilling: dict[int, tuple[Job, Any]] = {}  # admitted, prompt still going in (oldest first)
         self._tags = itertools.count()

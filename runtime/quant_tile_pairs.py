@@ -191,6 +191,13 @@ def _dot2_q6(buf, r, xs0, xs1, xb):
     return a0, b0, a1, b1, e0, f0, e1, f1
 
 
+@njit(cache=True, nogil=True)
+def _runtime(v):
+    """v as a plain int64: a constant passed through it reaches a callee as a run-time value, not a
+    literal, so one compiled body serves every caller."""
+    return np.int64(v)
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _store3(dst, d0, o0, o1, o2):
     """dst[d0:d0 + 24] = the three group accumulators."""
@@ -207,8 +214,10 @@ def _store3(dst, d0, o0, o1, o2):
 def _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, rec, bits, has_min):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1 tile for two rows: y = d q + m (has_min) or d (q - 2^(bits - 1)),
     folded per block as d * sum(q x) + m * S_b or d * (sum(q x) - 2^(bits - 1) S_b). Record: fields
-    (3 x 128 or 3 x 192 bytes), d [3][8] f16, then m [3][8] f16 if has_min. rec, bits, has_min are
-    constants of each caller, so Numba compiles one specialised body per type."""
+    (3 x 128 or 3 x 192 bytes), d [3][8] f16, then m [3][8] f16 if has_min. The callers pass rec,
+    bits and has_min as run-time int64 (_runtime), so the four types share one compiled body (a
+    literal would make Numba compile one per type, ~3 s each) at the cost of a predictable branch
+    per block."""
     fo = 384 if bits == 4 else 576
     off = np.float32(8.0 if bits == 4 else 16.0)
     o0 = vzero()
@@ -261,25 +270,25 @@ def _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, rec, bi
 @njit(cache=True, nogil=True)
 def tile2_q4_0(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q4_0 tile (24 rows) for two rows of x."""
-    _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, REC_Q4_0, 4, False)
+    _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q4_0), _runtime(4), _runtime(0))
 
 
 @njit(cache=True, nogil=True)
 def tile2_q4_1(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q4_1 tile (24 rows) for two rows of x."""
-    _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, REC_Q4_1, 4, True)
+    _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q4_1), _runtime(4), _runtime(1))
 
 
 @njit(cache=True, nogil=True)
 def tile2_q5_0(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q5_0 tile (24 rows) for two rows of x."""
-    _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, REC_Q5_0, 5, False)
+    _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q5_0), _runtime(5), _runtime(0))
 
 
 @njit(cache=True, nogil=True)
 def tile2_q5_1(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q5_1 tile (24 rows) for two rows of x."""
-    _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, REC_Q5_1, 5, True)
+    _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q5_1), _runtime(5), _runtime(1))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -381,13 +390,13 @@ def _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, rec, 
 @njit(cache=True, nogil=True)
 def tile2_q4_k(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q4_K tile (24 rows) for two rows of x."""
-    _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, REC_Q4_K, 4)
+    _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q4_K), _runtime(4))
 
 
 @njit(cache=True, nogil=True)
 def tile2_q5_k(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q5_K tile (24 rows) for two rows of x."""
-    _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, REC_Q5_K, 5)
+    _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q5_K), _runtime(5))
 
 
 @njit(cache=True, nogil=True)
@@ -479,16 +488,16 @@ def _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, kind):
 @njit(cache=True, nogil=True)
 def tile2_f16(dst0, dst1, d0, buf, base, nb, x0, x1):
     """F16 tile (16 rows) for two rows of x."""
-    _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, 0)
+    _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, _runtime(0))
 
 
 @njit(cache=True, nogil=True)
 def tile2_f32(dst0, dst1, d0, buf, base, nb, x0, x1):
     """F32 tile (16 rows) for two rows of x."""
-    _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, 1)
+    _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, _runtime(1))
 
 
 @njit(cache=True, nogil=True)
 def tile2_bf16(dst0, dst1, d0, buf, base, nb, x0, x1):
     """BF16 tile (16 rows) for two rows of x."""
-    _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, 2)
+    _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, _runtime(2))

@@ -49,16 +49,20 @@ def small_config(kv: KVConfig) -> KVConfig | None:
     return None
 
 
-def warm(engine, kv: KVConfig) -> None:
+def warm(engine, kv: KVConfig, few_rows: bool = True) -> None:
     """Run `engine` through the code paths of a generation with `kv` (module docstring) on a small
-    store of its own. Results are discarded; the engine's scratch may grow to the small store."""
+    store of its own. Results are discarded; the engine's scratch may grow to the small store.
+    few_rows=False leaves out the few-row kernels (2..MATMUL_MIN_T - 1 rows: each weight type's
+    takes 1.5-4.5 s to compile), which one sequence meets only in a prompt chunk of that many rows;
+    batched decode and speculative verification run them every step (warm_few_rows)."""
     small = small_config(kv)
     if small is None:               # only the paths that do not evict: still most of the kernels
         small = KVConfig(capacity=max(_SMALL_CAPACITIES), policy="full", positions=kv.positions)
     n_vocab = engine.spec.n_vocab
     store = engine.new_store(small)
     few = [t % n_vocab for t in range(1, _FEW + 1)]               # the few-row path
-    engine.prefill(few, store)
+    if few_rows:
+        engine.prefill(few, store)
     if small.policy == "full":
         many = small.capacity - len(few) - 1
     else:                           # past the capacity and any staging slack: the policy evicts
@@ -66,6 +70,13 @@ def warm(engine, kv: KVConfig) -> None:
     many = max(many, MATMUL_MIN_T)
     engine.prefill([(7 * t + 3) % n_vocab for t in range(many)], store)   # the matrix-matrix path
     engine.step(1 % n_vocab, store)
+
+
+def warm_few_rows(engine) -> None:
+    """Compile (or load) the few-row kernels of every weight type of `engine`'s matrices, for a caller
+    that batches (the server's worker) and should not pay their compile inside its first batch."""
+    for qtype in sorted({pm.qtype for pm in getattr(engine, "mats", {}).values()}):
+        warm_weight_type(qtype)
 
 
 def warm_weight_type(qtype: GGMLType) -> None:
