@@ -11,8 +11,8 @@ plain output:
   store:C       the full model over a streaming store of capacity C
 Also the verify cost: time of one forward of T rows (T = 1..8) through the target store, journaled
 and rolled back (so every T sees the same store), divided by one decode step. Below
-matvec.MATMUL_MIN_T rows the engine runs the rows in pairs through each weight tile (each weight read
-once, decoded once per pair); from there on the matrix-matrix kernels decode each tile once for all rows.
+matvec.TILED_MIN_T rows the engine runs one matvec per row (bitwise equal to decoding, no weight
+reuse); from there on the matrix-matrix kernels read each weight tile once for all rows.
 Writes bench/results/<name>.{json,md}.
 """
 from __future__ import annotations

@@ -117,6 +117,7 @@ class CPUEngine:
         self.act = ACT_CODES[spec.act]
         self.buf = _Buffers(spec, n_batch)
         self.buf1 = self.buf.view(1)
+        self._batched = False               # inside step_batch: the few-row kernels serve its B rows (_matmul)
         self.logits_buf = np.zeros((n_batch, spec.n_vocab), np.float32)
         nh, hd = spec.n_head, spec.head_dim
         self.sc = AttendScratch(nh, spec.n_head_kv, hd, spec.rotary_dim)     # one token's attention buffers
@@ -239,6 +240,15 @@ class CPUEngine:
         if self.n_threads is not None:
             numba.set_num_threads(self.n_threads)
         out = np.empty((ids.size, self.spec.n_vocab), np.float32)
+        self._batched = True
+        try:
+            self._step_groups(ids, stores, out)
+        finally:
+            self._batched = False
+        return out
+
+    def _step_groups(self, ids: np.ndarray, stores: list, out: np.ndarray) -> None:
+        """step_batch's pass, n_batch sequences at a time: logits into out (B, n_vocab)."""
         for start in range(0, ids.size, self.n_batch):
             part, group = ids[start:start + self.n_batch], stores[start:start + self.n_batch]
             B = part.size
@@ -250,7 +260,6 @@ class CPUEngine:
             for st in group:
                 st.n_seen += 1
             out[start:start + B] = self._head(b, B)
-        return out
 
     def forward(self, ids, store: KVStore, all_logits: bool = True) -> np.ndarray:
         """Feed ids through the store. all_logits: a new (len(ids), n_vocab) array; else the last
@@ -282,11 +291,13 @@ class CPUEngine:
 
     def _matmul(self, out: np.ndarray, pm, x: np.ndarray) -> None:
         """out (T, n_out) = x (T, n_in) @ W.T. T = 1 calls the kernel directly: the engine's own
-        contiguous float32 buffers were shaped for these matrices at construction."""
+        contiguous float32 buffers were shaped for these matrices at construction. The few-row
+        kernels serve step_batch only (self._batched); a prefill chunk of few rows runs one matvec
+        per row or the tiled kernel, so that one sequence never compiles them (matvec.TILED_MIN_T)."""
         if x.shape[0] == 1:
             pm.kernel(out[0], pm.buf, x[0], pm.scratch)
         else:
-            mv.matmul(out, pm, x)
+            mv.matmul(out, pm, x, few_rows=self._batched)
 
     def _linear(self, out: np.ndarray, name: str, x: np.ndarray) -> None:
         """out (T, n_out) = x (T, n_in) @ W.T (+ bias)."""

@@ -5,7 +5,8 @@ float32, W a packed matrix (buf from pack, layout in quant_tiles.py). Each tile 
 is decoded once into a small float32 scratch, transposed (n_cols, rows), and multiplied with all T
 rows of X in register tiles of up to 4 tokens x 24 rows; the tiles are split into contiguous runs,
 one per prange iteration. The weights are thus read and decoded once per call instead of once per
-token; for a few tokens, the two-row tile kernels are faster (mv.matmul picks, see MATMUL_MIN_T there).
+token; for a few tokens, one matvec per token or the two-row tile kernels are faster (mv.matmul picks,
+see MATMUL_MIN_T and TILED_MIN_T there).
 
 UNPACK_TILES[family] decodes tiles into a caller's array (mv.unpack, mv.unpack_rows). Decoded values
 equal ggml's dequantization (d * q + m evaluated with one fma, so within an ulp of gguf's separately

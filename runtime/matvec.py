@@ -56,6 +56,10 @@ __all__ = ["PackedMatrix", "pack", "matvec", "matmul", "unpack", "unpack_rows", 
 # SmolLM2 on 2 cores is faster in pairs up to 16 rows and tiled from 24 (bench/results/few_rows.md
 # times the kernels alone, where tiling wins from about 8 rows).
 MATMUL_MIN_T = 20
+# a caller that does not ask for the few-row kernels (a single sequence's prefill chunk) runs one matvec
+# per row below this many rows (the same bits as the few-row kernels) and the tiled kernel from here on,
+# so that a lone sequence never compiles the few-row kernels (1.5-4.5 s per weight type on 2 cores)
+TILED_MIN_T = 5
 
 
 class PackedMatrix:
@@ -208,12 +212,13 @@ def unpack(pm: PackedMatrix) -> np.ndarray:
     return np.ascontiguousarray(wt[:, :pm.n_rows].T)
 
 
-def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray) -> None:
+def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray, few_rows: bool = True) -> None:
     """out (T, n_rows) float32 = X @ W.T for X (T, n_cols) float32 (prefill, batched decode, verification).
 
     T = 1: matvec. 2 <= T < MATMUL_MIN_T: the few-row kernel, the rows in pairs through each tile while
     it is hot in L1, each weight decoded once per pair (one matvec per row for the types without
-    two-row tiles). Otherwise each tile of W (16 or 24 rows) is decoded once into a small float32
+    two-row tiles, and, with few_rows=False, below TILED_MIN_T rows; the tiled kernel from there:
+    a caller that need not compile the few-row kernels). Otherwise each tile of W (16 or 24 rows) is decoded once into a small float32
     scratch (n_cols x rows per thread, allocated per call) and multiplied with all T rows (register
     tiles of 4 tokens x 16 rows); tiles are split over numba.get_num_threads() threads. No BLAS:
     NumPy's OpenBLAS threads and Numba's OpenMP threads spin against each other on a small machine
@@ -232,7 +237,8 @@ def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray) -> None:
                           f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
     if T == 0:
         return
-    if T < MATMUL_MIN_T and (T == 1 or pm.rows_kernel is None):
+    tiled = T >= (MATMUL_MIN_T if few_rows else TILED_MIN_T)
+    if not tiled and (T == 1 or pm.rows_kernel is None or not few_rows):
         for i in range(T):
             xi = np.ascontiguousarray(X[i])
             if out[i].flags.c_contiguous:
@@ -245,7 +251,7 @@ def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray) -> None:
     if not X.flags.c_contiguous or np.may_share_memory(out, X):
         X = np.array(X, dtype=np.float32, order="C")
     dst = out if out.flags.c_contiguous else np.empty((T, pm.n_rows), np.float32)
-    if T < MATMUL_MIN_T:
+    if not tiled:
         if pm.rows_scratch.shape[0] < T:
             pm.rows_scratch = np.repeat(pm.scratch[None, :], T, axis=0)
         pm.rows_kernel(dst, pm.buf, X, pm.rows_scratch)

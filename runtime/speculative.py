@@ -14,9 +14,10 @@ One round, with `cur` the newest token (known, fed to neither model yet):
 Each store's journal (runtime/kv_multi.py) takes the rejected tokens back out exactly, evicted tokens
 restored, so both stores always hold what plain decoding of the emitted tokens would hold, whatever
 the eviction policy. Every emitted token is the target's argmax given exactly the emitted prefix, so
-the output is plain greedy decoding's, up to rounding: the verify's projections run the few-row or
-matrix-matrix kernels (matvec.matmul), which sum in another order than the decode kernels (~1e-6),
-so equal greedy output holds unless two logits tie to that precision.
+the output is plain greedy decoding's. Bitwise so when gamma + 1 < matvec.TILED_MIN_T (the verify
+rows run the decode kernels, one matvec per row); above that the verify's projections use the tiled
+matrix-matrix kernels, which round differently (~1e-6): equal greedy output then holds unless two
+logits tie to that precision.
 
 Drafts (see make_layer_draft): the same model with fewer layers (early-exit self-speculation, the
 same tensors, the final norm and head on layer n's output), or the same model over a small

@@ -4,8 +4,9 @@ now, not inside the first prompt.
 Numba compiles a kernel per argument-type signature; sizes do not matter. A short run therefore
 compiles what a long one needs, provided it takes every code path the long one takes:
 
-- prefill of fewer than matvec.MATMUL_MIN_T rows (the few-row kernels: rows in pairs through each
-  tile) and of more (the tiled matrix-matrix kernels), for each weight type of the model;
+- prefill of fewer than matvec.TILED_MIN_T rows (one matvec per row) and of more (the tiled
+  matrix-matrix kernels), for each weight type of the model; and, unless left out, the few-row kernels
+  batched decode runs (rows in pairs through each tile);
 - a single-token step (decode);
 - writes into a full store, where the policy chooses victims (its compiled layer step, its
   scores), with the store's position mode and staged-eviction settings.
@@ -25,12 +26,12 @@ from ringllm.runtime import matvec as mv
 from ringllm.runtime.dequant import dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
-from ringllm.runtime.matvec import MATMUL_MIN_T
+from ringllm.runtime.matvec import MATMUL_MIN_T, TILED_MIN_T
 from ringllm.runtime.quant_types import GGMLType
 from ringllm.runtime.random_weights import random_qtensor
 
 _SMALL_CAPACITIES = (16, 32, 64, 128)
-_FEW = 3            # rows of warm()'s few-row prefill: a pair through the two-row tiles and an odd row
+_FEW = 3            # rows of warm()'s short prefill chunk (below matvec.TILED_MIN_T)
 
 
 def small_config(kv: KVConfig) -> KVConfig | None:
@@ -38,7 +39,7 @@ def small_config(kv: KVConfig) -> KVConfig | None:
     capacity when smaller; policy full the smallest that holds warm()'s tokens without evicting);
     None when none does (a protected window larger than the sizes tried)."""
     for cap in _SMALL_CAPACITIES:
-        if kv.policy == "full" and cap < _FEW + MATMUL_MIN_T + 1:
+        if kv.policy == "full" and cap < _FEW + TILED_MIN_T + 1:
             continue
         if kv.policy != "full" and kv.capacity is not None and kv.capacity <= cap:
             return kv
@@ -53,23 +54,24 @@ def warm(engine, kv: KVConfig, few_rows: bool = True) -> None:
     """Run `engine` through the code paths of a generation with `kv` (module docstring) on a small
     store of its own. Results are discarded; the engine's scratch may grow to the small store.
     few_rows=False leaves out the few-row kernels (2..MATMUL_MIN_T - 1 rows: each weight type's
-    takes 1.5-4.5 s to compile), which one sequence meets only in a prompt chunk of that many rows;
-    batched decode and speculative verification run them every step (warm_few_rows)."""
+    takes 1.5-4.5 s to compile), which only batched decode runs (CPUEngine.step_batch; a single
+    sequence's short prefill chunk runs one matvec per row, the same bits)."""
     small = small_config(kv)
     if small is None:               # only the paths that do not evict: still most of the kernels
         small = KVConfig(capacity=max(_SMALL_CAPACITIES), policy="full", positions=kv.positions)
     n_vocab = engine.spec.n_vocab
     store = engine.new_store(small)
-    few = [t % n_vocab for t in range(1, _FEW + 1)]               # the few-row path
-    if few_rows:
-        engine.prefill(few, store)
+    few = [t % n_vocab for t in range(1, _FEW + 1)]               # a short chunk: one matvec per row
+    engine.prefill(few, store)
     if small.policy == "full":
         many = small.capacity - len(few) - 1
     else:                           # past the capacity and any staging slack: the policy evicts
         many = small.capacity + small.lazy + small.slack + 2
-    many = max(many, MATMUL_MIN_T)
+    many = max(many, TILED_MIN_T)
     engine.prefill([(7 * t + 3) % n_vocab for t in range(many)], store)   # the matrix-matrix path
     engine.step(1 % n_vocab, store)
+    if few_rows:
+        warm_few_rows(engine)
 
 
 def warm_few_rows(engine) -> None:

@@ -80,10 +80,11 @@ def check_matvec(pm: mv.PackedMatrix, W: np.ndarray, rng: np.random.Generator, w
     assert np.all(err <= bound), f"{what}: worst row {np.argmax(err / bound)}, err/bound {np.max(err / bound):.3g}"
 
 
-def check_matmul(pm: mv.PackedMatrix, W: np.ndarray, T: int, rng: np.random.Generator, what: str) -> None:
+def check_matmul(pm: mv.PackedMatrix, W: np.ndarray, T: int, rng: np.random.Generator, what: str,
+                 few_rows: bool = True) -> None:
     X = rng.standard_normal((T, W.shape[1])).astype(np.float32)
     out = np.full((T, W.shape[0]), np.nan, np.float32)
-    mv.matmul(out, pm, X)
+    mv.matmul(out, pm, X, few_rows=few_rows)
     X64 = X.astype(np.float64)
     ref = X64 @ W.T
     bound = REL_TOL * (np.abs(X64) @ np.abs(W.T)) + 1e-30
@@ -123,7 +124,7 @@ def test_random_blocks_matvec(qtype, threads):
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_random_blocks_matmul(qtype, threads):
     """Every row count 1..17 (one matvec, the two-row tiles with and without an odd row, the tiled
-    matmul) and 33, on matrices with and without a partial last tile and one large enough for the
+    matmul; and with few_rows=False, per-row matvecs and the tiled matmul) and 33, on matrices with and without a partial last tile and one large enough for the
     parallel loop."""
     rng = np.random.default_rng(100 + int(qtype) + 7 * threads)
     n_cols = 512 if BLOCK_LAYOUT[qtype][0] == 256 else 96
@@ -133,6 +134,7 @@ def test_random_blocks_matmul(qtype, threads):
         pm = mv.pack(t)
         for T in (*range(1, 18), 33):
             check_matmul(pm, W, T, rng, f"{qtype.name} {n_rows}x{n_cols}")
+            check_matmul(pm, W, T, rng, f"{qtype.name} {n_rows}x{n_cols} (prefill paths)", few_rows=False)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)

@@ -56,9 +56,9 @@ def test_small_config_fits_every_policy():
         small.validate()
     tiny = KVConfig(policy="h2o", capacity=12, sinks=2)
     assert small_config(tiny) is tiny
-    from ringllm.runtime.matvec import MATMUL_MIN_T
+    from ringllm.runtime.matvec import TILED_MIN_T
     full = small_config(KVConfig(capacity=8)).capacity              # full: room for warm()'s tokens
-    assert MATMUL_MIN_T + 4 <= full <= 128
+    assert TILED_MIN_T + 4 <= full <= 128
     assert small_config(KVConfig(policy="h2o", capacity=4096, recent=1000)) is None
 
 
