@@ -92,8 +92,8 @@ class Worker:
         self.metrics = metrics or ServerMetrics()
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.batch = BatchDecoder(llm, max_batch)
-        if max_batch > 1 and getattr(llm, "backend", None) == "cpu":     # batched steps run the few-row kernels: compile them now
-            warm_few_rows(llm.engine)
+        if max_batch > 1 and getattr(llm, "backend", None) == "cpu":
+            warm_few_rows(llm.engine)       # batched steps run the few-row kernels: compile them now
         self.live: dict[int, tuple[Job, Any]] = {}       # batch tag -> (job, its Decoder)
         self.prefilling: dict[int, tuple[Job, Any]] = {}  # admitted, prompt still going in (oldest first)
         self._tags = itertools.count()

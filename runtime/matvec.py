@@ -215,10 +215,14 @@ def unpack(pm: PackedMatrix) -> np.ndarray:
 def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray, few_rows: bool = True) -> None:
     """out (T, n_rows) float32 = X @ W.T for X (T, n_cols) float32 (prefill, batched decode, verification).
 
-    T = 1: matvec. 2 <= T < MATMUL_MIN_T: the few-row kernel, the rows in pairs through each tile while
-    it is hot in L1, each weight decoded once per pair (one matvec per row for the types without
-    two-row tiles, and, with few_rows=False, below TILED_MIN_T rows; the tiled kernel from there:
-    a caller that need not compile the few-row kernels). Otherwise each tile of W (16 or 24 rows) is decoded once into a small float32
+    Which kernel (T rows):
+      T = 1, or T < TILED_MIN_T with few_rows=False: one matvec per row;
+      2 <= T < MATMUL_MIN_T with few_rows=True: the few-row kernel, the rows in pairs through each
+        tile while it is hot in L1, each weight decoded once per pair, the same bits as per-row
+        matvecs (one matvec per row for the types without two-row tiles);
+      otherwise (from MATMUL_MIN_T, or TILED_MIN_T with few_rows=False): the tiled kernel.
+    few_rows=False is for a caller that should not compile the few-row kernels (a single sequence's
+    prefill chunk). The tiled kernel decodes each tile of W (16 or 24 rows) once into a small float32
     scratch (n_cols x rows per thread, allocated per call) and multiplied with all T rows (register
     tiles of 4 tokens x 16 rows); tiles are split over numba.get_num_threads() threads. No BLAS:
     NumPy's OpenBLAS threads and Numba's OpenMP threads spin against each other on a small machine
