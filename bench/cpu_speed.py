@@ -38,13 +38,13 @@ ENGINES = ("ringllm", "llama.cpp")
 class RingllmRunner:
     """One ringllm CPUEngine on a file: pp() and tg() each time one measurement and return tokens/s."""
 
-    def __init__(self, path, threads, n_tg, n_pp):
+    def __init__(self, path, threads, n_tg, n_pp, precision="f32"):
         from ringllm.models.loader import load_model
         from ringllm.runtime.engine import CPUEngine
 
         self.n_tg, self.n_pp = n_tg, n_pp
         self.model = m = load_model(path, tokenizer=False)
-        self.eng = CPUEngine(m.spec, m.tensors, n_threads=threads, n_batch=min(512, n_pp))
+        self.eng = CPUEngine(m.spec, m.tensors, n_threads=threads, n_batch=min(512, n_pp), precision=precision)
         self.prompt = np.random.default_rng(0).integers(100, 5000, n_pp).tolist()
         self.eng.prefill(self.prompt[:16], self._store())          # warm-up: JIT from cache, page in weights
 
@@ -286,29 +286,36 @@ def run_model(args):
     from ringllm.models.bundled import default_model_path
     path = args.model or default_model_path()
     ours = bench_in_process(RingllmRunner(path, args.threads, args.tg, args.pp), args.repeats)
+    q8 = bench_in_process(RingllmRunner(path, args.threads, args.tg, args.pp, "q8"), args.repeats)
     try:
         anchor = bench_in_process(LlamaCppRunner(path, args.threads, args.tg, args.pp), args.repeats)
     except RuntimeError:
         anchor = None
     lb = bench_llama_bench(args.llama_bench, path, args.threads, args.tg, args.pp, args.repeats)
     gbs = ours["decode_bytes"] * ours["tg"] / 1e9
-    rows = [("ringllm (Numba)", ours["tg"], ours["pp"], gbs)]
+    rows = [("ringllm (Numba), precision f32", ours["tg"], ours["pp"], gbs),
+            ("ringllm (Numba), precision q8", q8["tg"], q8["pp"], ours["decode_bytes"] * q8["tg"] / 1e9)]
     if anchor:
         rows.append(("llama.cpp (llama-cpp-python, Python loop like ours)", anchor["tg"], anchor["pp"],
                      ours["decode_bytes"] * anchor["tg"] / 1e9))
     if lb:
         rows.append(("llama.cpp (llama-bench, C)", lb["tg"], lb["pp"], ours["decode_bytes"] * lb["tg"] / 1e9))
     payload = {"model": os.path.basename(path), "threads": args.threads, "tg_tokens": args.tg, "pp_tokens": args.pp,
-               "ringllm": ours, "llama_cpp": anchor, "llama_bench": lb, "machine": machine(),
+               "ringllm": ours, "ringllm_q8": q8, "llama_cpp": anchor, "llama_bench": lb, "machine": machine(),
                "ratio_tg": ours["tg"] / anchor["tg"] if anchor else None,
-               "ratio_pp": ours["pp"] / anchor["pp"] if anchor else None}
+               "ratio_pp": ours["pp"] / anchor["pp"] if anchor else None,
+               "ratio_tg_q8": q8["tg"] / anchor["tg"] if anchor else None,
+               "ratio_pp_q8": q8["pp"] / anchor["pp"] if anchor else None}
     md = [f"# CPU speed: {os.path.basename(path)}, {args.threads} threads\n",
+          f"Command: `python bench/cpu_speed.py{' -m ' + args.model if args.model else ''} -t {args.threads} --tg "
+          f"{args.tg} --pp {args.pp} --repeats {args.repeats}{' --name ' + args.name if args.name else ''}`\n",
           f"Machine: {payload['machine']['cpu']}, {payload['machine']['cores']} cores; medians of {args.repeats} runs.\n",
           f"Weight bytes read per decoded token: {ours['decode_bytes'] / 1e6:.1f} MB.\n",
           f"| engine | tg{args.tg} tok/s | pp{args.pp} tok/s | decode GB/s of weights |", "|---|---|---|---|"]
     md += [f"| {n} | {tg:.1f} | {pp:.1f} | {g:.2f} |" for n, tg, pp, g in rows]
     if anchor:
-        md.append(f"\nringllm / llama.cpp (llama-cpp-python): decode {payload['ratio_tg']:.2f}x, prefill {payload['ratio_pp']:.2f}x")
+        md.append(f"\nringllm / llama.cpp (llama-cpp-python): f32 decode {payload['ratio_tg']:.2f}x, prefill "
+                  f"{payload['ratio_pp']:.2f}x; q8 decode {payload['ratio_tg_q8']:.2f}x, prefill {payload['ratio_pp_q8']:.2f}x")
     if lb:
         md.append(f"ringllm / llama-bench: decode {ours['tg'] / lb['tg']:.2f}x, prefill {ours['pp'] / lb['pp']:.2f}x\n")
     text = "\n".join(md) + "\n"

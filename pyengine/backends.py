@@ -26,14 +26,18 @@ __all__ = ["BACKENDS", "ReferenceBackend", "check_room", "engine_peak_memory", "
 BACKENDS = ("cpu", "cuda", "reference", "none")
 
 
-def make_engine(backend: str, spec, tensors: dict, n_threads: int | None = None, n_batch: int = 64):
+def make_engine(backend: str, spec, tensors: dict, n_threads: int | None = None, n_batch: int = 64,
+                precision: str = "f32"):
     """The engine of `backend` over a loaded model's spec and tensors (None for "none": a front end
-    that never runs the model). ConfigError when the CUDA backend is not built."""
+    that never runs the model). precision "q8" (8-bit activations) exists on the cpu backend only.
+    ConfigError when the CUDA backend is not built or precision is not available on the backend."""
     if backend == "none":
         return None
     if backend == "cpu":
         from ringllm.runtime.engine import CPUEngine
-        return CPUEngine(spec, tensors, n_threads=n_threads, n_batch=n_batch)
+        return CPUEngine(spec, tensors, n_threads=n_threads, n_batch=n_batch, precision=precision)
+    if precision != "f32":
+        raise ConfigError(f"precision {precision!r} is implemented by the cpu backend only, not {backend!r}")
     if backend == "reference":
         return ReferenceBackend(spec, tensors)
     try:

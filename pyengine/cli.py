@@ -77,10 +77,10 @@ class _Runner:
             self.feed = lambda ids, st: self.eng.forward(ids, st)
         else:
             if args.engine == "cuda":
-                self.eng = make_engine("cuda", model.spec, model.tensors, args.threads, 64)
+                self.eng = make_engine("cuda", model.spec, model.tensors, args.threads, 64, args.precision)
             else:
                 from ringllm.runtime.engine import CPUEngine
-                self.eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads)
+                self.eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads, precision=args.precision)
             self.new = lambda: self.eng.new_store(kv)
             self.feed = lambda ids, st: self.eng.logits(ids, st)
         self.store = self.new()
@@ -115,6 +115,7 @@ def _llm(args, warmup: bool = False):
     template = getattr(args, "chat_template", None)
     return LLM(args.model, kv=_kv_config(args), backend=args.engine, n_threads=args.threads,
                seed=args.seed if args.seed is not None else 0, progress=not args.no_progress, warmup=warmup,
+               precision=args.precision,
                chat_template=_read_text(template, "chat template") if template else None)
 
 
@@ -402,10 +403,11 @@ def _bench(args: argparse.Namespace) -> int:
                           "bench/compression_speed.py")
     model = _load(args, tokenizer=False)
     if args.engine == "cuda":
-        eng = make_engine("cuda", model.spec, model.tensors, args.threads, min(512, args.pp))
+        eng = make_engine("cuda", model.spec, model.tensors, args.threads, min(512, args.pp), args.precision)
     else:
         from ringllm.runtime.engine import CPUEngine
-        eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads, n_batch=min(512, args.pp))
+        eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads, n_batch=min(512, args.pp),
+                        precision=args.precision)
     if args.kv_policy == "full":
         cap = args.kv_capacity or min(model.spec.n_ctx, args.pp + args.tg + 8)
         kv = KVConfig(capacity=cap, policy="full", positions=args.positions)
@@ -431,7 +433,8 @@ def _bench(args: argparse.Namespace) -> int:
     if model.spec.tied_output:
         decode_bytes += model.tensors["token_embd.weight"].nbytes
     tg_med, pp_med = float(np.median(tg)), float(np.median(pp))
-    result = {"model": model.path, "engine": args.engine, "threads": args.threads or os.cpu_count(),
+    result = {"model": model.path, "engine": args.engine, "precision": args.precision,
+              "threads": args.threads or os.cpu_count(),
               "tg_tokens": args.tg, "pp_tokens": args.pp, "repeats": args.repeats,
               "tg_tok_s": round(tg_med, 2), "pp_tok_s": round(pp_med, 2),
               "tg_runs": [round(x, 2) for x in tg], "pp_runs": [round(x, 2) for x in pp],
@@ -440,7 +443,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{os.path.basename(model.path)} ({args.engine}, {result['threads']} threads): "
+        print(f"{os.path.basename(model.path)} ({args.engine}, {args.precision}, {result['threads']} threads): "
               f"tg{args.tg} {result['tg_tok_s']} tok/s ({result['decode_gb_s']} GB/s of weights), "
               f"pp{args.pp} {result['pp_tok_s']} tok/s; medians of {args.repeats}")
     return 0
@@ -487,7 +490,7 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     template = getattr(args, "chat_template", None)
     opts = ray_serve.ServeOptions(
-        model=args.model, kv=_kv_config(args).to_dict(), n_threads=args.threads or 1,
+        model=args.model, kv=_kv_config(args).to_dict(), n_threads=args.threads or 1, precision=args.precision,
         chat_template=_read_text(template, "chat template") if template else None,
         seed=args.seed if args.seed is not None else 0, settings=settings, replicas=args.replicas or 1,
         min_replicas=args.min_replicas, max_replicas=args.max_replicas, affinity=not args.no_affinity)
@@ -516,7 +519,7 @@ def _warmup(args: argparse.Namespace) -> int:
         print(f"ringllm warmup: compiling kernels for this CPU into {os.environ.get('NUMBA_CACHE_DIR') or 'the cache'}",
               file=sys.stderr, flush=True)
     results = warmup(args.model, policies, jobs=args.jobs, knobs={"positions": args.positions},
-                     all_types=args.all_types, report=report)
+                     all_types=args.all_types, report=report, precision=args.precision)
     wall = time.perf_counter() - t0
     total = sum(r.compile_s for r in results)
     if args.json:
@@ -537,6 +540,9 @@ def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
     p.add_argument("--engine", "--backend", dest="engine", choices=("cpu", "cuda", "reference"), default="cpu",
                    help="cpu (Numba), cuda (GPU backend), reference (NumPy oracle, slow)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--precision", choices=("f32", "q8"), default="f32",
+                   help="activations of the weight products: f32 (exact, default) or q8 (8-bit per block as "
+                        "llama.cpp, integer dot products: faster; cpu engine)")
     p.add_argument("--kv-policy", choices=POLICIES, default="full")
     p.add_argument("--kv-capacity", type=int, default=None, help="KV slots per layer (full: the context size)")
     p.add_argument("--kv-sinks", type=int, default=4)
@@ -667,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--policy", action="append", choices=POLICIES, default=None,
                    help="eviction policy to compile for (repeatable; default: every policy)")
     w.add_argument("--positions", choices=POSITION_MODES, default="reindexed")
+    w.add_argument("--precision", choices=("f32", "q8"), default="f32", help="the engine precision to compile for")
     w.add_argument("--all-types", action="store_true",
                    help="also compile every supported weight type's kernels (for models not at hand)")
     w.add_argument("-j", "--jobs", type=int, default=None, help="processes compiling side by side (default: cores)")

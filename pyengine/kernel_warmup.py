@@ -37,12 +37,12 @@ class WarmupResult:
     wall_s: float
 
 
-def _engine_for(model):
+def _engine_for(model, precision: str = "f32"):
     """The model's CPU engine (model: a file, a directory, or None for the bundled model)."""
     from ringllm.models.loader import load_model
     from ringllm.runtime.engine import CPUEngine
     loaded = load_model(model, tokenizer=False)
-    return CPUEngine(loaded.spec, loaded.tensors)
+    return CPUEngine(loaded.spec, loaded.tensors, precision=precision)
 
 
 def _warm_one(engine, item: str, knobs: dict) -> WarmupResult:
@@ -59,10 +59,10 @@ def _warm_one(engine, item: str, knobs: dict) -> WarmupResult:
     return WarmupResult(item, span.seconds, span.signatures, time.perf_counter() - t0)
 
 
-def _worker_init(model, knobs: dict) -> None:
+def _worker_init(model, knobs: dict, precision: str) -> None:
     from ringllm.runtime import compile_clock
     compile_clock.quiet()
-    _worker_state["engine"] = _engine_for(model)
+    _worker_state["engine"] = _engine_for(model, precision)
     _worker_state["knobs"] = knobs
 
 
@@ -71,12 +71,13 @@ def _worker_run(item: str) -> WarmupResult:
 
 
 def warmup(model=None, policies: list[str] | None = None, jobs: int | None = None, knobs: dict | None = None,
-           all_types: bool = False, report=None) -> list[WarmupResult]:
+           all_types: bool = False, report=None, precision: str = "f32") -> list[WarmupResult]:
     """Compile (or find cached) every kernel `model` runs under each policy in `policies` (default: all of
     POLICIES), and with all_types every supported weight type's kernels. jobs: processes compiling side by
     side (default: the CPU count). knobs: other KVConfig fields every configuration takes (e.g.
-    {"positions": "original"}). report(WarmupResult): called as each item finishes. Returns the results,
-    "policy full" (the shared kernels) first."""
+    {"positions": "original"}). precision: the engine's ("q8": its 8-bit activation kernels).
+    report(WarmupResult): called as each item finishes. Returns the results, "policy full" (the shared
+    kernels) first."""
     from ringllm.runtime.quant_types import SUPPORTED_TYPES
     policies = list(POLICIES) if policies is None else list(dict.fromkeys(policies))
     unknown = [p for p in policies if p not in POLICIES]
@@ -87,7 +88,7 @@ def warmup(model=None, policies: list[str] | None = None, jobs: int | None = Non
     report = report or (lambda r: None)
     from ringllm.runtime import compile_clock
     compile_clock.quiet()
-    engine = _engine_for(model)
+    engine = _engine_for(model, precision)
     results = [_warm_one(engine, "policy full", knobs)]          # the kernels every configuration shares
     report(results[0])
     rest = [f"policy {p}" for p in policies if p != "full"]
@@ -99,7 +100,7 @@ def warmup(model=None, policies: list[str] | None = None, jobs: int | None = Non
             report(results[-1])
         return results
     ctx = multiprocessing.get_context("spawn")       # a fresh interpreter: no forked Numba or OpenMP state
-    with ctx.Pool(min(jobs, len(rest)), initializer=_worker_init, initargs=(model, knobs)) as pool:
+    with ctx.Pool(min(jobs, len(rest)), initializer=_worker_init, initargs=(model, knobs, precision)) as pool:
         for r in pool.imap_unordered(_worker_run, rest):
             results.append(r)
             report(r)

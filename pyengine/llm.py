@@ -80,12 +80,16 @@ class LLM:
         warmup: run every kernel this LLM's KV config uses once now (runtime/warmup.py), so the first
             generation does not pay for compiling them; .compile_s holds the seconds that took.
             Without it, kernels compile when first used and Timings.compile_s reports that time.
+        precision: "f32" (default): exact float32 activations in the weight products; "q8":
+            llama.cpp's numerics and speed, activations quantized to 8 bits per block (Q8_0 / Q8_K)
+            and integer dot products for Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights (other types
+            stay exact). CPU backend only.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, kv: KVConfig | dict | None = None,
                  backend: str = "cpu", n_threads: int | None = None, seed: int = 0, *,
                  n_batch: int = 64, progress: bool | None = None, chat_template: str | None = None,
-                 warmup: bool = False):
+                 warmup: bool = False, precision: str = "f32"):
         if kv is None:
             kv = KVConfig()
         elif isinstance(kv, dict):
@@ -97,6 +101,10 @@ class LLM:
             raise ConfigError(f"backend {backend!r} unknown; valid: {', '.join(BACKENDS)}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
+        if precision not in ("f32", "q8"):
+            raise ConfigError(f"precision {precision!r} unknown; valid: 'f32', 'q8'")
+        if precision != "f32" and backend != "cpu":
+            raise ConfigError(f"precision {precision!r} is implemented by the cpu backend only, not {backend!r}")
         if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1):
             raise ConfigError(f"n_threads must be a positive integer, got {n_threads!r}")
         show = sys.stderr.isatty() if progress is None else bool(progress)
@@ -111,10 +119,11 @@ class LLM:
             reach = kv.capacity if kv.capacity is not None and kv.positions == "reindexed" else self.model.spec.n_ctx
             self.spec, self.tokenizer = self.model.spec.for_context(reach), self.model.tokenizer
             self.kv, self.backend, self.n_threads, self.seed = kv, backend, n_threads, int(seed)
+            self.precision = precision
             if backend == "cpu":         # what the first-compile notice quotes, should one be needed
                 compile_clock.expect(estimate_compile_seconds(
                     {t.qtype for t in self.model.tensors.values() if len(t.shape) == 2}, kv))
-            self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch)
+            self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch, precision)
             if self._engine is not None:    # the engine holds its own copy of the weights: the file's pages go
                 release_file_pages(t.data for t in self.model.tensors.values())
             self.compile_s = 0.0
@@ -435,7 +444,7 @@ class LLM:
             drafts = self._layer_drafts
             if int(value) not in drafts:
                 drafts[int(value)] = make_layer_draft(self.spec, self.model.tensors, int(value),
-                                                      n_threads=self.n_threads)
+                                                      n_threads=self.n_threads, precision=self.precision)
             d_engine = drafts[int(value)]
             d_kv = self.kv
         else:

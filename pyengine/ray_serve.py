@@ -71,6 +71,7 @@ class ServeOptions:
     model: str | None = None
     kv: dict = field(default_factory=dict)
     n_threads: int = 1                   # engine threads per replica (and CPUs Ray reserves for it)
+    precision: str = "f32"               # LLM(precision=...) of every replica
     chat_template: str | None = None
     seed: int = 0
     settings: ServerSettings = field(default_factory=ServerSettings)
@@ -190,7 +191,7 @@ class Replica:
         self.name = "ringllm-" + serve.get_replica_context().replica_id.to_full_id_str().rsplit("#", 1)[-1]
         self.llm = ringllm.LLM(opts.model, kv=KVConfig.from_dict(opts.kv) if opts.kv else None,
                                n_threads=opts.n_threads, seed=opts.seed, chat_template=opts.chat_template,
-                               warmup=True, progress=False)
+                               warmup=True, progress=False, precision=opts.precision)
         s = opts.settings
         from ringllm.prompt_cache import default_cache_bytes
         cache = default_cache_bytes() if s.cache_bytes is None else s.cache_bytes

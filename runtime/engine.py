@@ -91,15 +91,23 @@ class CPUEngine:
         kept within REBASE_LIMIT of the slot's position, the query rotated once per offset: see
         attention.attend_rebased), or "fused" when rope is "fused" or the policy reads the stored
         keys as they were before RoPE (rkv, gvote). bench/rope_strategies.py measures them.
+        precision: "f32" (default): the weight products take float32 activations, exact up to the
+            accumulation order; "q8": llama.cpp's numerics, activations quantized to 8 bits per
+            block in every product with a Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K weight (integer dot
+            products, faster; matvec.py), other weight types exact. Attention, norms and the KV
+            store stay float32 in both.
     """
 
     ROPE_MODES = tuple(STRATEGIES)
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, QTensor], n_threads: int | None = None, n_batch: int = 64,
-                 rope: str = "stored"):
+                 rope: str = "stored", precision: str = "f32"):
         if rope not in self.ROPE_MODES:
             raise ConfigError(f"rope {rope!r} unknown; valid: {self.ROPE_MODES}")
-        self.rope = rope
+        if precision not in mv.PRECISIONS:
+            raise ConfigError(f"precision {precision!r} unknown; valid: {mv.PRECISIONS} (q8: 8-bit activations "
+                              "in the weight products, as llama.cpp computes them)")
+        self.rope, self.precision = rope, precision
         if n_threads is not None:
             if not isinstance(n_threads, int) or n_threads < 1:
                 raise ConfigError(f"n_threads must be a positive integer, got {n_threads!r}")
@@ -153,10 +161,13 @@ class CPUEngine:
                     mats[p + fused + ".weight"] = [mats.pop(n) for n in names]
         # NumPy releases the GIL in the repacking's array operations: matrices pack side by side
         workers = self.n_threads or os.cpu_count() or 1
+
+        def pack(t):
+            return mv.pack(t, self.precision)
         if workers == 1:
-            return {name: mv.pack(t) for name, t in mats.items()}
+            return {name: pack(t) for name, t in mats.items()}
         with ThreadPoolExecutor(workers) as pool:
-            return dict(zip(mats, pool.map(mv.pack, mats.values())))
+            return dict(zip(mats, pool.map(pack, mats.values())))
 
     # -----------------------------------------------------------------------------------------
     # Public verbs
@@ -291,10 +302,13 @@ class CPUEngine:
 
     def _matmul(self, out: np.ndarray, pm, x: np.ndarray) -> None:
         """out (T, n_out) = x (T, n_in) @ W.T. T = 1 calls the kernel directly: the engine's own
-        contiguous float32 buffers were shaped for these matrices at construction. The few-row
+        contiguous float32 buffers were shaped for these matrices at construction (so are the q8
+        kernels: the engine's x and out are C-contiguous). The few-row
         kernels serve step_batch only (self._batched); a prefill chunk of few rows runs one matvec
         per row or the tiled kernel, so that one sequence never compiles them (matvec.TILED_MIN_T)."""
-        if x.shape[0] == 1:
+        if pm.q8 is not None:        # one kernel call: it quantizes x into the matrix's buffers, then multiplies
+            pm.q8_kernel(out, pm.buf, x, *pm.q8_acts.for_rows(x.shape[0]), pm.n_blocks)
+        elif x.shape[0] == 1:
             pm.kernel(out[0], pm.buf, x[0], pm.scratch)
         else:
             mv.matmul(out, pm, x, few_rows=self._batched)

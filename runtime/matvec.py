@@ -13,6 +13,7 @@ functions here check their arguments and pick a kernel; the work is done in
                        scratch), generated from one table
     gemm.py            the tile decoder (unpack) and the register-tiled matmul (prefill)
     packing.py         file blocks -> packed records (NumPy), in huge-page slabs
+    act_quant.py, quant_tiles_q8.py, packing_q8.py   the q8 mode (below)
 
 Accuracy: x is never quantized. The result is dequantize(W) @ x up to float32 rounding of the
 accumulation order (every dequantized weight value is exact in float32, every scale product
@@ -20,6 +21,13 @@ d * sc is exact, and the per-block identity sum_j (d q_j + m) x_j = d sum_j q_j 
 is applied in float32 with fused multiply-adds). x values below ~1e-30 in magnitude may lose bits
 to the power-of-two pre-scaling of x (quant_tiles.py); their products are far below the float32
 resolution of any real dot product.
+
+Precision. `pack(t, precision="q8")` opts a matrix of a type in Q8_TYPES (Q4_0, Q4_1, Q5_0, Q8_0,
+Q4_K, Q6_K) into llama.cpp's numerics: every product (one row or many) quantizes x to 8 bits per
+block first (act_quant.py: Q8_0 per 32 values, or Q8_K per 256 for the K-quants, as ggml pairs them)
+and multiplies with integer dot products (quant_tiles_q8.py). The result is then
+dequantize(W) @ dequantize(quantize(x)) (reference_q8.py) up to float32 rounding, not W @ x. Other
+types have no q8 kernels and stay exact under precision="q8".
 
 Threads: the kernels follow the house style (destination first, return None, nogil, cache); only the
 entry kernels (`matvec_<type>`, `UNPACK_TILES`, `MATMUL_TILES`) are parallel. matvec runs prange over
@@ -35,15 +43,22 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ringllm.runtime.act_quant import Q8_0, Q8_K, ActQ8
 from ringllm.runtime.errors import ConfigError, UnsupportedModelError
 from ringllm.runtime.gemm import MATMUL_TILES, UNPACK_TILES
-from ringllm.runtime.matvec_kernels import KERNELS, ROWS_KERNELS, x_scales
+from ringllm.runtime.matvec_kernels import KERNELS, PAR_MIN_WEIGHTS, ROWS_KERNELS, x_scales
 from ringllm.runtime.packing import pack_records
+from ringllm.runtime.packing_q8 import Q8_OWN_LAYOUT, pack_records_q8, q8_tile_rows
+from ringllm.runtime.quant_tiles_q8 import Q8_KERNELS
+from ringllm.runtime.reference_q8 import Q8_TYPES
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_tiles import tile_rows
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
 
-__all__ = ["PackedMatrix", "pack", "matvec", "matmul", "unpack", "unpack_rows", "tile_rows", "KERNELS"]
+__all__ = ["PackedMatrix", "pack", "matvec", "matmul", "unpack", "unpack_rows", "tile_rows", "KERNELS", "PRECISIONS",
+           "Q8_TYPES", "matmul_q8"]
+
+PRECISIONS = ("f32", "q8")     # f32: exact float32 activations; q8: 8-bit activations (module docstring)
 
 
 # ==================================================================================================
@@ -77,16 +92,27 @@ class PackedMatrix:
              kernels (its few-row products run one matvec per row).
     rows_scratch: float32 (T, len(scratch)), grown by matmul to the largest T it was called with.
     name:    the source tensor's name (names joined by '+' for stacked tensors).
+    q8:      None, or in the q8 mode (pack(..., precision="q8")) the (parallel, serial) q8 entry
+             kernels; buf is then in their layout (packing_q8.py) and every product goes through
+             them (kernel / rows_kernel are not called).
+    q8_kernel: the one of the two a call should take (serial below PAR_MIN_WEIGHTS weights).
+    q8_fmt:  the activation format of the q8 kernels (act_quant.Q8_0 or Q8_K).
+    q8_acts: ActQ8 buffers for the quantized rows of x (grown to the largest T seen).
     """
 
     __slots__ = ("qtype", "n_rows", "n_cols", "buf", "scratch", "name", "kernel", "rows_kernel", "rows_scratch",
-                 "family", "kind", "tile_rows", "n_tiles", "n_blocks")
+                 "family", "kind", "tile_rows", "n_tiles", "n_blocks", "q8", "q8_kernel", "q8_fmt", "q8_acts")
 
-    def __init__(self, qtype: GGMLType, n_rows: int, n_cols: int, buf: np.ndarray, name: str = ""):
+    def __init__(self, qtype: GGMLType, n_rows: int, n_cols: int, buf: np.ndarray, name: str = "",
+                 precision: str = "f32"):
         self.qtype, self.n_rows, self.n_cols, self.buf, self.name = qtype, n_rows, n_cols, buf, name
         self.kernel, self.family, self.kind = KERNELS[qtype]
         self.rows_kernel = ROWS_KERNELS.get(qtype)
-        self.tile_rows = tile_rows(qtype)
+        self.q8 = Q8_KERNELS[qtype] if precision == "q8" else None
+        self.q8_kernel = None if self.q8 is None else self.q8[0 if n_rows * n_cols >= PAR_MIN_WEIGHTS else 1]
+        self.q8_fmt = Q8_K if Q8_TYPES.get(qtype) == "q8_k" else Q8_0
+        self.q8_acts = ActQ8(n_cols) if self.q8 is not None else None
+        self.tile_rows = q8_tile_rows(qtype) if self.q8 is not None else tile_rows(qtype)
         self.scratch = np.zeros(56 + n_cols // 16 + n_cols, np.float32)
         self.scratch[:32] = x_scales(qtype)
         self.rows_scratch = self.scratch[None, :]
@@ -99,21 +125,30 @@ class PackedMatrix:
         """Bytes of packed weights (what one matvec streams)."""
         return int(self.buf.nbytes)
 
+    @property
+    def precision(self) -> str:
+        """"q8" when the products quantize x to 8 bits (q8 kernels), else "f32"."""
+        return "f32" if self.q8 is None else "q8"
+
     def __repr__(self) -> str:
         return (f"PackedMatrix({self.name!r}, {self.qtype.name}, {self.n_rows}x{self.n_cols}, "
-                f"{self.nbytes} bytes)")
+                f"{self.nbytes} bytes, {self.precision})")
 
 
-def pack(t) -> PackedMatrix:
+def pack(t, precision: str = "f32") -> PackedMatrix:
     """Repack a QTensor matrix (n_rows, n_cols) for matvec / matmul (a new buffer; t is not kept).
 
     `t` may also be a list / tuple of QTensors of one type and one n_cols: their rows are stacked
-    in order (e.g. q, k, v -> one matrix and one matvec call per token).
+    in order (e.g. q, k, v -> one matrix and one matvec call per token). precision: "f32" (exact
+    float32 activations) or "q8" (8-bit activations for the types in Q8_TYPES; other types stay
+    exact: see the module docstring).
 
     Raises:
         UnsupportedModelError: a GGML type without a layout here.
         ConfigError: not a matrix, parts that do not stack, or data of the wrong size.
     """
+    if precision not in PRECISIONS:
+        raise ConfigError(f"pack: precision {precision!r} unknown; valid: {PRECISIONS}")
     parts = list(t) if isinstance(t, (list, tuple)) else [t]
     if not parts:
         raise ConfigError("pack: no tensors given")
@@ -149,6 +184,8 @@ def pack(t) -> PackedMatrix:
     data = datas[0] if len(datas) == 1 else np.concatenate(datas, axis=0)
     n_rows = data.shape[0]
     name = "+".join(p.name for p in parts)
+    if precision == "q8" and qtype in Q8_TYPES:
+        return PackedMatrix(qtype, n_rows, n_cols, pack_records_q8(qtype, data, n_rows, n_cols), name, "q8")
     return PackedMatrix(qtype, n_rows, n_cols, pack_records(qtype, data, n_rows, n_cols), name)
 
 
@@ -189,13 +226,19 @@ def matvec(out: np.ndarray, pm: PackedMatrix, x: np.ndarray) -> None:
         if not (isinstance(x, np.ndarray) and x.dtype == _F32 and x.shape == (pm.n_cols,)
                 and x.flags.c_contiguous):
             raise _bad_vec(x, pm.n_cols, "x", pm)
-    pm.kernel(out, pm.buf, x, pm.scratch)
+    if pm.q8 is not None:
+        matmul_q8(out[None, :], pm, x[None, :])
+    else:
+        pm.kernel(out, pm.buf, x, pm.scratch)
 
 
 def unpack_rows(wt: np.ndarray, pm: PackedMatrix, t0: int, t1: int) -> None:
     """wt[:, :R (t1 - t0)] = rows R t0 .. R t1 of W, transposed, R = pm.tile_rows (float32
     (n_cols, >= R (t1 - t0)), C-contiguous); rows past n_rows come out as zeros."""
     R = pm.tile_rows
+    if pm.q8 is not None and pm.qtype in Q8_OWN_LAYOUT:
+        raise ConfigError(f"unpack_rows {pm.name}: the q8 layout of {pm.qtype.name} has no decoder "
+                          "(unpack the matrix packed with precision='f32')")
     if not (0 <= t0 <= t1 <= pm.n_tiles):
         raise ConfigError(f"unpack_rows {pm.name}: tiles {t0}..{t1} outside 0..{pm.n_tiles}")
     if (not isinstance(wt, np.ndarray) or wt.dtype != _F32 or wt.ndim != 2 or wt.shape[0] != pm.n_cols
@@ -241,6 +284,9 @@ def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray, few_rows: bool = Tr
                           f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
     if T == 0:
         return
+    if pm.q8 is not None:
+        matmul_q8(out, pm, X)
+        return
     tiled = T >= (MATMUL_MIN_T if few_rows else TILED_MIN_T)
     if not tiled and (T == 1 or pm.rows_kernel is None or not few_rows):
         for i in range(T):
@@ -263,5 +309,18 @@ def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray, few_rows: bool = Tr
         n_chunks = min(numba.get_num_threads(), pm.n_tiles)
         wts = np.empty((n_chunks, pm.n_cols, pm.tile_rows), np.float32)
         MATMUL_TILES[pm.family](dst, pm.buf, X, pm.kind, pm.n_blocks, wts)
+    if dst is not out:
+        out[...] = dst
+
+
+def matmul_q8(out: np.ndarray, pm: PackedMatrix, X: np.ndarray) -> None:
+    """out (T, n_rows) = W @ q8(X) for a matrix packed with precision="q8" (arguments as matmul's,
+    not checked again): one q8 kernel call, which quantizes X into pm.q8_acts first; on the calling
+    thread for a matrix below PAR_MIN_WEIGHTS weights or when one thread is set."""
+    if not X.flags.c_contiguous:
+        X = np.ascontiguousarray(X, dtype=np.float32)
+    dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)   # X is read before out is written
+    kernel = pm.q8[1] if numba.get_num_threads() == 1 else pm.q8_kernel
+    kernel(dst, pm.buf, X, *pm.q8_acts.for_rows(X.shape[0]), pm.n_blocks)
     if dst is not out:
         out[...] = dst

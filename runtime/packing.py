@@ -25,7 +25,7 @@ from ringllm.runtime.errors import UnsupportedModelError
 from ringllm.runtime.quant_tiles import GROUP, tile_rows
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
 
-__all__ = ["SlabAllocator", "pack_records"]
+__all__ = ["SlabAllocator", "pack_records", "to_lanes", "build_records", "q6k_values"]
 
 
 # ==================================================================================================
@@ -149,7 +149,7 @@ def _pad(a: np.ndarray, rows: int) -> np.ndarray:
     return out
 
 
-def _lanes(a: np.ndarray, n_tiles: int, groups: int, inner_first: int = 0) -> np.ndarray:
+def to_lanes(a: np.ndarray, n_tiles: int, groups: int, inner_first: int = 0) -> np.ndarray:
     """a (rows, nb, *rest) -> (n_tiles, nb, *rest[:inner_first], groups, *rest[inner_first:], 8): rows
     zero-padded to n_tiles * groups * 8, and the groups and 8 lanes of a tile moved inside each block."""
     a = _pad(a, n_tiles * groups * GROUP)
@@ -161,7 +161,7 @@ def _lanes(a: np.ndarray, n_tiles: int, groups: int, inner_first: int = 0) -> np
     return np.ascontiguousarray(a.transpose(order))
 
 
-def _record(n_tiles: int, nb: int, *parts: np.ndarray) -> np.ndarray:
+def build_records(n_tiles: int, nb: int, *parts: np.ndarray) -> np.ndarray:
     """Concatenate per-(tile, block) parts, each (n_tiles, nb, ...), as bytes into one aligned buffer."""
     views = [np.ascontiguousarray(p).view(np.uint8).reshape(n_tiles, nb, -1) for p in parts]
     size = sum(v.shape[-1] for v in views)
@@ -200,7 +200,7 @@ def _q_kquant(blocks: np.ndarray, qoff: int, qhoff: int | None) -> np.ndarray:
     return q.reshape(blocks.shape[:-1] + (256,))
 
 
-def _q_q6k(blocks: np.ndarray) -> np.ndarray:
+def q6k_values(blocks: np.ndarray) -> np.ndarray:
     """Q6_K unsigned 6-bit values (R, nsb, 256) in column order (ggml's dequantize_row_q6_K order)."""
     q = np.empty(blocks.shape[:-1] + (2, 4, 32), np.uint8)
     for n in range(2):
@@ -262,19 +262,19 @@ def pack_records(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int) ->
     nt = -(-n_rows // (groups * GROUP))
 
     def lanes(a, inner_first=0):
-        return _lanes(a, nt, groups, inner_first)
+        return to_lanes(a, nt, groups, inner_first)
 
     if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         if qtype in (GGMLType.F16, GGMLType.BF16):
             vals = data.view(np.uint16).reshape(n_rows, n_cols)
         else:
             vals = data.view(np.float32).reshape(n_rows, n_cols)
-        return _record(nt, n_cols, lanes(vals))
+        return build_records(nt, n_cols, lanes(vals))
     block, size = BLOCK_LAYOUT[qtype]
     nb = n_cols // block
     blocks = data.reshape(n_rows, nb, size)
     if qtype == GGMLType.Q8_0:
-        return _record(nt, nb, lanes(blocks[..., 2:34]), lanes(_f16_at(blocks, 0)))
+        return build_records(nt, nb, lanes(blocks[..., 2:34]), lanes(_f16_at(blocks, 0)))
     if qtype in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
         off = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q5_1: 8}[qtype]
         qs = blocks[..., off:off + 16]
@@ -288,7 +288,7 @@ def pack_records(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int) ->
         parts.append(lanes(_f16_at(blocks, 0)))
         if qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
             parts.append(lanes(_f16_at(blocks, 2)))
-        return _record(nt, nb, *parts)
+        return build_records(nt, nb, *parts)
     if qtype in (GGMLType.Q4_K, GGMLType.Q5_K):
         sc, mn = _scale_min_k4(blocks[..., 4:16])
         if qtype == GGMLType.Q4_K:
@@ -297,26 +297,26 @@ def pack_records(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int) ->
         else:
             q = _q_kquant(blocks, 48, 16).reshape(n_rows, nb, 8, 32)
             per_sub = [lanes(_fields5(q), 1)]                          # t, nb, sub, g, m, lane
-        return _record(nt, nb, lanes(_f16_at(blocks, 0)), lanes(_f16_at(blocks, 2)),
+        return build_records(nt, nb, lanes(_f16_at(blocks, 0)), lanes(_f16_at(blocks, 2)),
                        lanes(sc, 1), lanes(mn, 1), *per_sub)
     if qtype == GGMLType.Q6_K:
-        q = _q_q6k(blocks).reshape(n_rows, nb, 8, 32)
+        q = q6k_values(blocks).reshape(n_rows, nb, 8, 32)
         sc = blocks[..., 192:208].view(np.int8)
-        return _record(nt, nb, lanes(_f16_at(blocks, 208)), lanes(sc, 1), lanes(_fields6(q), 1))
+        return build_records(nt, nb, lanes(_f16_at(blocks, 208)), lanes(sc, 1), lanes(_fields6(q), 1))
     if qtype == GGMLType.Q2_K:
         q = _low2_kquant(blocks[..., 16:80]).reshape(n_rows, nb, 8, 32)
-        return _record(nt, nb, lanes(_f16_at(blocks, 80)), lanes(_f16_at(blocks, 82)),
+        return build_records(nt, nb, lanes(_f16_at(blocks, 80)), lanes(_f16_at(blocks, 82)),
                        lanes(blocks[..., 0:16], 1), lanes(_fields2(q), 1))
     if qtype == GGMLType.Q3_K:
         low = _low2_kquant(blocks[..., 32:96])
         hm = blocks[..., 0:32].reshape(n_rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
         u3 = (low | ((hm & 1).reshape(n_rows, nb, 256) << 2)).reshape(n_rows, nb, 8, 32)
-        return _record(nt, nb, lanes(_f16_at(blocks, 108)), lanes(_q3k_scales(blocks[..., 96:108]), 1),
+        return build_records(nt, nb, lanes(_f16_at(blocks, 108)), lanes(_q3k_scales(blocks[..., 96:108]), 1),
                        lanes(_nib_dwords(u3), 1))
     if qtype == GGMLType.IQ4_NL:
-        return _record(nt, nb, lanes(_iq4_dwords(_iq4_idx(blocks[..., 2:18]))), lanes(_f16_at(blocks, 0)))
+        return build_records(nt, nb, lanes(_iq4_dwords(_iq4_idx(blocks[..., 2:18]))), lanes(_f16_at(blocks, 0)))
     if qtype == GGMLType.IQ4_XS:
         idx = _iq4_idx(blocks[..., 8:136].reshape(n_rows, nb, 8, 16))
-        return _record(nt, nb, lanes(_f16_at(blocks, 0)), lanes(_iq4xs_scales(blocks), 1),
+        return build_records(nt, nb, lanes(_f16_at(blocks, 0)), lanes(_iq4xs_scales(blocks), 1),
                        lanes(_iq4_dwords(idx), 1))
     raise UnsupportedModelError(str(qtype), f"no matvec layout for GGML type {qtype!r}")

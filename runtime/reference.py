@@ -27,7 +27,9 @@ from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.qtensor import QTensor
+from ringllm.runtime.quant_types import GGMLType
 from ringllm.runtime.reference_policies import REF_POLICIES, staged_keep
+from ringllm.runtime.reference_q8 import Q8_TYPES, matmul_q8_ref
 from ringllm.runtime.reference_rope import layer_freqs, rope
 
 
@@ -232,13 +234,20 @@ class ReferenceEngine:
 
     Args:
         spec: ModelSpec; tensors: internal name -> QTensor (a LoadedModel's fields).
+        precision: "f32" (exact products) or "q8": the products with weights of the types in
+            reference_q8.Q8_TYPES take their input rounded as llama.cpp quantizes activations
+            (reference_q8.matmul_q8_ref), the oracle of CPUEngine(precision="q8").
     """
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, QTensor]):
-        self.spec = spec
+    def __init__(self, spec: ModelSpec, tensors: dict[str, QTensor], precision: str = "f32"):
+        if precision not in ("f32", "q8"):
+            raise ConfigError(f"precision {precision!r} unknown; valid: 'f32', 'q8'")
+        self.spec, self.precision = spec, precision
         self.w = {name: dequantize_reference(t) for name, t in tensors.items()}
+        self.qtypes = {name: GGMLType(int(t.qtype)) for name, t in tensors.items()}
         if spec.tied_output:
             self.w["output.weight"] = self.w["token_embd.weight"]
+            self.qtypes["output.weight"] = self.qtypes["token_embd.weight"]
 
     def new_cache(self, kv: KVConfig | None = None, **kwargs) -> ReferenceCache:
         return ReferenceCache(self.spec, kv, **kwargs)
@@ -248,8 +257,15 @@ class ReferenceEngine:
             return layer_norm(x, self.w[name + ".weight"], self.w[name + ".bias"], self.spec.norm_eps)
         return rms_norm(x, self.w[name + ".weight"], self.spec.norm_eps)
 
+    def _product(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x (T, n_in) @ W.T of weight `name`, with q8 activation rounding where the precision asks."""
+        qtype = self.qtypes[name]
+        if self.precision == "q8" and qtype in Q8_TYPES:
+            return matmul_q8_ref(self.w[name], x, qtype).astype(np.float32)
+        return x @ self.w[name].T
+
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        y = x @ self.w[name + ".weight"].T
+        y = self._product(x, name + ".weight")
         bias = self.w.get(name + ".bias")
         return y + bias if bias is not None else y
 
@@ -274,7 +290,7 @@ class ReferenceEngine:
             x = self._layer(il, x, seqs, cache)
         cache.n_seen += tokens.size
         x = self._norm(x, "output_norm")
-        logits = x @ self.w["output.weight"].T
+        logits = self._product(x, "output.weight")
         if s.final_logit_softcap:
             cap = np.float32(s.final_logit_softcap)
             logits = cap * np.tanh(logits / cap)

@@ -22,7 +22,8 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = ["f32x8", "i32x8", "vzero", "vsplat", "vbcast", "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16",
            "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma", "vadd", "vsub", "vmul", "isrl", "andf",
-           "srlf", "vhsum", "num_threads", "ld_u8i", "iand", "lut16"]
+           "srlf", "vhsum", "num_threads", "ld_u8i", "iand", "lut16", "bc_i32", "maddubs", "add16", "hadd16",
+           "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane", "f16_round"]
 
 
 # ==================================================================================================
@@ -310,6 +311,127 @@ def vhsum(typingctx, v):
             s = builder.fadd(s, builder.extract_element(args[0], ir.Constant(_I32, k)))
         return s
     return types.float32(v), codegen
+
+
+# ==================================================================================================
+# 8-bit integer dot products (the q8 activation kernels, quant_tiles_q8.py). An i32x8 also carries
+# 32 bytes or 16 int16 lanes: the intrinsics below bitcast as their instruction needs.
+# ==================================================================================================
+
+_VB = ir.VectorType(ir.IntType(8), 32)
+_VW = ir.VectorType(ir.IntType(16), 16)
+
+
+@intrinsic
+def bc_i32(typingctx, arr, idx):
+    """i32x8 with the 4 bytes arr[idx:idx + 4] (int8 1-D array) in every 32-bit lane (vpbroadcastd)."""
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        s = builder.load(builder.bitcast(p, _I32.as_pointer()), align=1)
+        return _splat(builder, s, _VI)
+    return i32x8(arr, idx), codegen
+
+
+@intrinsic
+def maddubs(typingctx, u, s):
+    """vpmaddubsw: 16 int16 lanes, lane i = u[2i] s[2i] + u[2i+1] s[2i+1] with u's bytes unsigned and
+    s's signed, saturated to int16 (the callers keep |sum| <= 32767 by their value ranges)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VW, [_VB, _VB]),
+                                            "llvm.x86.avx2.pmadd.ub.sw")
+        r = builder.call(fn, [builder.bitcast(args[0], _VB), builder.bitcast(args[1], _VB)])
+        return builder.bitcast(r, _VI)
+    return i32x8(u, s), codegen
+
+
+@intrinsic
+def add16(typingctx, a, b):
+    """a + b in 16 int16 lanes (vpaddw, wrapping: callers bound the sums)."""
+    def codegen(context, builder, sig, args):
+        r = builder.add(builder.bitcast(args[0], _VW), builder.bitcast(args[1], _VW))
+        return builder.bitcast(r, _VI)
+    return i32x8(a, b), codegen
+
+
+@intrinsic
+def hadd16(typingctx, v):
+    """The 16 int16 lanes of v summed in pairs into 8 int32 lanes (vpmaddwd with ones; exact)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VW, _VW]),
+                                            "llvm.x86.avx2.pmadd.wd")
+        return builder.call(fn, [builder.bitcast(args[0], _VW), ir.Constant(_VW, [1] * 16)])
+    return i32x8(v), codegen
+
+
+@intrinsic
+def iadd(typingctx, a, b):
+    """a + b in 8 int32 lanes (vpaddd)."""
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+    return i32x8(a, b), codegen
+
+
+@intrinsic
+def ior(typingctx, a, b):
+    """a | b (vpor)."""
+    def codegen(context, builder, sig, args):
+        return builder.or_(args[0], args[1])
+    return i32x8(a, b), codegen
+
+
+@intrinsic
+def ishl(typingctx, v, n):
+    """v << n, every 32-bit lane (n: scalar 0..31)."""
+    def codegen(context, builder, sig, args):
+        return builder.shl(args[0], _splat_i32(context, builder, args[1], sig.args[1]))
+    return i32x8(v, n), codegen
+
+
+@intrinsic
+def itof(typingctx, v):
+    """float32 of each int32 lane (vcvtdq2ps; exact below 2^24)."""
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _VF)
+    return f32x8(v), codegen
+
+
+@intrinsic
+def abs8(typingctx, v):
+    """|v| of 32 int8 lanes (vpabsb; -128 stays bit pattern 0x80, i.e. 128 read as unsigned)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VB, [_VB, _VB]),
+                                            "llvm.x86.avx2.psign.b")
+        b = builder.bitcast(args[0], _VB)
+        return builder.bitcast(builder.call(fn, [b, b]), _VI)
+    return i32x8(v), codegen
+
+
+@intrinsic
+def sign8(typingctx, a, b):
+    """vpsignb: byte a_i negated where b_i < 0, zeroed where b_i == 0, kept where b_i > 0."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VB, [_VB, _VB]),
+                                            "llvm.x86.avx2.psign.b")
+        r = builder.call(fn, [builder.bitcast(args[0], _VB), builder.bitcast(args[1], _VB)])
+        return builder.bitcast(r, _VI)
+    return i32x8(a, b), codegen
+
+
+@intrinsic
+def vlane(typingctx, v, k):
+    """Lane k (0..7) of an f32x8, as float32."""
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
+    return types.float32(v, k), codegen
+
+
+@intrinsic
+def f16_round(typingctx, x):
+    """float32 x rounded to the nearest IEEE binary16 (ties to even, as vcvtps2ph) and back."""
+    def codegen(context, builder, sig, args):
+        f = context.cast(builder, args[0], sig.args[0], types.float32)
+        return builder.fpext(builder.fptrunc(f, ir.HalfType()), ir.FloatType())
+    return types.float32(x), codegen
 
 
 # ==================================================================================================

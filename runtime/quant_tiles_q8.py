@@ -1,0 +1,367 @@
+"""Kernels of the q8 mode: W (packed) @ 8-bit activations, with integer dot products (AVX2).
+
+out (T, n_rows) float32 = W @ x for T rows of x quantized by act_quant.py (xq int8 in its column
+order, per-32 scales dx, per-16 / per-32 sums s16 / s32). Record layouts: Q4_0, Q4_1 and Q4_K the
+exact mode's (quant_tiles.py, 24-row tiles); Q5_0, Q6_K and Q8_0 packing_q8.py's (16-row tiles).
+
+Per 8 rows (one group, 8 lanes) and 4 columns the inner step is
+
+    vpbroadcastd   4 bytes of xq to every lane
+    vpmaddubsw     32 unsigned weight bytes x 32 signed xq bytes -> 16 int16 (pairs summed)
+    vpaddw         int16 partial sums, as many as the weights' range allows without overflow:
+                   4-bit u <= 15: 8 per 32 columns (8 x 2 x 15 x 127 = 30480); 5-bit u <= 31: 4;
+                   6-bit u <= 63: 2; Q8_0 (signed weights, vpsignb moves the sign onto xq): 1
+    vpmaddwd       with ones: int16 pairs -> 8 int32 (exact)
+
+so 32 multiply-adds cost about 2 vector instructions where the float path spends 4 FMAs plus the
+field extraction and conversion of 32 weights. The integer sum of a block is exact; it is folded in
+float32 per block: acc += (isum - offset * sum(xq)) * (d_w * d_x) (+ m_w d_x sum(xq) for the types
+with a minimum). The weights are decoded into bytes once per block and group and reused for 4 rows
+of x (grp4_*; the remainder rows one at a time, grp1_*).
+
+Parallelism: the entry kernels q8mm_<type> split the row groups (8 rows each) over threads (prange)
+and run every row of x through a group before moving on, so a group's weights (8 rows x n_cols,
+a few KB) stay in L1/L2 while T rows stream past them. q8mm_<type>_serial is the same on the
+calling thread, for matrices too small to be worth a fork/join.
+
+The per-type code is one decode_<type> (the weight bytes and scales of a block for one group) and
+one row_<type> (one row of x against them); the group and entry kernels are generated from one
+template (_SOURCE) for every type, as matvec_kernels.py does and for the same reason (Numba's cache).
+"""
+import numpy as np
+from numba import njit, prange  # noqa: F401 (prange: named by the generated entry kernels)
+
+from ringllm.runtime.act_quant import Q8_0, Q8_K, quantize_row  # noqa: F401 (named by the generated kernels)
+from ringllm.runtime.packing_q8 import Q8_GROUPS
+from ringllm.runtime.quant_tiles import PF_DIST, QK, REC_Q4_0, REC_Q4_1, REC_Q4_K, prefetch_range  # noqa: F401
+from ringllm.runtime.quant_types import GGMLType
+from ringllm.runtime.simd import (abs8, add16, bc_i32, hadd16, iadd, iand, ior, ishl, isrl, itof,  # noqa: F401
+                                  ld_f16, ld_i8, ld_i32, ld_u8, maddubs, sign8, vfma, vfnma, vlane, vmul, vsplat,
+                                  vstore, vsub, vzero)
+
+__all__ = ["Q8_KERNELS", "REC_Q8_Q5_0", "REC_Q8_Q6_K", "REC_Q8_Q8_0"]
+
+REC_Q8_Q5_0 = Q8_GROUPS * (128 + 32 + 16)                     # nibbles, high bits, d
+REC_Q8_Q8_0 = Q8_GROUPS * (256 + 16)                          # value quads, d
+REC_Q8_Q6_K = Q8_GROUPS * (16 + 128) + 8 * Q8_GROUPS * 192    # d, scales, per 32 columns: nibbles, high bits
+
+_LO4 = 0x0F0F0F0F
+_BIT4 = 0x10101010
+_BITS45 = 0x30303030
+
+
+# ==================================================================================================
+# Shared pieces: nibble split and the 16-column int16 partial sum
+# ==================================================================================================
+
+@njit(cache=True, nogil=True, inline="always")
+def _p16(l0, h0, l1, h1, x, c):
+    """int16 lanes: the 16 columns c .. c + 15 of two slots (low / high byte vectors l, h) against
+    xq row x, pairs not yet widened (|sum| <= 4 x 2 x 31 x 127 for weights <= 31)."""
+    p = add16(maddubs(l0, bc_i32(x, c)), maddubs(h0, bc_i32(x, c + 4)))
+    return add16(p, add16(maddubs(l1, bc_i32(x, c + 8)), maddubs(h1, bc_i32(x, c + 12))))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nibbles4(buf, w):
+    """The 4 nibble dwords at byte w (4 slots x 32 bytes) split into 8 byte vectors l0, h0, .., l3, h3."""
+    v0 = ld_i32(buf, w)
+    v1 = ld_i32(buf, w + 32)
+    v2 = ld_i32(buf, w + 64)
+    v3 = ld_i32(buf, w + 96)
+    return (iand(v0, _LO4), iand(isrl(v0, 4), _LO4), iand(v1, _LO4), iand(isrl(v1, 4), _LO4),
+            iand(v2, _LO4), iand(isrl(v2, 4), _LO4), iand(v3, _LO4), iand(isrl(v3, 4), _LO4))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _isum_q4(q, x, c):
+    """Exact int32 sum over 32 columns of 4-bit bytes q (8 vectors) times xq (one widening)."""
+    return hadd16(add16(_p16(q[0], q[1], q[2], q[3], x, c), _p16(q[4], q[5], q[6], q[7], x, c + 16)))
+
+
+# ==================================================================================================
+# Per type: decode_<type>(buf, r, g, j) -> the weights of sub-block j of the record at r for group g;
+# row_<type>(w, X, c, acc) -> acc + one row's products over its 32 columns from column c.
+# X = (xq, dx, s16, s32) of one row.
+# ==================================================================================================
+
+@njit(cache=True, nogil=True, inline="always")
+def decode_q4_0(buf, r, g, j):
+    return _nibbles4(buf, r + 128 * g), ld_f16(buf, r + 384 + 16 * g)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def row_q4_0(w, X, c, acc):
+    """y = d (q - 8): (isum - 8 S) d dx."""
+    b = c >> 5
+    f = vsub(itof(_isum_q4(w[0], X[0], c)), vsplat(np.float32(8.0) * X[3][b]))
+    return vfma(f, vmul(w[1], vsplat(X[1][b])), acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def decode_q4_1(buf, r, g, j):
+    return _nibbles4(buf, r + 128 * g), ld_f16(buf, r + 384 + 16 * g), ld_f16(buf, r + 432 + 16 * g)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def row_q4_1(w, X, c, acc):
+    """y = d q + m: isum d dx + m dx S."""
+    b = c >> 5
+    dxb = X[1][b]
+    acc = vfma(itof(_isum_q4(w[0], X[0], c)), vmul(w[1], vsplat(dxb)), acc)
+    return vfma(w[2], vsplat(dxb * X[3][b]), acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def decode_q4_k(buf, r, g, j):
+    dsc = vmul(ld_f16(buf, r + 16 * g), ld_u8(buf, r + 96 + 24 * j + 8 * g))
+    dmn = vmul(ld_f16(buf, r + 48 + 16 * g), ld_u8(buf, r + 288 + 24 * j + 8 * g))
+    return _nibbles4(buf, r + 480 + 384 * j + 128 * g), dsc, dmn
+
+
+@njit(cache=True, nogil=True, inline="always")
+def row_q4_k(w, X, c, acc):
+    """y = (d sc) q - (dmin m): isum (d sc) dx - (dmin m) dx S."""
+    b = c >> 5
+    dxb = X[1][b]
+    acc = vfma(itof(_isum_q4(w[0], X[0], c)), vmul(w[1], vsplat(dxb)), acc)
+    return vfnma(w[2], vsplat(dxb * X[3][b]), acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def decode_q5_0(buf, r, g, j):
+    w = r + 128 * g
+    H = ld_i32(buf, r + 128 * Q8_GROUPS + 32 * g)
+    v0 = ld_i32(buf, w)
+    v1 = ld_i32(buf, w + 32)
+    v2 = ld_i32(buf, w + 64)
+    v3 = ld_i32(buf, w + 96)
+    q = (ior(iand(v0, _LO4), iand(H, _BIT4)),
+         ior(iand(isrl(v0, 4), _LO4), iand(ishl(H, 4), _BIT4)),
+         ior(iand(v1, _LO4), iand(isrl(H, 1), _BIT4)),
+         ior(iand(isrl(v1, 4), _LO4), iand(ishl(H, 3), _BIT4)),
+         ior(iand(v2, _LO4), iand(isrl(H, 2), _BIT4)),
+         ior(iand(isrl(v2, 4), _LO4), iand(ishl(H, 2), _BIT4)),
+         ior(iand(v3, _LO4), iand(isrl(H, 3), _BIT4)),
+         ior(iand(isrl(v3, 4), _LO4), iand(ishl(H, 1), _BIT4)))
+    return q, ld_f16(buf, r + 160 * Q8_GROUPS + 16 * g)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def row_q5_0(w, X, c, acc):
+    """y = d (q - 16): (isum - 16 S) d dx; two widenings (5-bit bytes)."""
+    b = c >> 5
+    q = w[0]
+    x = X[0]
+    isum = iadd(hadd16(_p16(q[0], q[1], q[2], q[3], x, c)), hadd16(_p16(q[4], q[5], q[6], q[7], x, c + 16)))
+    f = vsub(itof(isum), vsplat(np.float32(16.0) * X[3][b]))
+    return vfma(f, vmul(w[1], vsplat(X[1][b])), acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def decode_q8_0(buf, r, g, j):
+    w = r + 256 * g
+    q = (ld_i32(buf, w), ld_i32(buf, w + 32), ld_i32(buf, w + 64), ld_i32(buf, w + 96),
+         ld_i32(buf, w + 128), ld_i32(buf, w + 160), ld_i32(buf, w + 192), ld_i32(buf, w + 224))
+    return q, ld_f16(buf, r + 256 * Q8_GROUPS + 16 * g)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quad_s8(w, x, c):
+    """int32 lanes: 4 signed weight bytes w times xq[c:c + 4] (the sign of w moved onto xq)."""
+    return hadd16(maddubs(abs8(w), sign8(bc_i32(x, c), w)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def row_q8_0(w, X, c, acc):
+    """y = d q: isum d dx."""
+    q = w[0]
+    x = X[0]
+    s = iadd(iadd(_quad_s8(q[0], x, c), _quad_s8(q[1], x, c + 4)),
+             iadd(_quad_s8(q[2], x, c + 8), _quad_s8(q[3], x, c + 12)))
+    s = iadd(s, iadd(iadd(_quad_s8(q[4], x, c + 16), _quad_s8(q[5], x, c + 20)),
+                     iadd(_quad_s8(q[6], x, c + 24), _quad_s8(q[7], x, c + 28))))
+    return vfma(itof(s), vmul(w[1], vsplat(X[1][c >> 5])), acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def decode_q6_k(buf, r, g, j):
+    dd = ld_f16(buf, r + 16 * g)
+    sc = r + 16 * Q8_GROUPS + 16 * Q8_GROUPS * j + 8 * g           # scales [16][G][8]: sub-blocks 2j, 2j + 1
+    dsc0 = vmul(dd, ld_i8(buf, sc))
+    dsc1 = vmul(dd, ld_i8(buf, sc + 8 * Q8_GROUPS))
+    s = r + 144 * Q8_GROUPS + 192 * Q8_GROUPS * j
+    w = s + 128 * g
+    h = s + 128 * Q8_GROUPS + 64 * g
+    H0 = ld_i32(buf, h)
+    H1 = ld_i32(buf, h + 32)
+    v0 = ld_i32(buf, w)
+    v1 = ld_i32(buf, w + 32)
+    v2 = ld_i32(buf, w + 64)
+    v3 = ld_i32(buf, w + 96)
+    q = (ior(iand(v0, _LO4), iand(H0, _BITS45)),
+         ior(iand(isrl(v0, 4), _LO4), iand(isrl(H0, 2), _BITS45)),
+         ior(iand(v1, _LO4), iand(ishl(H0, 4), _BITS45)),
+         ior(iand(isrl(v1, 4), _LO4), iand(ishl(H0, 2), _BITS45)),
+         ior(iand(v2, _LO4), iand(H1, _BITS45)),
+         ior(iand(isrl(v2, 4), _LO4), iand(isrl(H1, 2), _BITS45)),
+         ior(iand(v3, _LO4), iand(ishl(H1, 4), _BITS45)),
+         ior(iand(isrl(v3, 4), _LO4), iand(ishl(H1, 2), _BITS45)))
+    return q, dsc0, dsc1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def row_q6_k(w, X, c, acc):
+    """y = (d sc) (q - 32) per 16 columns: ((i0 - 32 S0) dsc0 + (i1 - 32 S1) dsc1) dx; 6-bit bytes
+    widen every two products."""
+    q = w[0]
+    x = X[0]
+    i0 = iadd(hadd16(add16(maddubs(q[0], bc_i32(x, c)), maddubs(q[1], bc_i32(x, c + 4)))),
+              hadd16(add16(maddubs(q[2], bc_i32(x, c + 8)), maddubs(q[3], bc_i32(x, c + 12)))))
+    i1 = iadd(hadd16(add16(maddubs(q[4], bc_i32(x, c + 16)), maddubs(q[5], bc_i32(x, c + 20)))),
+              hadd16(add16(maddubs(q[6], bc_i32(x, c + 24)), maddubs(q[7], bc_i32(x, c + 28)))))
+    h = c >> 4
+    f0 = vsub(itof(i0), vsplat(np.float32(32.0) * X[2][h]))
+    f1 = vsub(itof(i1), vsplat(np.float32(32.0) * X[2][h + 1]))
+    return vfma(vfma(f0, w[1], vmul(f1, w[2])), vsplat(X[1][c >> 5]), acc)
+
+
+# ==================================================================================================
+# Group and entry kernels, one template for every type
+# ==================================================================================================
+
+@njit(cache=True, nogil=True, inline="always")
+def _put(out, t, row0, a):
+    """out[t, row0:row0 + 8] = a, or the lanes below n_rows of a partial last group."""
+    n_rows = out.shape[1]
+    if row0 + 8 <= n_rows:
+        vstore(out[t], row0, a)
+    else:
+        for k in range(n_rows - row0):
+            out[t, row0 + k] = vlane(a, k)
+
+
+_SOURCE = '''
+@njit(cache=True, nogil=True)
+def grp4_{name}(buf, base, g, nb, X0, X1, X2, X3):
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    for b in range(nb):
+        r = base + b * {rec}
+        prefetch_range(buf, r + PF_DIST, {rec})
+        for j in range({subs}):
+            c = b * {block} + QK * j
+            w = decode_{name}(buf, r, g, j)
+            a0 = row_{name}(w, X0, c, a0)
+            a1 = row_{name}(w, X1, c, a1)
+            a2 = row_{name}(w, X2, c, a2)
+            a3 = row_{name}(w, X3, c, a3)
+    return a0, a1, a2, a3
+
+
+@njit(cache=True, nogil=True)
+def grp1_{name}(buf, base, g, nb, X0):
+    a0 = vzero()
+    for b in range(nb):
+        r = base + b * {rec}
+        prefetch_range(buf, r + PF_DIST, {rec})
+        for j in range({subs}):
+            a0 = row_{name}(decode_{name}(buf, r, g, j), X0, b * {block} + QK * j, a0)
+    return a0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def group_{name}(out, buf, xq, dx, s16, s32, nb, u):
+    tile = u // {groups}
+    g = u - tile * {groups}
+    base = tile * nb * {rec}
+    T = out.shape[0]
+    t = 0
+    while t + 4 <= T:
+        a0, a1, a2, a3 = grp4_{name}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t]),
+                                     (xq[t + 1], dx[t + 1], s16[t + 1], s32[t + 1]),
+                                     (xq[t + 2], dx[t + 2], s16[t + 2], s32[t + 2]),
+                                     (xq[t + 3], dx[t + 3], s16[t + 3], s32[t + 3]))
+        _put(out, t, 8 * u, a0)
+        _put(out, t + 1, 8 * u, a1)
+        _put(out, t + 2, 8 * u, a2)
+        _put(out, t + 3, 8 * u, a3)
+        t += 4
+    while t < T:
+        _put(out, t, 8 * u, grp1_{name}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t])))
+        t += 1
+
+
+@njit(cache=True, nogil=True)
+def tile1_{name}(out, buf, tile, nb, X0, t):
+{zeros}
+    base = tile * nb * {rec}
+    for b in range(nb):
+        r = base + b * {rec}
+        prefetch_range(buf, r + PF_DIST, {rec})
+        for j in range({subs}):
+            c = b * {block} + QK * j
+{rows}
+{puts}
+
+
+@njit(cache=True, nogil=True, inline="always")
+def few_{name}(out, buf, xq, dx, s16, s32, nb, tile):
+    for t in range(out.shape[0]):
+        tile1_{name}(out, buf, tile, nb, (xq[t], dx[t], s16[t], s32[t]), t)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def q8mm_{name}(out, buf, X, xq, dx, s16, s32, nb):
+    T = X.shape[0]
+    if T < 4:
+        for t in range(T):
+            quantize_row(X, xq, dx, s16, s32, {fmt}, t)
+        for tile in prange((out.shape[1] + {tile_rows} - 1) // {tile_rows}):
+            few_{name}(out, buf, xq, dx, s16, s32, nb, tile)
+    else:
+        for t in prange(T):
+            quantize_row(X, xq, dx, s16, s32, {fmt}, t)
+        for u in prange((out.shape[1] + 7) // 8):
+            group_{name}(out, buf, xq, dx, s16, s32, nb, u)
+
+
+@njit(cache=True, nogil=True)
+def q8mm_{name}_serial(out, buf, X, xq, dx, s16, s32, nb):
+    T = X.shape[0]
+    for t in range(T):
+        quantize_row(X, xq, dx, s16, s32, {fmt}, t)
+    if T < 4:
+        for tile in range((out.shape[1] + {tile_rows} - 1) // {tile_rows}):
+            few_{name}(out, buf, xq, dx, s16, s32, nb, tile)
+    else:
+        for u in range((out.shape[1] + 7) // 8):
+            group_{name}(out, buf, xq, dx, s16, s32, nb, u)
+'''
+
+# type: (name, record bytes, groups per tile, 32-column sub-blocks per record, columns per record,
+# activation format)
+_TYPES = {
+    GGMLType.Q4_0: ("q4_0", REC_Q4_0, 3, 1, 32, "Q8_0"),
+    GGMLType.Q4_1: ("q4_1", REC_Q4_1, 3, 1, 32, "Q8_0"),
+    GGMLType.Q4_K: ("q4_k", REC_Q4_K, 3, 8, 256, "Q8_K"),
+    GGMLType.Q5_0: ("q5_0", REC_Q8_Q5_0, Q8_GROUPS, 1, 32, "Q8_0"),
+    GGMLType.Q8_0: ("q8_0", REC_Q8_Q8_0, Q8_GROUPS, 1, 32, "Q8_0"),
+    GGMLType.Q6_K: ("q6_k", REC_Q8_Q6_K, Q8_GROUPS, 8, 256, "Q8_K"),
+}
+
+# GGMLType -> (parallel entry kernel, serial entry kernel), each
+# kernel(out (T, n_rows), buf, X (T, n_cols) float32, xq, dx, s16, s32 (act_quant buffers of >= T rows), nb):
+# quantizes X into the buffers, then out = W @ q8(X)
+Q8_KERNELS = {}
+for _qt, (_name, _rec, _groups, _subs, _block, _fmt) in _TYPES.items():
+    _gs = range(_groups)
+    _code = compile(_SOURCE.format(
+        name=_name, rec=_rec, groups=_groups, subs=_subs, block=_block, fmt=_fmt, tile_rows=8 * _groups,
+        zeros="\n".join(f"    a{g} = vzero()" for g in _gs),
+        rows="\n".join(f"            a{g} = row_{_name}(decode_{_name}(buf, r, {g}, j), X0, c, a{g})" for g in _gs),
+        puts="\n".join(f"    _put(out, t, tile * {8 * _groups} + {8 * g}, a{g})" for g in _gs)), __file__, "exec")
+    exec(_code, globals())
+    Q8_KERNELS[_qt] = (globals()[f"q8mm_{_name}"], globals()[f"q8mm_{_name}_serial"])
