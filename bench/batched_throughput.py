@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--capacity", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("--name", default="batched_throughput")
+    ap.add_argument("--precision", choices=("f32", "q8"), default="f32", help="CPUEngine(precision=...)")
     args = ap.parse_args()
     from ringllm.models.bundled import default_model_path
     from ringllm.models.loader import load_model
@@ -79,7 +80,7 @@ def main():
 
     path = default_model_path()
     model = load_model(path)
-    eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads)
+    eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads, precision=args.precision)
     ids = model.tokenizer.encode(open(DATA, encoding="utf-8").read()[:80000])
     run(eng, ids, 2, 4, 16)                                   # compile every kernel before timing
     rows = [run(eng, ids, int(b), args.steps, args.capacity) for b in args.batches.split(",")]
@@ -90,11 +91,13 @@ def main():
     weights_mb = os.path.getsize(path) / 2 ** 20
     engine_mb = weight_bytes(eng) / 2 ** 20
     res = {"machine": machine(), "threads": args.threads, "capacity": args.capacity, "model": os.path.basename(path),
+           "precision": args.precision,
            "weights_file_mb": weights_mb, "engine_weights_mb": engine_mb, "rows": rows, "memory_run": mem, "peak_rss_mb": proc_status_mb("VmHWM")}
-    md = [f"# Batched decode: B concurrent streams of {res['model']}, capacity {args.capacity} each\n",
+    md = [f"# Batched decode: B concurrent streams of {res['model']}, capacity {args.capacity} each, "
+          f"precision {args.precision}\n",
           f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, {args.threads} threads. Command: "
           f"`python bench/batched_throughput.py --batches {args.batches} --steps {args.steps} --memory-steps "
-          f"{args.memory_steps} --capacity {args.capacity}`.\n",
+          f"{args.memory_steps} --capacity {args.capacity} --precision {args.precision} --name {args.name}`.\n",
           "| B | total tok/s | per stream tok/s | vs B=1 | KV per stream MB |", "|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['B']} | {r['total_tok_s']:.1f} | {r['per_stream_tok_s']:.1f} | {r['ratio_to_b1']:.2f}x | "

@@ -3,6 +3,9 @@
     python bench/cpu_speed.py [-m MODEL] [-t THREADS] [--tg 128] [--pp 512]
     python bench/cpu_speed.py --synthetic llama-3.2-1b|qwen3-1.7b|all [--repeats 5]
 
+ringllm runs in both precisions: "f32" (exact activations, the default) and "q8" (8-bit activations
+as llama.cpp; rows ringllm-q8).
+
 Prints and writes bench/results/cpu_speed.{json,md} (`--name`): tokens/s, the ratio to llama.cpp, and
 achieved GB/s of weights (weight bytes read per decoded token x tokens/s) against the machine's read
 bandwidth.
@@ -32,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from common import llama_cpp_last_logits, llama_cpp_model, machine, wait_for_quiet_cpu, write_results  # noqa: E402
 
-ENGINES = ("ringllm", "llama.cpp")
+ENGINES = ("ringllm", "ringllm-q8", "llama.cpp")     # ringllm-q8: CPUEngine(precision="q8")
 
 
 class RingllmRunner:
@@ -100,7 +103,8 @@ class LlamaCppRunner:
         return {}
 
 
-RUNNERS = {"ringllm": RingllmRunner, "llama.cpp": LlamaCppRunner}
+RUNNERS = {"ringllm": RingllmRunner, "llama.cpp": LlamaCppRunner,
+           "ringllm-q8": lambda path, threads, n_tg, n_pp: RingllmRunner(path, threads, n_tg, n_pp, "q8")}
 
 
 def decode_bytes(m) -> int:
@@ -215,6 +219,9 @@ def bench_shape(shape, args) -> dict:
             out[e]["decode_gbs"] = rg["decode_bytes"] * out[e]["tg"] / 1e9
     out["ratio_tg"] = rg["tg"] / lc["tg"] if rg and lc else None
     out["ratio_pp"] = rg["pp"] / lc["pp"] if rg and lc else None
+    q8 = out["ringllm-q8"]
+    out["ratio_tg_q8"] = q8["tg"] / lc["tg"] if q8 and lc else None
+    out["ratio_pp_q8"] = q8["pp"] / lc["pp"] if q8 and lc else None
     return out
 
 
@@ -244,7 +251,9 @@ def synthetic_markdown(res: dict, args, command: str) -> str:
             md.append(f"| {e} | {x['tg']:.1f} ({x['tg_median']:.1f}) | {x['pp']:.1f} ({x['pp_median']:.1f}) | {gbs} | "
                       f"{x['rss_mb']['VmHWM']:.0f} | {x['rss_mb']['RssAnon']:.0f} |")
         if r["ratio_tg"] is not None:
-            md.append(f"\nringllm / llama.cpp: decode {r['ratio_tg']:.2f}x, prefill {r['ratio_pp']:.2f}x\n")
+            md.append(f"\nringllm / llama.cpp: decode {r['ratio_tg']:.2f}x, prefill {r['ratio_pp']:.2f}x")
+        if r.get("ratio_tg_q8") is not None:
+            md.append(f"ringllm-q8 / llama.cpp: decode {r['ratio_tg_q8']:.2f}x, prefill {r['ratio_pp_q8']:.2f}x\n")
     return "\n".join(md) + "\n"
 
 

@@ -25,6 +25,7 @@ import numba
 import numpy as np
 
 from ringllm.runtime import matvec as mv
+from ringllm.runtime.chunk_attention import chunk_fits, write_attend_chunk
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
@@ -129,6 +130,7 @@ class CPUEngine:
         self.logits_buf = np.zeros((n_batch, spec.n_vocab), np.float32)
         nh, hd = spec.n_head, spec.head_dim
         self.sc = AttendScratch(nh, spec.n_head_kv, hd, spec.rotary_dim)     # one token's attention buffers
+        self.chunk_q = np.zeros((n_batch, nh, hd), np.float32)      # a prefill chunk's rotated queries
         self.adopter_token = object()      # marks the stores adopt_store sized this engine's scratch for
         self.no_mass = np.zeros((0, 0), np.float32)
         self.qvar = np.zeros((REBASE_LIMIT, nh, hd), np.float32)     # attend_rebased: query per offset
@@ -436,6 +438,11 @@ class CPUEngine:
         mass = store.mass if (policy is not None and policy.needs_mass) or hook is not None else self.no_mass
         if policy is not None:
             self._attend_policy(il, b, store, policy, seq0, t0, T, kk, v3, rope.table, scale, attn_cap, mass, hook)
+            return
+        if T > 1 and hook is None and chunk_fits(store, il, T):     # the chunk at once, queries in parallel
+            rows = slice(t0, t0 + T)
+            write_attend_chunk(store, il, rope, b.att[rows].reshape(T, nh, hd), b.q[rows].reshape(T, nh, hd),
+                               kk[rows], v3[rows], seq0, scale, attn_cap, self.chunk_q, self.sc.ktmp)
             return
         strategy, sc = STRATEGIES[store.layer_rope_mode[il]], self.sc
         for t in range(t0, t0 + T):

@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
+
+from ringllm.runtime.fast_exp import exp_f32
 
 ACT_SILU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
 ACT_CODES = {"silu": ACT_SILU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
@@ -44,34 +46,57 @@ def layer_norm_rows(out, x, w, b, eps):
             out[r, i] = np.float32((x[r, i] - mu) * inv) * w[i] + b[i]
 
 
+PAR_ROWS = 8         # the activation kernels split rows over threads from this many rows (a prefill chunk)
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _act(x, kind):
+    """SiLU x sigmoid(x), GELU (erf) or GELU-tanh 0.5 x (1 + tanh(u)) = x sigmoid(2u). The sigmoids use
+    exp_f32 (straight-line code: a row's loop vectorizes; libm's expf / tanhf is a call per value)."""
     if kind == ACT_SILU:
-        return x / (np.float32(1.0) + np.exp(-x))
+        return x / (np.float32(1.0) + exp_f32(-x))
     if kind == ACT_GELU:
         return np.float32(0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0))))
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(np.float32(0.7978845608028654)
-                                                             * (x + np.float32(0.044715) * x * x * x)))
+    u = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
+    return x / (np.float32(1.0) + exp_f32(np.float32(-2.0) * u))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
+def _gated_row(out, gate, up, kind, t, n):
+    for i in range(n):
+        out[t, i] = _act(gate[t, i], kind) * up[t, i]
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def gated_act(out, gate, up, kind):
-    """out (T, n_ff) = act(gate) * up."""
+    """out (T, n_ff) = act(gate) * up (rows over threads from PAR_ROWS rows)."""
     T, n = out.shape
-    for t in range(T):
-        for i in range(n):
-            out[t, i] = _act(gate[t, i], kind) * up[t, i]
+    if T >= PAR_ROWS:
+        for t in prange(T):
+            _gated_row(out, gate, up, kind, t, n)
+    else:
+        for t in range(T):
+            _gated_row(out, gate, up, kind, t, n)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
+def _gated_fused_row(out, gate_up, kind, t, n):
+    for i in range(n):
+        out[t, i] = _act(gate_up[t, i], kind) * gate_up[t, n + i]
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def gated_act_fused(out, gate_up, kind):
     """out (T, n_ff) = act(gate) * up, gate_up (T, 2 n_ff) = [gate | up] (the stacked projection's
     output). One signature whatever T: slices of gate_up would be C-contiguous for T = 1 only, and
-    compile gated_act twice."""
+    compile gated_act twice. Rows over threads from PAR_ROWS rows."""
     T, n = out.shape
-    for t in range(T):
-        for i in range(n):
-            out[t, i] = _act(gate_up[t, i], kind) * gate_up[t, n + i]
+    if T >= PAR_ROWS:
+        for t in prange(T):
+            _gated_fused_row(out, gate_up, kind, t, n)
+    else:
+        for t in range(T):
+            _gated_fused_row(out, gate_up, kind, t, n)
 
 
 @njit(cache=True, nogil=True)
