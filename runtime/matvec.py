@@ -49,7 +49,7 @@ from ringllm.runtime.gemm import MATMUL_TILES, UNPACK_TILES
 from ringllm.runtime.matvec_kernels import KERNELS, PAR_MIN_WEIGHTS, ROWS_KERNELS, x_scales
 from ringllm.runtime.packing import pack_records
 from ringllm.runtime.packing_q8 import Q8_OWN_LAYOUT, pack_records_q8, q8_tile_rows
-from ringllm.runtime.quant_tiles_q8 import Q8_KERNELS
+from ringllm.runtime.quant_tiles_q8 import q8_kernels
 from ringllm.runtime.reference_q8 import Q8_TYPES
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_tiles import tile_rows
@@ -108,7 +108,7 @@ class PackedMatrix:
         self.qtype, self.n_rows, self.n_cols, self.buf, self.name = qtype, n_rows, n_cols, buf, name
         self.kernel, self.family, self.kind = KERNELS[qtype]
         self.rows_kernel = ROWS_KERNELS.get(qtype)
-        self.q8 = Q8_KERNELS[qtype] if precision == "q8" else None
+        self.q8 = q8_kernels(qtype) if precision == "q8" else None
         self.q8_kernel = None if self.q8 is None else self.q8[0 if n_rows * n_cols >= PAR_MIN_WEIGHTS else 1]
         self.q8_fmt = Q8_K if Q8_TYPES.get(qtype) == "q8_k" else Q8_0
         self.q8_acts = ActQ8(n_cols) if self.q8 is not None else None

@@ -28,18 +28,22 @@ The per-type code is one decode_<type> (the weight bytes and scales of a block f
 one row_<type> (one row of x against them); the group and entry kernels are generated from one
 template (_SOURCE) for every type, as matvec_kernels.py does and for the same reason (Numba's cache).
 """
+import os
+
 import numpy as np
 from numba import njit, prange  # noqa: F401 (prange: named by the generated entry kernels)
 
 from ringllm.runtime.act_quant import Q8_0, Q8_K, quantize_row  # noqa: F401 (named by the generated kernels)
+from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.packing_q8 import Q8_GROUPS
 from ringllm.runtime.quant_tiles import PF_DIST, QK, REC_Q4_0, REC_Q4_1, REC_Q4_K, prefetch_range  # noqa: F401
 from ringllm.runtime.quant_types import GGMLType
-from ringllm.runtime.simd import (abs8, add16, bc_i32, hadd16, iadd, iand, ior, ishl, isrl, itof,  # noqa: F401
-                                  ld_f16, ld_i8, ld_i32, ld_u8, maddubs, sign8, vfma, vfnma, vlane, vmul, vsplat,
-                                  vstore, vsub, vzero)
+from ringllm.runtime.simd import (abs8, add16, bc_i32, dpbusd, hadd16, iadd, iand, ior, ishl, isrl,  # noqa: F401
+                                  itof, izero, ld_f16, ld_i8, ld_i32, ld_u8, maddubs, sign8, vfma, vfnma, vlane,
+                                  vmul, vsplat, vstore, vsub, vzero)
 
-__all__ = ["Q8_KERNELS", "REC_Q8_Q5_0", "REC_Q8_Q6_K", "REC_Q8_Q8_0"]
+__all__ = ["Q8_KERNELS", "Q8_KERNELS_VNNI", "HAS_VNNI", "q8_kernels", "REC_Q8_Q5_0", "REC_Q8_Q6_K", "REC_Q8_Q8_0"]
 
 REC_Q8_Q5_0 = Q8_GROUPS * (128 + 32 + 16)                     # nibbles, high bits, d
 REC_Q8_Q8_0 = Q8_GROUPS * (256 + 16)                          # value quads, d
@@ -73,10 +77,88 @@ def _nibbles4(buf, w):
             iand(v2, _LO4), iand(isrl(v2, 4), _LO4), iand(v3, _LO4), iand(isrl(v3, 4), _LO4))
 
 
+# Integer sums of the weight bytes of one block against one row of xq, in two variants: AVX2
+# (vpmaddubsw, int16 partial sums as far as the weights' range allows, vpmaddwd) and VNNI (vpdpbusd:
+# 4 products summed into int32 per instruction). The row functions below call them by the names
+# isum_4bit / isum_5bit / isum_6bit / isum_s8, which each variant's copies bind (_DOTS).
+
 @njit(cache=True, nogil=True, inline="always")
-def _isum_q4(q, x, c):
-    """Exact int32 sum over 32 columns of 4-bit bytes q (8 vectors) times xq (one widening)."""
+def _isum_4bit_avx2(q, x, c):
+    """int32 lanes: 32 columns of bytes <= 15 (8 vectors) times xq[c:c + 32]; one widening."""
     return hadd16(add16(_p16(q[0], q[1], q[2], q[3], x, c), _p16(q[4], q[5], q[6], q[7], x, c + 16)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _isum_5bit_avx2(q, x, c):
+    """As _isum_4bit_avx2 for bytes <= 31: one widening per 16 columns."""
+    return iadd(hadd16(_p16(q[0], q[1], q[2], q[3], x, c)), hadd16(_p16(q[4], q[5], q[6], q[7], x, c + 16)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pair6(a, b, x, c):
+    return hadd16(add16(maddubs(a, bc_i32(x, c)), maddubs(b, bc_i32(x, c + 4))))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _isum_6bit_avx2(q, x, c):
+    """Bytes <= 63: the sums of columns c .. c + 15 and c + 16 .. c + 31 apart (Q6_K's 16-value
+    scales); one widening per two products."""
+    return (iadd(_pair6(q[0], q[1], x, c), _pair6(q[2], q[3], x, c + 8)),
+            iadd(_pair6(q[4], q[5], x, c + 16), _pair6(q[6], q[7], x, c + 24)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quad_s8(w, x, c):
+    """int32 lanes: 4 signed weight bytes w times xq[c:c + 4] (the sign of w moved onto xq)."""
+    return hadd16(maddubs(abs8(w), sign8(bc_i32(x, c), w)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _isum_s8_avx2(q, x, c):
+    """Signed weight bytes (Q8_0): a widening per product (|w x| pairs reach 32512)."""
+    s = iadd(iadd(_quad_s8(q[0], x, c), _quad_s8(q[1], x, c + 4)),
+             iadd(_quad_s8(q[2], x, c + 8), _quad_s8(q[3], x, c + 12)))
+    return iadd(s, iadd(iadd(_quad_s8(q[4], x, c + 16), _quad_s8(q[5], x, c + 20)),
+                        iadd(_quad_s8(q[6], x, c + 24), _quad_s8(q[7], x, c + 28))))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dp4(q0, q1, q2, q3, x, c):
+    """vpdpbusd over 16 columns, two independent chains (the instruction's latency)."""
+    a = dpbusd(dpbusd(izero(), q0, bc_i32(x, c)), q2, bc_i32(x, c + 8))
+    b = dpbusd(dpbusd(izero(), q1, bc_i32(x, c + 4)), q3, bc_i32(x, c + 12))
+    return iadd(a, b)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _isum_bytes_vnni(q, x, c):
+    """int32 lanes: 32 columns of unsigned bytes (any value) times xq[c:c + 32]."""
+    return iadd(_dp4(q[0], q[1], q[2], q[3], x, c), _dp4(q[4], q[5], q[6], q[7], x, c + 16))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _isum_6bit_vnni(q, x, c):
+    return _dp4(q[0], q[1], q[2], q[3], x, c), _dp4(q[4], q[5], q[6], q[7], x, c + 16)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _isum_s8_vnni(q, x, c):
+    """Signed weight bytes: |w| against xq with w's sign."""
+    a = dpbusd(izero(), abs8(q[0]), sign8(bc_i32(x, c), q[0]))
+    b = dpbusd(izero(), abs8(q[1]), sign8(bc_i32(x, c + 4), q[1]))
+    for k in range(2, 8, 2):
+        a = dpbusd(a, abs8(q[k]), sign8(bc_i32(x, c + 4 * k), q[k]))
+        b = dpbusd(b, abs8(q[k + 1]), sign8(bc_i32(x, c + 4 * k + 4), q[k + 1]))
+    return iadd(a, b)
+
+
+_DOTS = {
+    "": {"isum_4bit": _isum_4bit_avx2, "isum_5bit": _isum_5bit_avx2, "isum_6bit": _isum_6bit_avx2,
+         "isum_s8": _isum_s8_avx2},
+    "_vnni": {"isum_4bit": _isum_bytes_vnni, "isum_5bit": _isum_bytes_vnni, "isum_6bit": _isum_6bit_vnni,
+              "isum_s8": _isum_s8_vnni},
+}
+isum_4bit, isum_5bit, isum_6bit, isum_s8 = (_DOTS[""][k] for k in ("isum_4bit", "isum_5bit", "isum_6bit", "isum_s8"))
 
 
 # ==================================================================================================
@@ -94,7 +176,7 @@ def decode_q4_0(buf, r, g, j):
 def row_q4_0(w, X, c, acc):
     """y = d (q - 8): (isum - 8 S) d dx."""
     b = c >> 5
-    f = vsub(itof(_isum_q4(w[0], X[0], c)), vsplat(np.float32(8.0) * X[3][b]))
+    f = vsub(itof(isum_4bit(w[0], X[0], c)), vsplat(np.float32(8.0) * X[3][b]))
     return vfma(f, vmul(w[1], vsplat(X[1][b])), acc)
 
 
@@ -108,7 +190,7 @@ def row_q4_1(w, X, c, acc):
     """y = d q + m: isum d dx + m dx S."""
     b = c >> 5
     dxb = X[1][b]
-    acc = vfma(itof(_isum_q4(w[0], X[0], c)), vmul(w[1], vsplat(dxb)), acc)
+    acc = vfma(itof(isum_4bit(w[0], X[0], c)), vmul(w[1], vsplat(dxb)), acc)
     return vfma(w[2], vsplat(dxb * X[3][b]), acc)
 
 
@@ -124,7 +206,7 @@ def row_q4_k(w, X, c, acc):
     """y = (d sc) q - (dmin m): isum (d sc) dx - (dmin m) dx S."""
     b = c >> 5
     dxb = X[1][b]
-    acc = vfma(itof(_isum_q4(w[0], X[0], c)), vmul(w[1], vsplat(dxb)), acc)
+    acc = vfma(itof(isum_4bit(w[0], X[0], c)), vmul(w[1], vsplat(dxb)), acc)
     return vfnma(w[2], vsplat(dxb * X[3][b]), acc)
 
 
@@ -151,10 +233,7 @@ def decode_q5_0(buf, r, g, j):
 def row_q5_0(w, X, c, acc):
     """y = d (q - 16): (isum - 16 S) d dx; two widenings (5-bit bytes)."""
     b = c >> 5
-    q = w[0]
-    x = X[0]
-    isum = iadd(hadd16(_p16(q[0], q[1], q[2], q[3], x, c)), hadd16(_p16(q[4], q[5], q[6], q[7], x, c + 16)))
-    f = vsub(itof(isum), vsplat(np.float32(16.0) * X[3][b]))
+    f = vsub(itof(isum_5bit(w[0], X[0], c)), vsplat(np.float32(16.0) * X[3][b]))
     return vfma(f, vmul(w[1], vsplat(X[1][b])), acc)
 
 
@@ -167,21 +246,9 @@ def decode_q8_0(buf, r, g, j):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _quad_s8(w, x, c):
-    """int32 lanes: 4 signed weight bytes w times xq[c:c + 4] (the sign of w moved onto xq)."""
-    return hadd16(maddubs(abs8(w), sign8(bc_i32(x, c), w)))
-
-
-@njit(cache=True, nogil=True, inline="always")
 def row_q8_0(w, X, c, acc):
     """y = d q: isum d dx."""
-    q = w[0]
-    x = X[0]
-    s = iadd(iadd(_quad_s8(q[0], x, c), _quad_s8(q[1], x, c + 4)),
-             iadd(_quad_s8(q[2], x, c + 8), _quad_s8(q[3], x, c + 12)))
-    s = iadd(s, iadd(iadd(_quad_s8(q[4], x, c + 16), _quad_s8(q[5], x, c + 20)),
-                     iadd(_quad_s8(q[6], x, c + 24), _quad_s8(q[7], x, c + 28))))
-    return vfma(itof(s), vmul(w[1], vsplat(X[1][c >> 5])), acc)
+    return vfma(itof(isum_s8(w[0], X[0], c)), vmul(w[1], vsplat(X[1][c >> 5])), acc)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -214,12 +281,7 @@ def decode_q6_k(buf, r, g, j):
 def row_q6_k(w, X, c, acc):
     """y = (d sc) (q - 32) per 16 columns: ((i0 - 32 S0) dsc0 + (i1 - 32 S1) dsc1) dx; 6-bit bytes
     widen every two products."""
-    q = w[0]
-    x = X[0]
-    i0 = iadd(hadd16(add16(maddubs(q[0], bc_i32(x, c)), maddubs(q[1], bc_i32(x, c + 4)))),
-              hadd16(add16(maddubs(q[2], bc_i32(x, c + 8)), maddubs(q[3], bc_i32(x, c + 12)))))
-    i1 = iadd(hadd16(add16(maddubs(q[4], bc_i32(x, c + 16)), maddubs(q[5], bc_i32(x, c + 20)))),
-              hadd16(add16(maddubs(q[6], bc_i32(x, c + 24)), maddubs(q[7], bc_i32(x, c + 28)))))
+    i0, i1 = isum_6bit(w[0], X[0], c)
     h = c >> 4
     f0 = vsub(itof(i0), vsplat(np.float32(32.0) * X[2][h]))
     f1 = vsub(itof(i1), vsplat(np.float32(32.0) * X[2][h + 1]))
@@ -243,7 +305,7 @@ def _put(out, t, row0, a):
 
 _SOURCE = '''
 @njit(cache=True, nogil=True)
-def grp4_{name}(buf, base, g, nb, X0, X1, X2, X3):
+def grp4_{name}{v}(buf, base, g, nb, X0, X1, X2, X3):
     a0 = vzero()
     a1 = vzero()
     a2 = vzero()
@@ -254,33 +316,33 @@ def grp4_{name}(buf, base, g, nb, X0, X1, X2, X3):
         for j in range({subs}):
             c = b * {block} + QK * j
             w = decode_{name}(buf, r, g, j)
-            a0 = row_{name}(w, X0, c, a0)
-            a1 = row_{name}(w, X1, c, a1)
-            a2 = row_{name}(w, X2, c, a2)
-            a3 = row_{name}(w, X3, c, a3)
+            a0 = row_{name}{v}(w, X0, c, a0)
+            a1 = row_{name}{v}(w, X1, c, a1)
+            a2 = row_{name}{v}(w, X2, c, a2)
+            a3 = row_{name}{v}(w, X3, c, a3)
     return a0, a1, a2, a3
 
 
 @njit(cache=True, nogil=True)
-def grp1_{name}(buf, base, g, nb, X0):
+def grp1_{name}{v}(buf, base, g, nb, X0):
     a0 = vzero()
     for b in range(nb):
         r = base + b * {rec}
         prefetch_range(buf, r + PF_DIST, {rec})
         for j in range({subs}):
-            a0 = row_{name}(decode_{name}(buf, r, g, j), X0, b * {block} + QK * j, a0)
+            a0 = row_{name}{v}(decode_{name}(buf, r, g, j), X0, b * {block} + QK * j, a0)
     return a0
 
 
 @njit(cache=True, nogil=True, inline="always")
-def group_{name}(out, buf, xq, dx, s16, s32, nb, u):
+def group_{name}{v}(out, buf, xq, dx, s16, s32, nb, u):
     tile = u // {groups}
     g = u - tile * {groups}
     base = tile * nb * {rec}
     T = out.shape[0]
     t = 0
     while t + 4 <= T:
-        a0, a1, a2, a3 = grp4_{name}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t]),
+        a0, a1, a2, a3 = grp4_{name}{v}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t]),
                                      (xq[t + 1], dx[t + 1], s16[t + 1], s32[t + 1]),
                                      (xq[t + 2], dx[t + 2], s16[t + 2], s32[t + 2]),
                                      (xq[t + 3], dx[t + 3], s16[t + 3], s32[t + 3]))
@@ -290,12 +352,12 @@ def group_{name}(out, buf, xq, dx, s16, s32, nb, u):
         _put(out, t + 3, 8 * u, a3)
         t += 4
     while t < T:
-        _put(out, t, 8 * u, grp1_{name}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t])))
+        _put(out, t, 8 * u, grp1_{name}{v}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t])))
         t += 1
 
 
 @njit(cache=True, nogil=True)
-def tile1_{name}(out, buf, tile, nb, X0, t):
+def tile1_{name}{v}(out, buf, tile, nb, X0, t):
 {zeros}
     base = tile * nb * {rec}
     for b in range(nb):
@@ -308,37 +370,37 @@ def tile1_{name}(out, buf, tile, nb, X0, t):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def few_{name}(out, buf, xq, dx, s16, s32, nb, tile):
+def few_{name}{v}(out, buf, xq, dx, s16, s32, nb, tile):
     for t in range(out.shape[0]):
-        tile1_{name}(out, buf, tile, nb, (xq[t], dx[t], s16[t], s32[t]), t)
+        tile1_{name}{v}(out, buf, tile, nb, (xq[t], dx[t], s16[t], s32[t]), t)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def q8mm_{name}(out, buf, X, xq, dx, s16, s32, nb):
+def q8mm_{name}{v}(out, buf, X, xq, dx, s16, s32, nb):
     T = X.shape[0]
     if T < 4:
         for t in range(T):
             quantize_row(X, xq, dx, s16, s32, {fmt}, t)
         for tile in prange((out.shape[1] + {tile_rows} - 1) // {tile_rows}):
-            few_{name}(out, buf, xq, dx, s16, s32, nb, tile)
+            few_{name}{v}(out, buf, xq, dx, s16, s32, nb, tile)
     else:
         for t in prange(T):
             quantize_row(X, xq, dx, s16, s32, {fmt}, t)
         for u in prange((out.shape[1] + 7) // 8):
-            group_{name}(out, buf, xq, dx, s16, s32, nb, u)
+            group_{name}{v}(out, buf, xq, dx, s16, s32, nb, u)
 
 
 @njit(cache=True, nogil=True)
-def q8mm_{name}_serial(out, buf, X, xq, dx, s16, s32, nb):
+def q8mm_{name}{v}_serial(out, buf, X, xq, dx, s16, s32, nb):
     T = X.shape[0]
     for t in range(T):
         quantize_row(X, xq, dx, s16, s32, {fmt}, t)
     if T < 4:
         for tile in range((out.shape[1] + {tile_rows} - 1) // {tile_rows}):
-            few_{name}(out, buf, xq, dx, s16, s32, nb, tile)
+            few_{name}{v}(out, buf, xq, dx, s16, s32, nb, tile)
     else:
         for u in range((out.shape[1] + 7) // 8):
-            group_{name}(out, buf, xq, dx, s16, s32, nb, u)
+            group_{name}{v}(out, buf, xq, dx, s16, s32, nb, u)
 '''
 
 # type: (name, record bytes, groups per tile, 32-column sub-blocks per record, columns per record,
@@ -352,16 +414,47 @@ _TYPES = {
     GGMLType.Q6_K: ("q6_k", REC_Q8_Q6_K, Q8_GROUPS, 8, 256, "Q8_K"),
 }
 
+_ROWS = (row_q4_0, row_q4_1, row_q4_k, row_q5_0, row_q8_0, row_q6_k)
+
 # GGMLType -> (parallel entry kernel, serial entry kernel), each
 # kernel(out (T, n_rows), buf, X (T, n_cols) float32, xq, dx, s16, s32 (act_quant buffers of >= T rows), nb):
-# quantizes X into the buffers, then out = W @ q8(X)
+# quantizes X into the buffers, then out = W @ q8(X). Q8_KERNELS: AVX2 dot products (every x86-64 the
+# engine runs on); Q8_KERNELS_VNNI: vpdpbusd, for CPUs with AVX512-VNNI + VL or AVX-VNNI (HAS_VNNI).
 Q8_KERNELS = {}
-for _qt, (_name, _rec, _groups, _subs, _block, _fmt) in _TYPES.items():
-    _gs = range(_groups)
-    _code = compile(_SOURCE.format(
-        name=_name, rec=_rec, groups=_groups, subs=_subs, block=_block, fmt=_fmt, tile_rows=8 * _groups,
-        zeros="\n".join(f"    a{g} = vzero()" for g in _gs),
-        rows="\n".join(f"            a{g} = row_{_name}(decode_{_name}(buf, r, {g}, j), X0, c, a{g})" for g in _gs),
-        puts="\n".join(f"    _put(out, t, tile * {8 * _groups} + {8 * g}, a{g})" for g in _gs)), __file__, "exec")
-    exec(_code, globals())
-    Q8_KERNELS[_qt] = (globals()[f"q8mm_{_name}"], globals()[f"q8mm_{_name}_serial"])
+Q8_KERNELS_VNNI = {}
+for _v, _dots in _DOTS.items():
+    if _v:                            # the row functions again, bound to this variant's integer sums
+        _ns = dict(globals(), **_dots)
+        for _row in _ROWS:
+            globals()[_row.__name__ + _v] = njit(cache=True, nogil=True, inline="always")(
+                bind_copy(_row.py_func, _row.__name__ + _v, _ns))
+    for _qt, (_name, _rec, _groups, _subs, _block, _fmt) in _TYPES.items():
+        _gs = range(_groups)
+        _code = compile(_SOURCE.format(
+            name=_name, v=_v, rec=_rec, groups=_groups, subs=_subs, block=_block, fmt=_fmt, tile_rows=8 * _groups,
+            zeros="\n".join(f"    a{g} = vzero()" for g in _gs),
+            rows="\n".join(f"            a{g} = row_{_name}{_v}(decode_{_name}(buf, r, {g}, j), X0, c, a{g})"
+                            for g in _gs),
+            puts="\n".join(f"    _put(out, t, tile * {8 * _groups} + {8 * g}, a{g})" for g in _gs)), __file__, "exec")
+        exec(_code, globals())
+        (Q8_KERNELS_VNNI if _v else Q8_KERNELS)[_qt] = (globals()[f"q8mm_{_name}{_v}"],
+                                                       globals()[f"q8mm_{_name}{_v}_serial"])
+
+
+def _host_has_vnni() -> bool:
+    from llvmlite import binding
+    f = binding.get_host_cpu_features()
+    return bool(f.get("avxvnni", False) or (f.get("avx512vnni", False) and f.get("avx512vl", False)))
+
+
+HAS_VNNI = _host_has_vnni()
+
+
+def q8_kernels(qtype: GGMLType, dot: str | None = None) -> tuple:
+    """(parallel, serial) q8 entry kernels of qtype. dot: "vnni" or "avx2"; None picks vnni where the
+    CPU has it, unless RINGLLM_Q8_DOT=avx2 is set (to measure or test the AVX2 path there)."""
+    if dot is None:
+        dot = "vnni" if HAS_VNNI and os.environ.get("RINGLLM_Q8_DOT", "").lower() != "avx2" else "avx2"
+    if dot == "vnni" and not HAS_VNNI:
+        raise ConfigError("this CPU has no VNNI dot-product instruction (vpdpbusd)")
+    return (Q8_KERNELS_VNNI if dot == "vnni" else Q8_KERNELS)[qtype]

@@ -23,7 +23,7 @@ from numba.extending import intrinsic, models, register_model
 __all__ = ["f32x8", "i32x8", "vzero", "vsplat", "vbcast", "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16",
            "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma", "vadd", "vsub", "vmul", "isrl", "andf",
            "srlf", "vhsum", "num_threads", "ld_u8i", "iand", "lut16", "bc_i32", "maddubs", "add16", "hadd16",
-           "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane", "f16_round"]
+           "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane", "f16_round", "izero", "dpbusd"]
 
 
 # ==================================================================================================
@@ -342,6 +342,26 @@ def maddubs(typingctx, u, s):
         r = builder.call(fn, [builder.bitcast(args[0], _VB), builder.bitcast(args[1], _VB)])
         return builder.bitcast(r, _VI)
     return i32x8(u, s), codegen
+
+
+@intrinsic
+def dpbusd(typingctx, acc, u, s):
+    """vpdpbusd (AVX512-VNNI / AVX-VNNI): acc + per 32-bit lane the sum of the 4 products of u's
+    unsigned bytes with s's signed bytes, exact in int32. Only on CPUs with the instruction
+    (quant_tiles_q8.HAS_VNNI): elsewhere LLVM cannot select it."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI, _VI, _VI]),
+                                            "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(fn, list(args))
+    return i32x8(acc, u, s), codegen
+
+
+@intrinsic
+def izero(typingctx):
+    """i32x8 of zeros."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI, [0] * 8)
+    return i32x8(), codegen
 
 
 @intrinsic

@@ -1,7 +1,7 @@
 """The q8 mode (8-bit activations, integer dot products) against its NumPy oracle.
 
 - act_quant's quantizer reproduces reference_q8's Q8_0 / Q8_K bytes and scales exactly;
-- every q8 kernel (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) equals dequantize(W) @ dequantize(quantize(x))
+- every q8 kernel (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; AVX2 and, where the CPU has it, VNNI) equals dequantize(W) @ dequantize(quantize(x))
   within 1e-5 of sum |w| |x| per output, for 1..17 rows (the 4-row chunks and their remainders, the
   one-to-three-row tile path), row counts that end inside a tile, several blocks per row, 1 and 2
   threads;
@@ -77,8 +77,16 @@ def threads(request):
     numba.set_num_threads(before)
 
 
+def _dots():
+    from ringllm.runtime.quant_tiles_q8 import HAS_VNNI
+    return ["avx2", "vnni"] if HAS_VNNI else ["avx2"]
+
+
+@pytest.mark.parametrize("dot", _dots())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_q8_kernels_match_oracle(qtype, threads):
+def test_q8_kernels_match_oracle(qtype, dot, threads, monkeypatch):
+    """Both dot-product variants (AVX2; VNNI where the CPU has it) against the oracle."""
+    monkeypatch.setenv("RINGLLM_Q8_DOT", dot)
     rng = np.random.default_rng(int(qtype))
     # 53 rows: a partial last tile (16 or 24 rows per tile) and a partial last group of 8; 512 columns:
     # two K-quant super-blocks, 16 legacy blocks. 400 x 256: large enough for the parallel kernel.
@@ -86,7 +94,7 @@ def test_q8_kernels_match_oracle(qtype, threads):
         t = random_tensor(qtype, n_rows, n_cols, rng)
         W = oracle(t)
         pm = mv.pack(t, "q8")
-        assert pm.precision == "q8"
+        assert pm.precision == "q8" and pm.q8[0].__name__.endswith("_vnni") == (dot == "vnni")
         for T in range(1, 18):
             X = (rng.standard_normal((T, n_cols)) * rng.uniform(0.1, 10, (T, 1))).astype(np.float32)
             check_q8(pm, W, X, f"{qtype.name} {n_rows}x{n_cols} T={T}")
