@@ -2,7 +2,7 @@
 
     python bench/speculative.py [-m MODEL] [-n 500] [--gammas 3,7] [--draft-layers 8,16] [--draft-capacity 64]
                                 [--configs streaming:512,h2o:256] [--prompt-tokens 200] [-t THREADS]
-                                [--name speculative]
+                                [--precision f32|q8] [--name speculative]
 
 Per target KV config (policy:capacity): plain greedy decoding of n tokens (tokens/s after the
 prefill), then speculative decoding with each draft and gamma, checked token for token against the
@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--verify-reps", type=int, default=5)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--name", default="speculative")
+    ap.add_argument("--precision", choices=("f32", "q8"), default="f32", help="CPUEngine(precision=...) of target and drafts")
     args = ap.parse_args()
 
     from ringllm.models.bundled import default_model_path
@@ -74,15 +75,16 @@ def main():
     m = load_model(args.model or default_model_path())
     text = open(DATA, encoding="utf-8").read()[:4000]
     prompt = m.tokenizer.encode(text)[:args.prompt_tokens]
-    target = CPUEngine(m.spec, m.tensors, n_threads=args.threads)
+    target = CPUEngine(m.spec, m.tensors, n_threads=args.threads, precision=args.precision)
     gammas = [int(g) for g in args.gammas.split(",")]
-    layer_drafts = {n: make_layer_draft(m.spec, m.tensors, n, n_threads=args.threads)
+    layer_drafts = {n: make_layer_draft(m.spec, m.tensors, n, n_threads=args.threads, precision=args.precision)
                     for n in (int(x) for x in args.draft_layers.split(",") if x)}
     results = {"machine": machine(), "args": vars(args), "model": os.path.basename(m.path),
                "n_layer": m.spec.n_layer, "configs": []}
     md = ["# Speculative decoding on the CPU (greedy)", "",
           f"Model {os.path.basename(m.path)}, {args.n} tokens after a {len(prompt)}-token prompt (the novel), "
-          f"threads {args.threads or 'all'}. `bench/speculative.py`. Drafts: `layers:N` = the first N of "
+          f"threads {args.threads or 'all'}, precision {args.precision}. Command: `python bench/speculative.py "
+          f"{' '.join(sys.argv[1:])}`. Drafts: `layers:N` = the first N of "
           f"{m.spec.n_layer} layers + head (early exit); `store:C` = the full model over a streaming store of C.", ""]
     for cfg in args.configs.split(","):
         policy, cap = cfg.split(":")
