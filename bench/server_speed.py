@@ -1,6 +1,6 @@
 """Decode speed through `ringllm serve` against in-process generation, for 1 to 16 concurrent clients.
 
-    python bench/server_speed.py [-m MODEL] [--clients 1,2,4,8,16] [--tokens 128] [--repeats 3]
+    python bench/server_speed.py [-m MODEL] [--clients 1,2,4,8,16] [--tokens 128] [--repeats 3] [--precision q8]
 
 Measured in one run, on loopback, as the issue's new user does it: `ringllm serve` with default
 options, POST /v1/completions, max_tokens --tokens, ignore_eos, temperature 0; every client sends
@@ -83,12 +83,14 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--serve-args", default="", help="extra `ringllm serve` arguments (quoted)")
     ap.add_argument("--out", default="server_speed")
+    ap.add_argument("--precision", choices=("f32", "q8"), default="f32",
+                    help="LLM(precision=...) in process and `serve --precision` (both the same)")
     args = ap.parse_args()
     import ringllm
-    llm = ringllm.LLM(args.model, n_threads=args.threads, warmup=True)
+    llm = ringllm.LLM(args.model, n_threads=args.threads, warmup=True, precision=args.precision)
     in_process(llm, args.tokens, 0)
     local_runs = []
-    serve_args = ["--log-level", "warning", "--no-progress"] + args.serve_args.split()
+    serve_args = ["--log-level", "warning", "--no-progress", "--precision", args.precision] + args.serve_args.split()
     rows = []
     with bench_server(serve_args, args.model, args.threads) as url:
         request(url, "warm up", 8, False)

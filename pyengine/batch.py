@@ -140,6 +140,9 @@ class BatchDecoder:
             if chunk.finish_reason is not None:
                 self._entries.pop(tag, None)
             out.append((tag, chunk))
+        if not self._entries and getattr(self.llm.engine, "release_batch", None) is not None:
+            with self.llm.engine_lock():          # the batch is over: its stores can be freed
+                self.llm.engine.release_batch()
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -151,4 +154,7 @@ class BatchDecoder:
         batched = getattr(eng, "step_batch", None)
         if len(tokens) > 1 and batched is not None and not any(getattr(st, "paged", False) for st in stores):
             return list(batched(tokens, stores))
+        release = getattr(eng, "release_batch", None)
+        if release is not None:               # no batch now: let the last one's finished stores go
+            release()
         return [eng.step(t, st).copy() for t, st in zip(tokens, stores)]

@@ -26,6 +26,7 @@ import numpy as np
 
 from ringllm.runtime import matvec as mv
 from ringllm.runtime.chunk_attention import chunk_fits, write_attend_chunk
+from ringllm.runtime.stream_attention import StreamArrays, streams_fit, write_attend_streams
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
@@ -127,6 +128,9 @@ class CPUEngine:
         self.buf = _Buffers(spec, n_batch)
         self.buf1 = self.buf.view(1)
         self._batched = False               # inside step_batch: the few-row kernels serve its B rows (_matmul)
+        self._streams = None                # StreamArrays of step_batch's last group of stores, or None
+        self._streams_on = False            # inside step_batch with B > 1: _layer attends through _streams
+        self._stream_seqs = None            # their tokens' sequence indices (B,) i64
         self.logits_buf = np.zeros((n_batch, spec.n_vocab), np.float32)
         nh, hd = spec.n_head, spec.head_dim
         self.sc = AttendScratch(nh, spec.n_head_kv, hd, spec.rotary_dim)     # one token's attention buffers
@@ -257,8 +261,14 @@ class CPUEngine:
         try:
             self._step_groups(ids, stores, out)
         finally:
-            self._batched = False
+            self._batched = self._streams_on = False
         return out
+
+    def release_batch(self) -> None:
+        """Drop the references step_batch keeps to its last batch's stores (the typed lists of their
+        arrays, reused while the batch keeps them): call when the batch is over, so finished
+        sequences' stores can be freed."""
+        self._streams = None
 
     def _step_groups(self, ids: np.ndarray, stores: list, out: np.ndarray) -> None:
         """step_batch's pass, n_batch sequences at a time: logits into out (B, n_vocab)."""
@@ -268,8 +278,14 @@ class CPUEngine:
             b = self.buf1 if B == 1 else self.buf.view(B)
             self._embed(b, part)
             segments = [(st, st.n_seen, r, 1) for r, st in enumerate(group)]
+            if B > 1:                       # every sequence's write and attention in one parallel call per layer
+                if self._streams is None or not self._streams.matches(group):
+                    self._streams = StreamArrays(group, self.spec.n_layer)
+                self._stream_seqs = np.array([st.n_seen for st in group], np.int64)
+            self._streams_on = B > 1
             for il in range(self.spec.n_layer):
                 self._layer(il, b, segments)
+            self._streams_on = False
             for st in group:
                 st.n_seen += 1
             out[start:start + B] = self._head(b, B)
@@ -403,6 +419,10 @@ class CPUEngine:
         rope = self.layer_ropes[il]
         scale, attn_cap = np.float32(s.attn_scale), np.float32(s.attn_softcap)
         kk = b.k.reshape(T, nkv, hd)
+        if self._streams_on and streams_fit(self._streams.stores, il):
+            write_attend_streams(self._streams, il, rope, b.att.reshape(T, nh, hd), b.q.reshape(T, nh, hd), kk, v3,
+                                 self._stream_seqs, scale, attn_cap)
+            segments = ()
         for store, seq0, t0, n in segments:
             if getattr(store, "paged", False):   # paged KV pool (runtime/paged_store.py): writes and attends itself
                 store.forward_layer(il, b.q, kk, v3, seq0, b.att, rope.table, scale, attn_cap)

@@ -49,14 +49,24 @@ def greedy_tracked(eng, st, ref, rc, first_e, first_r, n, check=True):
 
 def run_policy_pair(loaded, prompt, n_gen, kv: KVConfig, n_batch=16, forced=None, tracked=False):
     """Prompt through chunked prefill, then n_gen greedy steps (or the `forced` tokens one at a time).
-    tracked: see greedy_tracked (returns (store, cache, first step of differing survivors))."""
+    tracked: the prompt token by token with the survivors compared after each (a near-tie can part
+    them for a few tokens and re-converge), then see greedy_tracked (returns (store, cache, first
+    step of differing survivors; -1 inside the prompt))."""
     eng = CPUEngine(loaded.spec, loaded.tensors, n_batch=n_batch)
     ref = ReferenceEngine(loaded.spec, loaded.tensors)
     st, rc = eng.new_store(kv), ref.new_cache(kv)
-    got_prompt = eng.logits(prompt, st)
-    want_prompt = ref.forward(prompt, rc)
+    if tracked:        # token by token, survivors compared after each: a near-tie that parts them only for a
+        got, want, parted = [], [], False          # while inside the prompt is caught too
+        for t in prompt:
+            got.append(eng.logits([t], st))
+            want.append(ref.forward([t], rc))
+            parted = parted or not same_survivors(st, rc)
+        got_prompt, want_prompt = np.concatenate(got), np.concatenate(want)
+    else:
+        got_prompt = eng.logits(prompt, st)
+        want_prompt = ref.forward(prompt, rc)
     if tracked:
-        if not same_survivors(st, rc):        # a near-tie went differently inside the prompt
+        if parted:                            # a near-tie went differently inside the prompt
             split = -1
             toks_e, toks_r, _ = greedy_tracked(eng, st, ref, rc, got_prompt[-1], want_prompt[-1], n_gen, check=False)
         else:

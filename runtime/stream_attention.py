@@ -1,0 +1,95 @@
+"""Attention of a batched decode step: every sequence's write and attention in one parallel call.
+
+CPUEngine.step_batch runs the projections of B sequences as one matrix product, but each sequence
+then writes and attends its own store: per layer, B pairs of kernel calls from Python, one after
+the other on one core, which at B = 8 cost more than the products. write_attend_streams does the
+same work for all B sequences in one call per layer, the sequences spread over the threads
+(prange): per sequence the same kernels in the same order as the per-token path (RoPE of the key at
+its sequence index, kv_write_streaming, attend_stored), so each sequence's result is bitwise the
+one it gets alone.
+
+Numba takes the B stores' arrays as typed lists (StreamArrays), built once per layer for a set of
+stores and reused while the batch keeps them (a server's batch changes only when a request joins or
+leaves).
+
+When it applies (streams_fit): every store's layer is a ring in the "stored" RoPE layout, updated in
+place, with no rollback journal and no hooks that watch the attention (mass_hook, query_hook).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+from numba.typed import List
+
+from ringllm.runtime.attention import attend_stored
+from ringllm.runtime.kv_write import kv_write_streaming
+from ringllm.runtime.numba_flags import FASTMATH
+from ringllm.runtime.rope_kernels import rope_rows_at
+
+__all__ = ["StreamArrays", "streams_fit", "write_attend_streams"]
+
+
+def streams_fit(stores, il: int) -> bool:
+    """True when layer il of every store can go through write_attend_streams."""
+    for st in stores:
+        if (not st.layer_ring[il] or st.update != "inplace" or st.journal is not None
+                or st.layer_rope_mode[il] != "stored" or st.mass_hook is not None or st.query_hook is not None):
+            return False
+    return True
+
+
+class StreamArrays:
+    """Typed lists of the B stores' arrays of each layer (k, v, seq, pos, count, evicted), with the
+    stores' sinks per layer and position modes, for one set of stores (`key`)."""
+
+    def __init__(self, stores, n_layer: int):
+        self.key = self._key(stores)
+        self.stores = list(stores)          # keeps the ids in key valid
+        self.layers = []
+        for il in range(n_layer):
+            lists = []
+            for field in ("k", "v", "seq", "pos", "count", "evicted"):
+                lst = List()
+                for st in stores:
+                    lst.append(getattr(st, field)[il])
+                lists.append(lst)
+            sinks = np.array([st.layer_sinks[il] for st in stores], np.int64)
+            self.layers.append((*lists, sinks, max(st.k[il].shape[1] for st in stores)))
+        self.reindexed = np.array([bool(st.reindexed) for st in stores], np.bool_)
+
+    @staticmethod
+    def _key(stores) -> tuple:
+        """The stores and their first layer's key array (a store whose arrays were replaced is a new one)."""
+        return tuple((id(st), id(st.k[0])) for st in stores)
+
+    def matches(self, stores) -> bool:
+        return self._key(stores) == self.key
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+def _write_attend(out, q, k_new, v_new, seqs, ks, vs, seq_ls, pos_ls, count_ls, evicted_ls, sinks, reindexed,
+                  inv_freq, inv_scale, rotary_dim, scale, softcap, cap_max):
+    B, n_head, hd = q.shape
+    half = rotary_dim // 2
+    for i in prange(B):
+        b = np.int64(i)                 # typed lists index with a signed integer
+        tmp = np.empty(hd + rotary_dim, np.float32)
+        rope_rows_at(k_new[b], seqs[b], inv_freq, inv_scale, rotary_dim, tmp)
+        count_l = count_ls[b]
+        kv_write_streaming(ks[b], vs[b], seq_ls[b], pos_ls[b], count_l, evicted_ls[b], k_new[b], v_new[b], seqs[b],
+                           sinks[b], reindexed[b])
+        q_pos = count_l[0] - 1 if reindexed[b] else seqs[b]
+        attend_stored(out[b], q[b], ks[b], vs[b], pos_ls[b], seq_ls[b], count_l, q_pos, inv_freq, inv_scale,
+                      rotary_dim, scale, softcap, np.empty((n_head, cap_max), np.float32),
+                      np.empty((n_head, hd), np.float32), np.empty((2, half), np.float32),
+                      np.zeros((0, 0), np.float32))
+
+
+def write_attend_streams(arrays: StreamArrays, il: int, rope, out: np.ndarray, q: np.ndarray, k_new: np.ndarray,
+                         v_new: np.ndarray, seqs: np.ndarray, scale: np.float32, softcap: np.float32) -> None:
+    """Write token seqs[b] (k_new, v_new (B, n_kv, hd), keys before RoPE: rotated here, in place) into
+    layer il of store b and out[b] (n_head, hd) = its attention (q (B, n_head, hd) before RoPE), for
+    every b at once. streams_fit(arrays.stores, il) must hold."""
+    k, v, seq, pos, count, evicted, sinks, cap_max = arrays.layers[il]
+    _write_attend(out, q, k_new, v_new, seqs, k, v, seq, pos, count, evicted, sinks, arrays.reindexed,
+                  rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, cap_max)
