@@ -171,9 +171,17 @@ class CPUEngine:
         def pack(t):
             return mv.pack(t, self.precision)
         if workers == 1:
-            return {name: pack(t) for name, t in mats.items()}
-        with ThreadPoolExecutor(workers) as pool:
-            return dict(zip(mats, pool.map(pack, mats.values())))
+            packed = {name: pack(t) for name, t in mats.items()}
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                packed = dict(zip(mats, pool.map(pack, mats.values())))
+        # q8: one set of quantized-activation buffers per input width, shared by the matrices (the engine
+        # runs one product at a time; per matrix they would hold ~170 MB on a 1B model at 512-row chunks)
+        shared = {}
+        for pm in packed.values():
+            if pm.q8 is not None:
+                pm.q8_acts = shared.setdefault(pm.n_cols, pm.q8_acts)
+        return packed
 
     # -----------------------------------------------------------------------------------------
     # Public verbs
