@@ -41,15 +41,18 @@ def profile(path: str, precision: str, pp: int, threads: int) -> dict:
     eng.prefill(ids, eng.new_store(kv))                     # compile / load, page in
     acc = defaultdict(lambda: [0.0, 0.0])                   # key -> [seconds, flops]
 
-    def timed_method(name, key):
-        orig = getattr(eng, name)
+    def timed(owner, name, key):
+        """Replace owner.name (an engine method or a kernel the engine module calls) by a timed
+        wrapper adding its seconds to acc[key]; returns the original."""
+        orig = getattr(owner, name)
 
         def run(*a):
             t0 = time.perf_counter()
             r = orig(*a)
             acc[key][0] += time.perf_counter() - t0
             return r
-        setattr(eng, name, run)
+        setattr(owner, name, run)
+        return orig
 
     def timed_matmul(out, pm, x, orig=eng._matmul):
         t0 = time.perf_counter()
@@ -58,20 +61,9 @@ def profile(path: str, precision: str, pp: int, threads: int) -> dict:
         k[0] += time.perf_counter() - t0
         k[1] += 2.0 * x.shape[0] * pm.n_rows * pm.n_cols
 
-    def timed_fn(mod_name, key):
-        orig = getattr(E, mod_name)
-
-        def run(*a):
-            t0 = time.perf_counter()
-            r = orig(*a)
-            acc[key][0] += time.perf_counter() - t0
-            return r
-        setattr(E, mod_name, run)
-        return orig
-
     eng._matmul = timed_matmul
-    timed_method("_attend_dense", ("attention", "write + attend"))
-    saved = {n: timed_fn(n, key) for n, key in (("gated_act_fused", ("activation", "gated FFN activation")),
+    timed(eng, "_attend_dense", ("attention", "write + attend"))
+    saved = {n: timed(E, n, key) for n, key in (("gated_act_fused", ("activation", "gated FFN activation")),
                                               ("gated_act", ("activation", "gated FFN activation")),
                                               ("rms_norm_rows", ("norms", "RMS norms")),
                                               ("layer_norm_rows", ("norms", "layer norms")))}

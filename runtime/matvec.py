@@ -43,7 +43,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ringllm.runtime.act_quant import Q8_0, Q8_K, ActQ8
+from ringllm.runtime.act_quant import ActQ8
 from ringllm.runtime.errors import ConfigError, UnsupportedModelError
 from ringllm.runtime.gemm import MATMUL_TILES, UNPACK_TILES
 from ringllm.runtime.matvec_kernels import KERNELS, PAR_MIN_WEIGHTS, ROWS_KERNELS, x_scales
@@ -96,12 +96,11 @@ class PackedMatrix:
              kernels; buf is then in their layout (packing_q8.py) and every product goes through
              them (kernel / rows_kernel are not called).
     q8_kernel: the one of the two a call should take (serial below PAR_MIN_WEIGHTS weights).
-    q8_fmt:  the activation format of the q8 kernels (act_quant.Q8_0 or Q8_K).
     q8_acts: ActQ8 buffers for the quantized rows of x (grown to the largest T seen).
     """
 
     __slots__ = ("qtype", "n_rows", "n_cols", "buf", "scratch", "name", "kernel", "rows_kernel", "rows_scratch",
-                 "family", "kind", "tile_rows", "n_tiles", "n_blocks", "q8", "q8_kernel", "q8_fmt", "q8_acts")
+                 "family", "kind", "tile_rows", "n_tiles", "n_blocks", "q8", "q8_kernel", "q8_acts")
 
     def __init__(self, qtype: GGMLType, n_rows: int, n_cols: int, buf: np.ndarray, name: str = "",
                  precision: str = "f32"):
@@ -110,7 +109,6 @@ class PackedMatrix:
         self.rows_kernel = ROWS_KERNELS.get(qtype)
         self.q8 = q8_kernels(qtype) if precision == "q8" else None
         self.q8_kernel = None if self.q8 is None else self.q8[0 if n_rows * n_cols >= PAR_MIN_WEIGHTS else 1]
-        self.q8_fmt = Q8_K if Q8_TYPES.get(qtype) == "q8_k" else Q8_0
         self.q8_acts = ActQ8(n_cols) if self.q8 is not None else None
         self.tile_rows = q8_tile_rows(qtype) if self.q8 is not None else tile_rows(qtype)
         self.scratch = np.zeros(56 + n_cols // 16 + n_cols, np.float32)
