@@ -18,6 +18,11 @@ When it applies (chunk_fits): a ring layer in the "stored" RoPE layout that hold
 store has seen (nothing evicted: every key sits at logical position = sequence index, slots in
 sequence order, and each query at its own index) and has room for the whole chunk. Otherwise the engine keeps the per-token path (eviction inside the
 chunk changes what the later queries see).
+
+When it pays (chunk_pays): its gain over the per-token path grows with the query-key pairs the chunk
+attends (rows x keys it spans); the first chunk of a short prompt attends a few thousand pairs,
+where it saves well under a tenth of the chunk's time, less than compiling its two kernels costs a
+process that never meets a longer chunk. From MIN_PAIRS pairs on (a second 64-row chunk) it runs.
 """
 from __future__ import annotations
 
@@ -29,10 +34,11 @@ from ringllm.runtime.kv_write import kv_write_streaming
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rope_rows_at, rotate_with
 
-__all__ = ["Q_BLOCK", "K_BLOCK", "chunk_fits", "write_attend_chunk"]
+__all__ = ["Q_BLOCK", "K_BLOCK", "MIN_PAIRS", "chunk_fits", "chunk_pays", "write_attend_chunk"]
 
 Q_BLOCK = 8          # queries per block (times the group's query heads: rows of S)
 K_BLOCK = 64         # key slots per block
+MIN_PAIRS = 8192     # chunk rows x keys spanned (store's tokens + the chunk) from which the chunk path runs
 _NEG = np.float32(-3.0e38)
 
 
@@ -46,6 +52,12 @@ def chunk_fits(store, il: int, T: int) -> bool:
     n = int(count.max())
     return (int(store.evicted[il].max()) == 0 and int(count.min()) == n == store.n_seen
             and n + T <= store.k[il].shape[1])
+
+
+def chunk_pays(n_seen: int, T: int, min_pairs: int = MIN_PAIRS) -> bool:
+    """True when a chunk of T rows after n_seen stored tokens attends at least min_pairs query-key
+    pairs (T x (n_seen + T)): enough work for the parallel chunk path to gain over the per-token one."""
+    return T * (n_seen + T) >= min_pairs
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)

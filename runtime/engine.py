@@ -25,7 +25,7 @@ import numba
 import numpy as np
 
 from ringllm.runtime import matvec as mv
-from ringllm.runtime.chunk_attention import chunk_fits, write_attend_chunk
+from ringllm.runtime.chunk_attention import MIN_PAIRS, chunk_fits, chunk_pays, write_attend_chunk
 from ringllm.runtime.stream_attention import StreamArrays, streams_fit, write_attend_streams
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
@@ -127,6 +127,7 @@ class CPUEngine:
         self.act = ACT_CODES[spec.act]
         self.buf = _Buffers(spec, n_batch)
         self.buf1 = self.buf.view(1)
+        self.chunk_min_pairs = MIN_PAIRS    # chunks attending fewer query-key pairs go token by token (chunk_pays)
         self._batched = False               # inside step_batch: the few-row kernels serve its B rows (_matmul)
         self._streams = None                # StreamArrays of step_batch's last group of stores, or None
         self._streams_on = False            # inside step_batch with B > 1: _layer attends through _streams
@@ -467,7 +468,8 @@ class CPUEngine:
         if policy is not None:
             self._attend_policy(il, b, store, policy, seq0, t0, T, kk, v3, rope.table, scale, attn_cap, mass, hook)
             return
-        if T > 1 and hook is None and chunk_fits(store, il, T):     # the chunk at once, queries in parallel
+        if (T > 1 and hook is None and chunk_pays(seq0, T, self.chunk_min_pairs)
+                and chunk_fits(store, il, T)):          # the chunk at once, queries in parallel
             rows = slice(t0, t0 + T)
             write_attend_chunk(store, il, rope, b.att[rows].reshape(T, nh, hd), b.q[rows].reshape(T, nh, hd),
                                kk[rows], v3[rows], seq0, scale, attn_cap, self.chunk_q, self.sc.ktmp)

@@ -46,9 +46,6 @@ def layer_norm_rows(out, x, w, b, eps):
             out[r, i] = np.float32((x[r, i] - mu) * inv) * w[i] + b[i]
 
 
-PAR_ROWS = 8         # the activation kernels split rows over threads from this many rows (a prefill chunk)
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _act(x, kind):
     """SiLU x sigmoid(x), GELU (erf) or GELU-tanh 0.5 x (1 + tanh(u)) = x sigmoid(2u). The sigmoids use
@@ -69,14 +66,11 @@ def _gated_row(out, gate, up, kind, t, n):
 
 @njit(cache=True, nogil=True, parallel=True)
 def gated_act(out, gate, up, kind):
-    """out (T, n_ff) = act(gate) * up (rows over threads from PAR_ROWS rows)."""
+    """out (T, n_ff) = act(gate) * up, rows over threads. One prange loop serves T = 1 as well (a
+    serial twin for few rows would put a second copy of the body into the kernel: compile time)."""
     T, n = out.shape
-    if T >= PAR_ROWS:
-        for t in prange(T):
-            _gated_row(out, gate, up, kind, t, n)
-    else:
-        for t in range(T):
-            _gated_row(out, gate, up, kind, t, n)
+    for t in prange(T):
+        _gated_row(out, gate, up, kind, t, n)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -89,14 +83,10 @@ def _gated_fused_row(out, gate_up, kind, t, n):
 def gated_act_fused(out, gate_up, kind):
     """out (T, n_ff) = act(gate) * up, gate_up (T, 2 n_ff) = [gate | up] (the stacked projection's
     output). One signature whatever T: slices of gate_up would be C-contiguous for T = 1 only, and
-    compile gated_act twice. Rows over threads from PAR_ROWS rows."""
+    compile gated_act twice. Rows over threads, as gated_act."""
     T, n = out.shape
-    if T >= PAR_ROWS:
-        for t in prange(T):
-            _gated_fused_row(out, gate_up, kind, t, n)
-    else:
-        for t in range(T):
-            _gated_fused_row(out, gate_up, kind, t, n)
+    for t in prange(T):
+        _gated_fused_row(out, gate_up, kind, t, n)
 
 
 @njit(cache=True, nogil=True)

@@ -5,7 +5,8 @@ Numba compiles a kernel per argument-type signature; sizes do not matter. A shor
 compiles what a long one needs, provided it takes every code path the long one takes:
 
 - prefill of fewer than matvec.TILED_MIN_T rows (one matvec per row) and of more (the tiled
-  matrix-matrix kernels), for each weight type of the model; and, unless left out, the few-row kernels
+  matrix-matrix kernels, and the whole-chunk attention however few pairs the chunk attends: a long
+  prompt's later chunks take it), for each weight type of the model; and, unless left out, the few-row kernels
   batched decode runs (rows in pairs through each tile);
 - a single-token step (decode);
 - writes into a full store, where the policy chooses victims (its compiled layer step, its
@@ -39,7 +40,7 @@ def small_config(kv: KVConfig) -> KVConfig | None:
     capacity when smaller; policy full the smallest that holds warm()'s tokens without evicting);
     None when none does (a protected window larger than the sizes tried)."""
     for cap in _SMALL_CAPACITIES:
-        if kv.policy == "full" and cap < _FEW + TILED_MIN_T + 1:
+        if kv.policy == "full" and cap < _FEW + 2 * TILED_MIN_T + 1:
             continue
         if kv.policy != "full" and kv.capacity is not None and kv.capacity <= cap:
             return kv
@@ -63,8 +64,17 @@ def warm(engine, kv: KVConfig, few_rows: bool = True) -> None:
     store = engine.new_store(small)
     few = [t % n_vocab for t in range(1, _FEW + 1)]               # a short chunk: one matvec per row
     engine.prefill(few, store)
+    chunk = [(5 * t + 2) % n_vocab for t in range(TILED_MIN_T)]   # tiled, and fits: the whole-chunk attention
+    saved = getattr(engine, "chunk_min_pairs", None)
+    if saved is not None:           # taken however few pairs it attends (a long prompt's later chunks take it)
+        engine.chunk_min_pairs = 0
+    try:
+        engine.prefill(chunk, store)
+    finally:
+        if saved is not None:
+            engine.chunk_min_pairs = saved
     if small.policy == "full":
-        many = small.capacity - len(few) - 1
+        many = small.capacity - len(few) - len(chunk) - 1
     else:                           # past the capacity and any staging slack: the policy evicts
         many = small.capacity + small.lazy + small.slack + 2
     many = max(many, TILED_MIN_T)
