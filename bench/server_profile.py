@@ -1,6 +1,6 @@
 """Where a served token's time goes: `ringllm serve` sampled by py-spy while one client decodes.
 
-    python bench/server_profile.py [-m MODEL] [--seconds 20] [--tokens 128] [--clients 1]
+    python bench/server_profile.py [-m MODEL] [--seconds 20] [--tokens 128] [--clients 1] [--serve-args '--precision q8']
 
 A real server on loopback; --clients clients send completions (max_tokens --tokens, ignore_eos,
 temperature 0) one after another, streamed and then not, each for --seconds while py-spy samples
@@ -116,6 +116,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--out", default="server_profile")
+    ap.add_argument("--serve-args", default="", help="extra `ringllm serve` arguments (quoted), e.g. '--precision q8'")
     args = ap.parse_args()
     if shutil.which("py-spy") is None:
         sys.exit("bench/server_profile.py needs py-spy (pip install py-spy)")
@@ -123,6 +124,7 @@ def main() -> int:
     cmd = [sys.executable, "-m", "ringllm", "serve", "--port", str(port), "--log-level", "warning", "--no-progress"]
     if args.model:
         cmd += ["-m", args.model]
+    cmd += args.serve_args.split()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -150,7 +152,7 @@ def main() -> int:
     order = ["engine forward", "prefill", "store alloc/cache", "sampling", "detokenize/stop", "worker other",
              "worker idle", "HTTP/JSON/SSE", "event loop idle", "other threads"]
     md = ["# Where a served token's time goes\n", f"Command: `{cmdline}`  ", f"Machine: {machine()}\n",
-          f"`ringllm serve` (defaults) sampled by py-spy at 250 Hz, idle included, {args.seconds:.0f} s per mode, "
+          f"`ringllm serve {args.serve_args}`".replace(" `", "`") + f" sampled by py-spy at 250 Hz, idle included, {args.seconds:.0f} s per mode, "
           f"{args.clients} client(s) sending completions of {args.tokens} tokens (ignore_eos, greedy) back to back. "
           "Share: of that thread's samples; us/token: the share of the window divided by the tokens generated "
           "in it.\n"]
