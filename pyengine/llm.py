@@ -49,7 +49,7 @@ from ringllm.models.loader import load_model
 from ringllm.runtime import compile_clock
 from ringllm.runtime.compile_clock import CompileSpan
 from ringllm.runtime.errors import ConfigError, RingLLMError
-from ringllm.runtime.host_memory import release_file_pages
+from ringllm.runtime.host_memory import release_file_pages, trim_heap
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.speculative import make_layer_draft, speculative_generate
 from ringllm.runtime.warmup import estimate_compile_seconds, warm
@@ -112,6 +112,7 @@ class LLM:
                    leave=False)
         try:
             self.model = load_model(model)
+            trim_heap()      # building the tokenizer freed tens of MB (262k-token vocabularies): gone before packing
             bar.update(1)
             bar.set_description("preparing engine")
             # LongRoPE models take their long factors when this LLM's positions can pass the original
@@ -126,6 +127,7 @@ class LLM:
             self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch, precision)
             if self._engine is not None:    # the engine holds its own copy of the weights: the file's pages go
                 release_file_pages(t.data for t in self.model.tensors.values())
+                trim_heap()                  # and so does the heap memory the repacking's temporaries were freed into
             self.compile_s = 0.0
             bar.update(1)
             if warmup and backend in ("cpu", "cuda"):

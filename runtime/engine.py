@@ -29,6 +29,7 @@ from ringllm.runtime.chunk_attention import MIN_PAIRS, chunk_fits, chunk_pays, w
 from ringllm.runtime.stream_attention import StreamArrays, streams_fit, write_attend_streams
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.host_memory import release_array_pages
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
@@ -122,6 +123,7 @@ class CPUEngine:
         self.tensors = tensors            # the checkpoint's tensors as loaded (a press reads W_q: runtime/compress.py)
         self.mats = self._pack_matrices(tensors)
         self.vecs = {name: dequantize(t.data, t.qtype, t.shape) for name, t in tensors.items() if len(t.shape) == 1}
+        release_array_pages(t.data for t in tensors.values() if len(t.shape) == 1)    # as packing does (host_memory)
         self.embd = tensors["token_embd.weight"]
         self.out_w = self.mats["token_embd.weight" if spec.tied_output else "output.weight"]
         self.act = ACT_CODES[spec.act]
@@ -169,7 +171,7 @@ class CPUEngine:
         # NumPy releases the GIL in the repacking's array operations: matrices pack side by side
         workers = self.n_threads or os.cpu_count() or 1
 
-        def pack(t):
+        def pack(t):      # (packing drops each packed chunk's file pages: packing.pack_in_chunks)
             return mv.pack(t, self.precision)
         if workers == 1:
             packed = {name: pack(t) for name, t in mats.items()}

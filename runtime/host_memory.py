@@ -1,4 +1,4 @@
-"""Host allocations that are cheap to start using: KV storage without transparent huge pages.
+"""Host memory: KV storage without transparent huge pages, and giving back what loading used.
 
 NumPy asks the kernel for transparent huge pages (madvise MADV_HUGEPAGE) on every allocation of
 4 MiB or more. For a KV store that is the wrong trade: a store sized for the model's context
@@ -20,6 +20,11 @@ heap and calloc clears them byte by byte: tens of milliseconds for a store sized
 context, paid by every request a server starts. A fresh mapping is zero by construction and costs
 nothing until its pages are written; it is unmapped when the array is collected. Under the kernel's
 `madvise` huge-page mode (the common default) such a mapping gets ordinary pages.
+
+Loading leaves two things resident that the process no longer needs: the model file's pages, once
+the engine has repacked the weights into its own buffers (`release_array_pages` drops one tensor's
+as soon as it is packed, `release_file_pages` a whole mapping), and the heap memory the repacking's
+temporaries were freed into (`trim_heap`).
 """
 from __future__ import annotations
 
@@ -68,6 +73,57 @@ def lazy_zeros(shape, dtype=np.float32) -> np.ndarray:
     if nbytes < LAZY_MIN_BYTES:
         return np.zeros(shape, dtype)
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
+
+
+def _file_mapping(a):
+    """The mmap behind array `a` when `a` is a view of a read-only np.memmap, else None."""
+    b = a
+    while isinstance(b, np.ndarray) and getattr(b, "_mmap", None) is None:
+        b = b.base
+    if not isinstance(b, np.ndarray) or getattr(b, "mode", "r") != "r":
+        return None
+    return getattr(b, "_mmap", None)
+
+
+def release_array_pages(arrays) -> int:
+    """release_file_pages for just the pages under each array: the file pages of one tensor, dropped
+    as soon as it has been repacked, instead of the whole file once every tensor has been (at load
+    the file's pages and the packed copy are then never resident together, which is what sets the
+    load's peak RSS). Arrays that are not C-contiguous views of a read-only np.memmap are skipped;
+    a page shared with a neighbouring tensor is dropped too (it faults back in from the page cache
+    if that tensor is read). Returns the bytes advised."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    total, page = 0, mmap.PAGESIZE
+    for a in arrays:
+        m = _file_mapping(a) if isinstance(a, np.ndarray) and a.flags.c_contiguous and a.size else None
+        if m is None:
+            continue
+        try:
+            start = a.ctypes.data - np.frombuffer(m, np.uint8).ctypes.data   # byte offset in the mapping
+            lo, hi = start // page * page, min(len(m), -(-(start + a.nbytes) // page) * page)
+            if 0 <= lo < hi:
+                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                total += hi - lo
+        except (OSError, ValueError):       # a closed mapping, or a kernel that refuses: nothing to release
+            pass
+    return total
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free memory back to the system (glibc's malloc_trim(0)); False where there is
+    none to call. Repacking a model frees hundreds of MB of NumPy temporaries, many of them in the
+    malloc arenas of the packing threads, which glibc does not shrink on its own: without a trim that
+    freed memory stays in the process's RSS."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):       # not glibc (musl, macOS): its allocator returns memory itself
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
 
 
 def release_file_pages(arrays) -> int:

@@ -134,7 +134,8 @@ class PackedMatrix:
 
 
 def pack(t, precision: str = "f32") -> PackedMatrix:
-    """Repack a QTensor matrix (n_rows, n_cols) for matvec / matmul (a new buffer; t is not kept).
+    """Repack a QTensor matrix (n_rows, n_cols) for matvec / matmul (a new buffer; t is not kept; t's
+    pages of a read-only model file leave the RSS as they are packed, readable still: packing.pack_in_chunks).
 
     `t` may also be a list / tuple of QTensors of one type and one n_cols: their rows are stacked
     in order (e.g. q, k, v -> one matrix and one matvec call per token). precision: "f32" (exact
@@ -179,8 +180,8 @@ def pack(t, precision: str = "f32") -> PackedMatrix:
             raise ConfigError(f"{p.name}: expected {p.n_rows * rb} uint8 bytes for {qtype.name} "
                               f"{p.shape}, got {d.size} {d.dtype}")
         datas.append(d.reshape(p.n_rows, rb))
-    data = datas[0] if len(datas) == 1 else np.concatenate(datas, axis=0)
-    n_rows = data.shape[0]
+    data = datas[0] if len(datas) == 1 else datas     # stacked parts are packed chunk by chunk, never concatenated
+    n_rows = sum(d.shape[0] for d in datas)
     name = "+".join(p.name for p in parts)
     if precision == "q8" and qtype in Q8_TYPES:
         return PackedMatrix(qtype, n_rows, n_cols, pack_records_q8(qtype, data, n_rows, n_cols), name, "q8")

@@ -13,6 +13,12 @@ matrices cut one after another from shared 32 MiB slabs, so matrices packed in t
 pass also follow each other in memory (the hardware prefetcher and the kernels' software prefetch
 run on from one into the next). The allocator is an object with its own lock, used from Python only;
 no kernel reads it.
+
+A large matrix is packed in chunks of whole tiles (pack_in_chunks), each written straight into its
+place in the one destination buffer: a tile's records depend on its own rows only, so the bytes are
+those of packing it at once, while the NumPy temporaries (several times the bytes of the rows being
+packed) stay bounded by the chunk instead of growing with the matrix; and the chunk's pages of the
+model file are dropped from the RSS as soon as it is packed. Both set the load's peak memory.
 """
 from __future__ import annotations
 
@@ -22,10 +28,12 @@ import threading
 import numpy as np
 
 from ringllm.runtime.errors import UnsupportedModelError
+from ringllm.runtime.host_memory import release_array_pages
 from ringllm.runtime.quant_tiles import GROUP, tile_rows
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
 
-__all__ = ["SlabAllocator", "pack_records", "to_lanes", "build_records", "q6k_values"]
+__all__ = ["SlabAllocator", "pack_records", "pack_in_chunks", "to_lanes", "build_records", "q6k_values",
+           "PACK_CHUNK_BYTES"]
 
 
 # ==================================================================================================
@@ -161,11 +169,12 @@ def to_lanes(a: np.ndarray, n_tiles: int, groups: int, inner_first: int = 0) -> 
     return np.ascontiguousarray(a.transpose(order))
 
 
-def build_records(n_tiles: int, nb: int, *parts: np.ndarray) -> np.ndarray:
-    """Concatenate per-(tile, block) parts, each (n_tiles, nb, ...), as bytes into one aligned buffer."""
+def build_records(n_tiles: int, nb: int, *parts: np.ndarray, alloc=None) -> np.ndarray:
+    """Concatenate per-(tile, block) parts, each (n_tiles, nb, ...), as bytes into one aligned buffer.
+    alloc(nbytes) -> uint8 (nbytes,) gives the buffer (None: the process's slab allocator)."""
     views = [np.ascontiguousarray(p).view(np.uint8).reshape(n_tiles, nb, -1) for p in parts]
     size = sum(v.shape[-1] for v in views)
-    buf = _slabs.alloc(n_tiles * nb * size)
+    buf = (alloc or _slabs.alloc)(n_tiles * nb * size)
     dst = buf.reshape(n_tiles, nb, size)
     o = 0
     for v in views:
@@ -255,26 +264,98 @@ def _iq4_idx(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def pack_records(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
+# ==================================================================================================
+# Whole matrices, chunk by chunk
+# ==================================================================================================
+
+PACK_CHUNK_BYTES = 4 << 20    # file bytes of rows packed at a time (rounded to whole tiles)
+
+
+def _stacked_rows(blocks: list, r0: int, r1: int) -> np.ndarray:
+    """Rows r0..r1-1 of the row blocks stacked in order (a view when one block holds them all)."""
+    out, base = [], 0
+    for b in blocks:
+        lo, hi = max(r0, base), min(r1, base + b.shape[0])
+        if lo < hi:
+            out.append(b[lo - base:hi - base])
+        base += b.shape[0]
+    return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+
+
+def _packed_rows_done(blocks: list, r0: int, r1: int) -> None:
+    """Rows r0..r1-1 are packed: their file pages leave the RSS (host_memory.release_array_pages; a no-op
+    for rows that are not a read-only file mapping). They stay readable: read again (the embedding rows
+    an engine looks up, a press's W_q), they fault back in from the page cache."""
+    base = 0
+    for b in blocks:
+        lo, hi = max(r0, base), min(r1, base + b.shape[0])
+        if lo < hi:
+            release_array_pages([b[lo - base:hi - base]])
+        base += b.shape[0]
+
+
+def pack_in_chunks(part, qtype: GGMLType, data, n_rows: int, n_cols: int, tile: int) -> np.ndarray:
+    """part(qtype, rows, n, n_cols, alloc) -> packed records of n rows (a multiple of `tile`, or the last
+    rows), run over chunks of about PACK_CHUNK_BYTES of file rows; returns the records of all n_rows in
+    one slab buffer, each chunk's written in place. data: uint8 (n_rows, row_bytes), or a list of such
+    row blocks stacked in order (q|k|v), never concatenated whole. Each chunk's rows, when they are a view
+    of the model file, leave the RSS once packed (_packed_rows_done): the file and its packed copy are
+    never resident together, not even for one large matrix (a 262k-token embedding)."""
+    blocks = list(data) if isinstance(data, (list, tuple)) else [data.reshape(n_rows, -1)]
+    row_bytes = max(1, blocks[0].shape[1])
+    step = max(1, PACK_CHUNK_BYTES // (row_bytes * tile)) * tile
+    if n_rows <= step:
+        out = part(qtype, _stacked_rows(blocks, 0, n_rows), n_rows, n_cols, None)
+        _packed_rows_done(blocks, 0, n_rows)
+        return out
+    # the first chunk, in a temporary, gives the bytes per tile; then one buffer for the whole matrix
+    first = part(qtype, _stacked_rows(blocks, 0, step), step, n_cols, lambda n: np.empty(n, np.uint8))
+    per_tile = first.nbytes // (step // tile)
+    buf = _slabs.alloc(-(-n_rows // tile) * per_tile)
+    buf[:first.nbytes] = first
+    del first
+    _packed_rows_done(blocks, 0, step)
+    for r0 in range(step, n_rows, step):
+        r1 = min(n_rows, r0 + step)
+        lo, hi = r0 // tile * per_tile, -(-r1 // tile) * per_tile
+
+        def into(n, lo=lo, hi=hi):
+            assert n == hi - lo, "records of a chunk do not match its tiles"
+            return buf[lo:hi]
+        part(qtype, _stacked_rows(blocks, r0, r1), r1 - r0, n_cols, into)
+        _packed_rows_done(blocks, r0, r1)
+    return buf
+
+
+def pack_records(qtype: GGMLType, data, n_rows: int, n_cols: int) -> np.ndarray:
     """Packed uint8 buffer of a (n_rows, row_bytes) uint8 block matrix of qtype (record layouts in
-    quant_tiles.py). Raises UnsupportedModelError for a type without a layout."""
+    quant_tiles.py), or of a list of row blocks stacked in order; packed in chunks of whole tiles
+    (pack_in_chunks). Raises UnsupportedModelError for a type without a layout."""
+    return pack_in_chunks(_pack_part, qtype, data, n_rows, n_cols, tile_rows(qtype))
+
+
+def _pack_part(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int, alloc) -> np.ndarray:
+    """pack_records of one chunk of rows, its buffer from alloc (build_records)."""
     groups = tile_rows(qtype) // GROUP
     nt = -(-n_rows // (groups * GROUP))
 
     def lanes(a, inner_first=0):
         return to_lanes(a, nt, groups, inner_first)
 
+    def records(width, *parts):       # width: block columns (elements for the float types)
+        return build_records(nt, width, *parts, alloc=alloc)
+
     if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         if qtype in (GGMLType.F16, GGMLType.BF16):
             vals = data.view(np.uint16).reshape(n_rows, n_cols)
         else:
             vals = data.view(np.float32).reshape(n_rows, n_cols)
-        return build_records(nt, n_cols, lanes(vals))
+        return records(n_cols, lanes(vals))
     block, size = BLOCK_LAYOUT[qtype]
     nb = n_cols // block
     blocks = data.reshape(n_rows, nb, size)
     if qtype == GGMLType.Q8_0:
-        return build_records(nt, nb, lanes(blocks[..., 2:34]), lanes(_f16_at(blocks, 0)))
+        return records(nb, lanes(blocks[..., 2:34]), lanes(_f16_at(blocks, 0)))
     if qtype in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
         off = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q5_1: 8}[qtype]
         qs = blocks[..., off:off + 16]
@@ -288,7 +369,7 @@ def pack_records(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int) ->
         parts.append(lanes(_f16_at(blocks, 0)))
         if qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
             parts.append(lanes(_f16_at(blocks, 2)))
-        return build_records(nt, nb, *parts)
+        return records(nb, *parts)
     if qtype in (GGMLType.Q4_K, GGMLType.Q5_K):
         sc, mn = _scale_min_k4(blocks[..., 4:16])
         if qtype == GGMLType.Q4_K:
@@ -297,26 +378,26 @@ def pack_records(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int) ->
         else:
             q = _q_kquant(blocks, 48, 16).reshape(n_rows, nb, 8, 32)
             per_sub = [lanes(_fields5(q), 1)]                          # t, nb, sub, g, m, lane
-        return build_records(nt, nb, lanes(_f16_at(blocks, 0)), lanes(_f16_at(blocks, 2)),
+        return records(nb, lanes(_f16_at(blocks, 0)), lanes(_f16_at(blocks, 2)),
                        lanes(sc, 1), lanes(mn, 1), *per_sub)
     if qtype == GGMLType.Q6_K:
         q = q6k_values(blocks).reshape(n_rows, nb, 8, 32)
         sc = blocks[..., 192:208].view(np.int8)
-        return build_records(nt, nb, lanes(_f16_at(blocks, 208)), lanes(sc, 1), lanes(_fields6(q), 1))
+        return records(nb, lanes(_f16_at(blocks, 208)), lanes(sc, 1), lanes(_fields6(q), 1))
     if qtype == GGMLType.Q2_K:
         q = _low2_kquant(blocks[..., 16:80]).reshape(n_rows, nb, 8, 32)
-        return build_records(nt, nb, lanes(_f16_at(blocks, 80)), lanes(_f16_at(blocks, 82)),
+        return records(nb, lanes(_f16_at(blocks, 80)), lanes(_f16_at(blocks, 82)),
                        lanes(blocks[..., 0:16], 1), lanes(_fields2(q), 1))
     if qtype == GGMLType.Q3_K:
         low = _low2_kquant(blocks[..., 32:96])
         hm = blocks[..., 0:32].reshape(n_rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
         u3 = (low | ((hm & 1).reshape(n_rows, nb, 256) << 2)).reshape(n_rows, nb, 8, 32)
-        return build_records(nt, nb, lanes(_f16_at(blocks, 108)), lanes(_q3k_scales(blocks[..., 96:108]), 1),
+        return records(nb, lanes(_f16_at(blocks, 108)), lanes(_q3k_scales(blocks[..., 96:108]), 1),
                        lanes(_nib_dwords(u3), 1))
     if qtype == GGMLType.IQ4_NL:
-        return build_records(nt, nb, lanes(_iq4_dwords(_iq4_idx(blocks[..., 2:18]))), lanes(_f16_at(blocks, 0)))
+        return records(nb, lanes(_iq4_dwords(_iq4_idx(blocks[..., 2:18]))), lanes(_f16_at(blocks, 0)))
     if qtype == GGMLType.IQ4_XS:
         idx = _iq4_idx(blocks[..., 8:136].reshape(n_rows, nb, 8, 16))
-        return build_records(nt, nb, lanes(_f16_at(blocks, 0)), lanes(_iq4xs_scales(blocks), 1),
+        return records(nb, lanes(_f16_at(blocks, 0)), lanes(_iq4xs_scales(blocks), 1),
                        lanes(_iq4_dwords(idx), 1))
     raise UnsupportedModelError(str(qtype), f"no matvec layout for GGML type {qtype!r}")

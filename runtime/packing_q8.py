@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringllm.runtime.packing import build_records, pack_records, q6k_values, to_lanes
+from ringllm.runtime.packing import build_records, pack_in_chunks, pack_records, q6k_values, to_lanes
 from ringllm.runtime.quant_tiles import tile_rows
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
 
@@ -72,10 +72,16 @@ def _quads(q: np.ndarray) -> np.ndarray:
     return q[..., perm].reshape(q.shape[:-1] + (8, 4))
 
 
-def pack_records_q8(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
-    """Packed uint8 buffer of qtype's q8 layout for a (n_rows, row_bytes) uint8 block matrix."""
+def pack_records_q8(qtype: GGMLType, data, n_rows: int, n_cols: int) -> np.ndarray:
+    """Packed uint8 buffer of qtype's q8 layout for a (n_rows, row_bytes) uint8 block matrix, or a list of
+    row blocks stacked in order; packed in chunks of whole tiles (packing.pack_in_chunks)."""
     if qtype not in Q8_OWN_LAYOUT:
         return pack_records(qtype, data, n_rows, n_cols)
+    return pack_in_chunks(_pack_part_q8, qtype, data, n_rows, n_cols, Q8_TILE)
+
+
+def _pack_part_q8(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int, alloc) -> np.ndarray:
+    """pack_records_q8 of one chunk of rows, its buffer from alloc (packing.build_records)."""
     block, size = BLOCK_LAYOUT[qtype]
     nb = n_cols // block
     blocks = data.reshape(n_rows, nb, size)
@@ -86,15 +92,17 @@ def pack_records_q8(qtype: GGMLType, data: np.ndarray, n_rows: int, n_cols: int)
 
     if qtype == GGMLType.Q8_0:
         quads = np.ascontiguousarray(_quads(blocks[..., 2:34].view(np.int8))).view("<u4")[..., 0]   # (R, nb, 8)
-        return build_records(nt, nb, lanes(quads), lanes(_f16_bits(blocks, 0)))
+        return build_records(nt, nb, lanes(quads), lanes(_f16_bits(blocks, 0)), alloc=alloc)
     if qtype == GGMLType.Q5_0:
         qs = blocks[..., 6:22]
         qh = blocks[..., 2:6].copy().view("<u4")[..., 0]
         q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.uint32)
         q |= ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4
-        return build_records(nt, nb, lanes(_nibbles(q)), lanes(_high1(q)), lanes(_f16_bits(blocks, 0)))
+        return build_records(nt, nb, lanes(_nibbles(q)), lanes(_high1(q)), lanes(_f16_bits(blocks, 0)),
+                             alloc=alloc)
     q = q6k_values(blocks).reshape(n_rows, nb, 8, 32)
     sc = blocks[..., 192:208].view(np.int8)
     nib = lanes(_nibbles(q), 1).view(np.uint8).reshape(nt, nb, 8, Q8_GROUPS * 128)
     high = lanes(_high2(q), 1).view(np.uint8).reshape(nt, nb, 8, Q8_GROUPS * 64)
-    return build_records(nt, nb, lanes(_f16_bits(blocks, 208)), lanes(sc, 1), np.concatenate([nib, high], axis=-1))
+    return build_records(nt, nb, lanes(_f16_bits(blocks, 208)), lanes(sc, 1), np.concatenate([nib, high], axis=-1),
+                         alloc=alloc)

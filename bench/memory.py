@@ -1,0 +1,244 @@
+"""Memory: the whole process's resident set (RSS), ringllm beside llama.cpp, at the same context.
+
+For each model, each runtime runs in a fresh process (`python -c CHILD`) that reports its RSS
+(VmRSS, split into RssAnon and RssFile) from /proc/self/status at three points, and its peak (VmHWM):
+
+- import: `import ringllm` / `from llama_cpp import Llama`;
+- load: ringllm.LLM(model, kv=KVConfig(capacity=CONTEXT), n_threads=T) / Llama(model, n_ctx=CONTEXT, n_threads=T);
+- generation: after TOKENS generated tokens (greedy, end-of-sequence ignored, so both make the same count).
+
+ringllm's resident memory after the generation is then split by part, from the pages each part's
+arrays have resident (mincore; a page shared by two parts counts for the first): packed weight
+buffers, f32 vectors (norm weights, biases), the KV store's arrays, the engine's scratch buffers
+(run buffers, logits_buf, attention and matvec scratch, RoPE tables); the tokenizer and the GGUF
+metadata it is built from are measured in a separate process (RSS growth while each is built, heap
+trimmed before and after); the rest is Python, NumPy, Numba and LLVM (libraries, loaded kernels).
+
+A ringllm process is run once unmeasured first, so that the measured one loads its kernels from the
+cache instead of compiling them (compiling holds LLVM's memory). Memory figures do not depend on the
+machine's load, so this benchmark can run beside timings.
+
+    python bench/memory.py [--models smollm2,gemma3] [--threads 2] [--context 512] [--tokens 64]
+
+Writes bench/results/memory.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine, write_results  # noqa: E402
+
+PROMPT = "The capital of France is"
+TARGET = 1.3        # issue #24: ringllm's RSS at most 1.3x llama.cpp's
+
+# Shared by both children: /proc/self/status fields in MiB.
+STATUS = r"""
+import json, sys
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, val = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+            out[key] = int(val.split()[0]) / 1024
+    return out
+"""
+
+RINGLLM_CHILD = STATUS + r"""
+path, threads, context, tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+stages = {}
+import ringllm
+stages["import"] = status()
+llm = ringllm.LLM(path, kv=ringllm.KVConfig(capacity=context), n_threads=threads)
+stages["load"] = status()
+done = llm.complete(prompt, max_tokens=tokens, ignore_eos=True)
+stages["generation"] = status()
+
+import ctypes, mmap
+import numpy as np
+libc = ctypes.CDLL(None)
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+PAGE = mmap.PAGESIZE
+claimed = set()
+
+def arrays_of(obj, depth=4, seen=None):
+    # every ndarray reachable from obj through attributes, dicts, lists and tuples (depth-limited)
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        yield obj
+        return
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        names = list(getattr(obj, "__dict__", {})) + [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ())]
+        items = [getattr(obj, n, None) for n in names]
+    else:
+        return
+    for it in items:
+        yield from arrays_of(it, depth - 1, seen)
+
+def resident(arrays):
+    # MiB of the pages under `arrays` resident now and not claimed by a part measured before
+    total = 0
+    for a in arrays:
+        if a.nbytes == 0:
+            continue
+        lo = a.ctypes.data // PAGE * PAGE
+        n = -(-(a.ctypes.data + a.nbytes - lo) // PAGE)
+        vec = (ctypes.c_ubyte * n)()
+        if libc.mincore(lo, n * PAGE, vec) != 0:
+            continue
+        for i in range(n):
+            page = lo // PAGE + i
+            if vec[i] & 1 and page not in claimed:
+                claimed.add(page)
+                total += PAGE
+    return total / 2**20
+
+eng = llm.engine
+mats = list(eng.mats.values())
+parts = {}
+parts["packed weights"] = resident(pm.buf for pm in mats)
+parts["f32 vectors"] = resident(eng.vecs.values())
+parts["KV store"] = resident(arrays_of(getattr(llm, "_store", None)))   # the store of the last generation
+scratch = [pm.scratch for pm in mats] + [pm.rows_scratch for pm in mats]
+scratch += [a for pm in mats if pm.q8_acts is not None for a in pm.q8_acts.bufs]
+scratch += [eng.logits_buf] + list(arrays_of(eng.buf)) + list(arrays_of(eng.sc)) + list(arrays_of(eng.layer_ropes))
+scratch += [a for a in vars(eng).values() if isinstance(a, np.ndarray)]
+parts["engine scratch"] = resident(scratch)
+alloc = {"packed weights": sum(pm.buf.nbytes for pm in mats) / 2**20, "logits_buf": eng.logits_buf.nbytes / 2**20}
+print(json.dumps({"stages": stages, "parts": parts, "allocated": alloc, "tokens": len(done.tokens)}))
+"""
+
+# the tokenizer and its GGUF metadata, each measured as the RSS it adds (heap trimmed around it)
+TOKENIZER_CHILD = STATUS + r"""
+import ctypes, gc
+path = sys.argv[1]
+import ringllm
+from ringllm.models.gguf_file import GGUFFile
+from ringllm.models.tokenizer import Tokenizer
+def settled():
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    return status()["VmRSS"]
+r0 = settled()
+metadata = GGUFFile(path).metadata
+r1 = settled()
+tok = Tokenizer.from_gguf(metadata, path)
+r2 = settled()
+print(json.dumps({"GGUF metadata": r1 - r0, "tokenizer": r2 - r1}))
+"""
+
+LLAMA_CPP_CHILD = STATUS + r"""
+path, threads, context, tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+stages = {}
+from llama_cpp import Llama
+stages["import"] = status()
+llm = Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+stages["load"] = status()
+n = 0
+for _ in llm.generate(llm.tokenize(prompt.encode()), temp=0.0):     # generate() does not stop at EOS
+    n += 1
+    if n == tokens:
+        break
+stages["generation"] = status()
+print(json.dumps({"stages": stages, "tokens": n}))
+"""
+
+
+def _model_paths(names: list[str]) -> dict[str, str]:
+    from ringllm.models.bundled import default_model_path, gemma3_model_path
+    found = {"smollm2": default_model_path, "gemma3": gemma3_model_path}
+    return {name: found[name]() for name in names}
+
+
+def _child(code: str, *args) -> dict:
+    """Run `code` in a fresh interpreter with args; its last stdout line, parsed as JSON."""
+    res = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"child failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_model(path: str, threads: int, context: int, tokens: int) -> dict:
+    """ringllm (after one unmeasured run that fills the kernel cache), its tokenizer, then llama.cpp."""
+    args = (path, threads, context, tokens, PROMPT)
+    _child(RINGLLM_CHILD, *args)
+    out = {"ringllm": _child(RINGLLM_CHILD, *args), "tokenizer": _child(TOKENIZER_CHILD, path)}
+    try:
+        import llama_cpp  # noqa: F401
+        out["llama_cpp"] = _child(LLAMA_CPP_CHILD, *args)
+    except ImportError:
+        out["llama_cpp"] = None
+    r = out["ringllm"]
+    rss = r["stages"]["generation"]["VmRSS"]
+    parts = dict(r["parts"])
+    parts.update(out["tokenizer"])
+    parts["rest (Python, NumPy, Numba, LLVM)"] = rss - sum(parts.values())
+    out["breakdown"] = parts
+    return out
+
+
+def _table(name: str, res: dict) -> list[str]:
+    r, ll = res["ringllm"]["stages"], (res["llama_cpp"] or {}).get("stages")
+
+    def row(label, fn):
+        a = fn(r)
+        b = fn(ll) if ll else None
+        ratio = f"{a / b:.2f}x" if b else "n/a"
+        return f"| {name} | {label} | {a:.0f} | {'n/a' if b is None else f'{b:.0f}'} | {ratio} |"
+    return [row("RSS after import", lambda s: s["import"]["VmRSS"]),
+            row("RSS after load", lambda s: s["load"]["VmRSS"]),
+            row("RSS after generation", lambda s: s["generation"]["VmRSS"]),
+            row("peak (VmHWM)", lambda s: s["generation"]["VmHWM"]),
+            row("RssAnon after generation", lambda s: s["generation"]["RssAnon"]),
+            row("RssFile after generation", lambda s: s["generation"]["RssFile"])]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    paths = _model_paths(args.models.split(","))
+    results = {}
+    for name, path in paths.items():
+        results[name] = run_model(path, args.threads, args.context, args.tokens)
+        print(name, json.dumps(results[name]["breakdown"]), file=sys.stderr, flush=True)
+    payload = {"machine": machine(), "command": f"python bench/memory.py --models {args.models} --threads "
+               f"{args.threads} --context {args.context} --tokens {args.tokens}", "threads": args.threads,
+               "context": args.context, "tokens": args.tokens, "prompt": PROMPT, "models": paths,
+               "target_ratio": TARGET, "results": results}
+    md = ["# Memory: the whole process's RSS, beside llama.cpp\n",
+          f"`{payload['command']}` on {payload['machine']['cpu']}, {payload['machine']['cores']} cores. Each "
+          f"runtime in a fresh process: ringllm `LLM(model, kv=KVConfig(capacity={args.context}))`, llama-cpp-python "
+          f"`Llama(model, n_ctx={args.context})`, {args.threads} threads, {args.tokens} generated tokens. MiB, "
+          f"from /proc/self/status; the target is ringllm <= {TARGET}x llama.cpp.\n",
+          "| model | figure | ringllm (MiB) | llama.cpp (MiB) | ringllm / llama.cpp |", "|---|---|---|---|---|"]
+    for name, res in results.items():
+        md += _table(name, res)
+    md += ["\nringllm's RSS after the generation, by part (MiB; resident pages, the tokenizer and GGUF metadata "
+           "as the RSS they add when built alone):\n", "| model | part | MiB | share |", "|---|---|---|---|"]
+    for name, res in results.items():
+        total = res["ringllm"]["stages"]["generation"]["VmRSS"]
+        for part, mib in res["breakdown"].items():
+            md.append(f"| {name} | {part} | {mib:.1f} | {100 * mib / total:.0f}% |")
+        md.append(f"| {name} | **total RSS** | {total:.1f} | 100% |")
+    text = "\n".join(md) + "\n"
+    print(text)
+    write_results("memory", payload, text)
+
+
+if __name__ == "__main__":
+    main()
