@@ -16,9 +16,8 @@ Per 8 rows (one group, 8 lanes) and 4 columns the inner step is
 so 32 multiply-adds cost about 2 vector instructions where the float path spends 4 FMAs plus the
 field extraction and conversion of 32 weights. The integer sum of a block is exact; it is folded in
 float32 per block: acc += (isum - offset * sum(xq)) * (d_w * d_x) (+ m_w d_x sum(xq) for the types
-with a minimum). The weights are decoded into bytes once per block and group and reused for 8 rows
-of x (grp8_*: a batched decode step of 8 sequences decodes them once), then 4 (grp4_*), the
-remainder rows one at a time (grp1_*).
+with a minimum). The weights are decoded into bytes once per block and group and reused for 4 rows
+of x (grp4_*; the remainder rows one at a time, grp1_*).
 
 Memory: no software prefetch. Measured on Zen 4 (2 threads, matrices streamed from DRAM), the
 hardware prefetcher alone streams these kernels' records at 36-40 GB/s, and prefetchnta of every
@@ -329,18 +328,6 @@ def group_{name}{v}(out, buf, xq, dx, s16, s32, nb, u):
     base = tile * nb * {rec}
     T = out.shape[0]
     t = 0
-    while t + 8 <= T:
-        a = grp8_{name}{v}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t]),
-                         (xq[t + 1], dx[t + 1], s16[t + 1], s32[t + 1]),
-                         (xq[t + 2], dx[t + 2], s16[t + 2], s32[t + 2]),
-                         (xq[t + 3], dx[t + 3], s16[t + 3], s32[t + 3]),
-                         (xq[t + 4], dx[t + 4], s16[t + 4], s32[t + 4]),
-                         (xq[t + 5], dx[t + 5], s16[t + 5], s32[t + 5]),
-                         (xq[t + 6], dx[t + 6], s16[t + 6], s32[t + 6]),
-                         (xq[t + 7], dx[t + 7], s16[t + 7], s32[t + 7]))
-        for k in range(8):
-            _put(out, t + k, 8 * u, a[k])
-        t += 8
     while t + 4 <= T:
         a0, a1, a2, a3 = grp4_{name}{v}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t]),
                                      (xq[t + 1], dx[t + 1], s16[t + 1], s32[t + 1]),
@@ -414,7 +401,9 @@ _TYPES = {
 }
 
 _ROWS = (row_q4_0, row_q4_1, row_q4_k, row_q5_0, row_q8_0, row_q6_k)
-GRP_ROWS = (1, 4, 8)        # rows of x per decoded group: grp8_* and grp4_* for many rows, grp1_* the rest
+GRP_ROWS = (1, 4)           # rows of x per decoded group: grp4_* for many rows, grp1_* the rest (8 rows
+                            # at once, decoding each block once for a batch of 8, measured slower than
+                            # twice 4 on Zen 4)
 
 # GGMLType -> (parallel entry kernel, serial entry kernel), each
 # kernel(out (T, n_rows), buf, X (T, n_cols) float32, xq, dx, s16, s32 (act_quant buffers of >= T rows), nb):
