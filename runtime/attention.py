@@ -23,7 +23,6 @@ from numba import njit
 from ringllm.runtime.fast_exp import exp_f32
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rotate_by_table, rotate_into, rotate_with
-from ringllm.runtime.simd import vbcast, vfma, vhsum, vload, vstore, vsum8, vzero
 
 _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
 
@@ -151,80 +150,6 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
 # Any other slot layout stays exact (the query is re-rotated whenever the offset changes).
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _scores_run(scores, qrot, k_h, h0, group, j0, j1):
-    """scores[h0 + g, j] = qrot[h0 + g] . k_h[j] for the group's query heads and slots j0 <= j < j1
-    (hd % 8 == 0): eight keys per pass, one 8-lane accumulator per key, their eight horizontal sums
-    in one vsum8; the keys stay in L1 across the group's heads."""
-    hd = k_h.shape[1]
-    j = j0
-    while j + 8 <= j1:
-        k0, k1, k2, k3 = k_h[j], k_h[j + 1], k_h[j + 2], k_h[j + 3]
-        k4, k5, k6, k7 = k_h[j + 4], k_h[j + 5], k_h[j + 6], k_h[j + 7]
-        for g in range(group):
-            qg = qrot[h0 + g]
-            a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
-            a4, a5, a6, a7 = vzero(), vzero(), vzero(), vzero()
-            for d in range(0, hd, 8):
-                qv = vload(qg, d)
-                a0 = vfma(qv, vload(k0, d), a0)
-                a1 = vfma(qv, vload(k1, d), a1)
-                a2 = vfma(qv, vload(k2, d), a2)
-                a3 = vfma(qv, vload(k3, d), a3)
-                a4 = vfma(qv, vload(k4, d), a4)
-                a5 = vfma(qv, vload(k5, d), a5)
-                a6 = vfma(qv, vload(k6, d), a6)
-                a7 = vfma(qv, vload(k7, d), a7)
-            vstore(scores[h0 + g], j, vsum8(a0, a1, a2, a3, a4, a5, a6, a7))
-        j += 8
-    while j < j1:
-        kj = k_h[j]
-        for g in range(group):
-            qg = qrot[h0 + g]
-            a = vzero()
-            for d in range(0, hd, 8):
-                a = vfma(vload(qg, d), vload(kj, d), a)
-            scores[h0 + g, j] = vhsum(a)
-        j += 1
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _weighted_v(o, w, v_h, n):
-    """o (hd,) = w[:n] @ v_h[:n] (hd % 8 == 0): 64 dims at a time held in eight accumulators over all
-    n slots (o is written once, not read and written per slot), then 8-dim chunks."""
-    hd = o.shape[0]
-    c = 0
-    while c + 64 <= hd:
-        a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
-        a4, a5, a6, a7 = vzero(), vzero(), vzero(), vzero()
-        for j in range(n):
-            wj = vbcast(w, j)
-            vj = v_h[j]
-            a0 = vfma(wj, vload(vj, c), a0)
-            a1 = vfma(wj, vload(vj, c + 8), a1)
-            a2 = vfma(wj, vload(vj, c + 16), a2)
-            a3 = vfma(wj, vload(vj, c + 24), a3)
-            a4 = vfma(wj, vload(vj, c + 32), a4)
-            a5 = vfma(wj, vload(vj, c + 40), a5)
-            a6 = vfma(wj, vload(vj, c + 48), a6)
-            a7 = vfma(wj, vload(vj, c + 56), a7)
-        vstore(o, c, a0)
-        vstore(o, c + 8, a1)
-        vstore(o, c + 16, a2)
-        vstore(o, c + 24, a3)
-        vstore(o, c + 32, a4)
-        vstore(o, c + 40, a5)
-        vstore(o, c + 48, a6)
-        vstore(o, c + 56, a7)
-        c += 64
-    while c < hd:
-        a = vzero()
-        for j in range(n):
-            a = vfma(vbcast(w, j), vload(v_h[j], c), a)
-        vstore(o, c, a)
-        c += 8
-
-
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
                   softcap, scores, qrot, angles, mass):
@@ -234,53 +159,28 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
     1 / rope_scale. Other arguments as in attend(); qrot (n_head, hd) holds the query rotated at
     the current offset; angles (2, rotary_dim/2) f32 scratch caches cos/sin of the last offset
     (shared by every head: one sincos set per distinct offset per call).
-
-    The slots are taken in runs of one offset (one run, or the sinks and the rest, in the layouts
-    above): per run the group's queries are rotated once and the scores computed eight keys at a
-    time (_scores_run), and the weighted sum of V keeps its output in registers (_weighted_v);
-    a head_dim that is not a multiple of 8 takes the per-key loop.
     """
     n_head, hd = q.shape
     n_kv = k_l.shape[0]
     group = n_head // n_kv
-    simd = hd % 8 == 0
     no_offset = np.int64(-1) << 62
     have = no_offset                 # offset whose angles sit in `angles`
     for h in range(n_kv):
         n = count_l[h]
         h0 = h * group
-        j = 0
-        while j < n:
+        cur = no_offset              # offset the group's queries are rotated at
+        for j in range(n):
             off = seq_l[h, j] - pos_l[h, j]
-            e = j + 1                # the run of slots with this offset: [j, e)
-            while e < n and seq_l[h, e] - pos_l[h, e] == off:
-                e += 1
-            if off != have:
-                have = off
-                angles_at(angles[0], angles[1], q_pos + off, inv_freq, inv_scale)
-            for g in range(group):
-                rotate_with(qrot[h0 + g], q[h0 + g], angles[0], angles[1], rotary_dim)
-            scale_group(qrot, h0, group, scale)
-            if simd:
-                _scores_run(scores, qrot, k_l[h], h0, group, j, e)
-            else:
-                for jj in range(j, e):
-                    group_scores(scores, qrot, k_l[h, jj], h0, group, jj)
-            j = e
-        if not simd:
-            _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap)
-            continue
-        for g in range(group):
-            sc = scores[h0 + g]
-            cap_scores(sc, n, softcap)
-            softmax_inplace(sc, n)
-            _weighted_v(out[h0 + g], sc, v_l[h], n)
-        if mass.shape[0] > 0:
-            for jj in range(n):
-                acc = np.float32(0.0)
+            if off != cur:
+                cur = off
+                if off != have:
+                    have = off
+                    angles_at(angles[0], angles[1], q_pos + off, inv_freq, inv_scale)
                 for g in range(group):
-                    acc += scores[h0 + g, jj]
-                mass[h, jj] = acc
+                    rotate_with(qrot[h0 + g], q[h0 + g], angles[0], angles[1], rotary_dim)
+                scale_group(qrot, h0, group, scale)
+            group_scores(scores, qrot, k_l[h, j], h0, group, j)
+        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap)
 
 
 # ---------------------------------------------------------------------------------------------
