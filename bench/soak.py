@@ -14,9 +14,10 @@ per-token latency (turn time / tokens the turn fed) per segment.
 Writes bench/results/<name>.{json,md} (crash-safe, bench/common.py). Not run by CI in this form;
 tests/test_soak.py runs the short form.
 
-Known and measured here, not hidden: the session keeps its token history (one Python int per
-token fed, the `tokens` list sessions save), so RSS grows by about 8 bytes per token plus the
-saved file's size; the store itself is fixed.
+The session keeps the last `--history-tokens` tokens of its history and the messages its chat
+template needs (ChatSession(history_tokens=...)): with the store fixed, nothing grows with the tokens
+fed, neither the RSS nor the saved file (`--history-tokens 0`: the whole transcript, which grows by
+a Python int and the text of every turn).
 """
 from __future__ import annotations
 
@@ -44,14 +45,15 @@ def open_files() -> int:
 
 
 def run_soak(llm, tokens: int, capacity: int, policy: str, reload_every: int | None, turn_chars: int,
-             answer_tokens: int, folder: str) -> dict:
+             answer_tokens: int, folder: str, history_tokens: int | None = 4096) -> dict:
     """One soak run; reload_every None: never saved. Returns answers (token lists per turn),
     samples [(tokens fed, rss MB, open fds)], and per-segment latencies (seconds per token fed)."""
     import ringllm
     from ringllm.session import ChatSession
 
     text = open(CORPUS, encoding="utf-8").read()
-    session = llm.chat_session(kv=ringllm.KVConfig(capacity=capacity, policy=policy), seed=0)
+    session = llm.chat_session(kv=ringllm.KVConfig(capacity=capacity, policy=policy), seed=0,
+                               history_tokens=history_tokens)
     path = os.path.join(folder, "soak.session")
     answers, samples, lat, seg = [], [(0, rss_mb(), open_files())], {}, 0
     at, next_reload, fed = 0, reload_every, 0
@@ -60,11 +62,11 @@ def run_soak(llm, tokens: int, capacity: int, policy: str, reload_every: int | N
             at = 0
         user = text[at:at + turn_chars]
         at += turn_chars
-        before = len(session.tokens)
+        before = session.n_fed
         t0 = time.perf_counter()
         out = session.send(user, stream=False, max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
         dt = time.perf_counter() - t0
-        n = len(session.tokens) - before
+        n = session.n_fed - before
         fed += n
         answers.append(list(out.tokens))
         lat.setdefault(seg, []).append(dt / max(n, 1))
@@ -90,13 +92,15 @@ def main() -> None:
     ap.add_argument("--turn-chars", type=int, default=1200)
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--history-tokens", type=int, default=4096,
+                    help="tokens of history the session keeps (0: the whole transcript)")
     ap.add_argument("--name", default="soak")
     args = ap.parse_args()
     import ringllm
     llm = ringllm.LLM(None, n_threads=args.threads, progress=False)
     with tempfile.TemporaryDirectory() as folder:
         kw = dict(tokens=args.tokens, capacity=args.capacity, policy=args.policy, turn_chars=args.turn_chars,
-                  answer_tokens=args.answer_tokens, folder=folder)
+                  answer_tokens=args.answer_tokens, folder=folder, history_tokens=args.history_tokens or None)
         reloaded = run_soak(llm, reload_every=args.reload_every, **kw)
         plain = run_soak(llm, reload_every=None, **kw)
     same = reloaded["answers"] == plain["answers"]

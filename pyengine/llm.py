@@ -519,9 +519,10 @@ class LLM:
         return out if stream else out.result()
 
     def chat_session(self, system: str | None = None, kv: KVConfig | None = None, seed: int | None = None,
-                     **defaults: Any):
-        """A multi-turn ChatSession that keeps its KV store between turns (ringllm.session)."""
-        return ChatSession(self, system=system, kv=kv, seed=seed, **defaults)
+                     history_tokens: int | None = None, **defaults: Any):
+        """A multi-turn ChatSession that keeps its KV store between turns (ringllm.session);
+        history_tokens bounds what else it keeps (ChatSession)."""
+        return ChatSession(self, system=system, kv=kv, seed=seed, history_tokens=history_tokens, **defaults)
 
     # ------------------------------------------------------------------------------------------
     # Logits and stats

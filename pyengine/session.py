@@ -13,7 +13,10 @@ A turn prefills only what is new: the end of the previous answer as the chat tem
 difference between two renderings of the template (the last exchange with and without the new
 message), so any template works; the whole history is never prefilled again. With an eviction
 policy (KVConfig(policy="streaming", capacity=256)) the store stays the same size however long the
-conversation runs.
+conversation runs; with history_tokens=N so does the rest of the session (it keeps the last N
+tokens of its history, which the repetition penalties read, and only the messages the chat template
+needs to close a turn: the system message and the last exchange), so memory and each save's size
+stay flat over a conversation of any length. By default the whole transcript is kept.
 
 Session file: a NumPy .npz archive (never pickle; loaded with allow_pickle=False) holding the KV
 store's arrays and one JSON header: format name and version, the model's identity, the KV config,
@@ -63,6 +66,14 @@ class SessionFileError(ConfigError):
         super().__init__(f"session file {self.path}: {problem}")
 
 
+def _check_history_tokens(n) -> int | None:
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"history_tokens must be a positive integer or None, got {n!r}")
+    return n
+
+
 def _common_prefix(a: str, b: str) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -101,11 +112,15 @@ class ChatSession:
         chat_template_kwargs: extra chat template variables for every turn, as LLM.chat takes them
             ({"enable_thinking": False}, ...); fixed for the session (saved with it), since each
             turn's prefill is the difference of two renderings that must agree on them.
+        history_tokens: keep only the last N tokens of the token history and the messages the chat
+            template needs (the system message and the last exchange); None (default) keeps every
+            message and token. Penalties with penalty_last_n -1 ("the whole history") then see the
+            last N tokens.
         defaults: default keywords of send() (max_tokens, temperature, top_p, stop, ...).
     """
 
     def __init__(self, llm, system: str | None = None, kv: KVConfig | None = None, seed: int | None = None,
-                 chat_template_kwargs: dict | None = None, **defaults: Any):
+                 chat_template_kwargs: dict | None = None, history_tokens: int | None = None, **defaults: Any):
         if kv is not None and not isinstance(kv, KVConfig):
             raise ConfigError(f"kv must be a KVConfig, got {type(kv).__name__}")
         if system is not None and not isinstance(system, str):
@@ -114,6 +129,7 @@ class ChatSession:
         if unknown:
             raise ConfigError(f"unknown session defaults {unknown}; valid: {sorted(_SAMPLING_KEYS + _OTHER_KEYS)}")
         self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs)
+        self.history_tokens = _check_history_tokens(history_tokens)
         self.llm = llm
         self.kv = kv or llm.kv
         self.system = system
@@ -130,7 +146,8 @@ class ChatSession:
         """Forget the conversation (the system message stays); the next turn starts a fresh store."""
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
         self.store = None
-        self.tokens: list[int] = []        # every token fed into the store, in order
+        self.tokens: list[int] = []        # the tokens fed into the store, in order (the last history_tokens)
+        self.n_fed = 0                     # every token ever fed into the store (== store.n_seen)
         self.pending: list[int] = []       # answer tokens sampled but not yet fed (fed first next turn)
         self.sampler_state = Sampler(SamplingParams(), self.seed).state()
         self.turns = 0
@@ -288,16 +305,30 @@ class ChatSession:
                         n_prompt = len(ids)
                         self.store = dec.store
                         self.tokens.extend(gen.fed)
+                        self.n_fed += len(gen.fed)
                         unfed = gen.tokens[len(gen.fed) - n_prompt:]
                         self.pending = [] if gen.finish_reason == "stop" else list(unfed)
                         # only a max_tokens cut leaves every sampled token in the answer: that one can go on
                         cut = gen.finish_reason == "length" and bool(self.pending)
                         self.cut_answer = {"constraint": constraint.state() if constraint else None} if cut else None
                         commit(gen)
+                        self._bound_history()
                         self.sampler_state = sampler.state()
 
         handle = Generation(gen, body())
         return handle if stream else handle.result()
+
+    def _bound_history(self) -> None:
+        """With history_tokens: drop all but the last history_tokens tokens and all messages but the
+        system message and the last exchange (what _turn_delta renders)."""
+        limit = self.history_tokens
+        if limit is None:
+            return
+        if len(self.tokens) > limit:
+            self.tokens = self.tokens[-limit:]
+        head = self.messages[:1] if self.messages and self.messages[0]["role"] == "system" else []
+        if len(self.messages) > len(head) + 2:
+            self.messages = head + self.messages[-2:]
 
     # ------------------------------------------------------------------------------------------
     # Files
@@ -331,7 +362,8 @@ class ChatSession:
             header = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "model": model_identity(llm),
                       "session_kv": self.kv.to_dict(), "system": self.system, "seed": int(self.seed),
                       "defaults": self._defaults_json(), "chat_template_kwargs": self.chat_template_kwargs,
-                      "messages": self.messages, "tokens": list(self.tokens),
+                      "messages": self.messages, "tokens": list(self.tokens), "n_fed": self.n_fed,
+                      "history_tokens": self.history_tokens,
                       "pending": list(self.pending), "turns": self.turns, "sampler": self.sampler_state,
                       "store": kv_state, "cut_answer": self.cut_answer}
             header["checksum"] = file_checksum(header, arrays)
@@ -387,6 +419,12 @@ class ChatSession:
             session_kv = KVConfig.from_dict(header["session_kv"])
             messages = validate_messages(header["messages"])
             tokens = [int(t) for t in header["tokens"]]
+            n_fed = int(header.get("n_fed", len(tokens)))          # absent: a file of the whole history
+            history_tokens = _check_history_tokens(header.get("history_tokens"))
+            if n_fed < len(tokens) or (history_tokens is None and n_fed != len(tokens)) or \
+                    (history_tokens is not None and len(tokens) > history_tokens):
+                raise ValueError(f"a history of {len(tokens)} tokens does not fit {n_fed} tokens fed "
+                                 f"(history_tokens {history_tokens})")
             pending = [int(t) for t in header["pending"]]
             for t in tokens + pending:
                 if not 0 <= t < llm.n_vocab:
@@ -418,9 +456,9 @@ class ChatSession:
                     store = restore(state)
                 else:
                     store = llm.engine.adopt_store(KVStore.restore(llm.spec, state))
-                if int(store.n_seen) != len(tokens):
-                    raise ValueError(f"the store has seen {store.n_seen} tokens, the history has {len(tokens)}")
-            elif arrays or tokens:
+                if int(store.n_seen) != n_fed:
+                    raise ValueError(f"the store has seen {store.n_seen} tokens, the history counts {n_fed}")
+            elif arrays or tokens or n_fed:
                 raise ValueError("a history without a store")
         except SessionFileError:
             raise
@@ -434,6 +472,7 @@ class ChatSession:
         except ConfigError as exc:
             raise SessionFileError(path, f"invalid defaults: {exc}") from None
         obj.messages, obj.store, obj.tokens, obj.pending = messages, store, tokens, pending
+        obj.n_fed, obj.history_tokens = n_fed, history_tokens
         obj.sampler_state, obj.turns, obj._damaged = sampler.state(), turns, None
         obj.cut_answer = cut_answer
         return obj

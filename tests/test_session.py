@@ -233,3 +233,27 @@ def test_session_chat_template_kwargs_reach_every_turn_and_the_file(llm, tmp_pat
             llm.chat_session(chat_template_kwargs={"bos_token": "x"})
     finally:
         llm.chat_template = saved
+
+
+def test_bounded_history_keeps_the_last_tokens_and_exchange(llm, tmp_path):
+    """history_tokens=N: the session keeps the last N tokens and the system message with the last
+    exchange; the answers are those of a session keeping everything (greedy, no penalties: the
+    history is not read), a save of it round-trips (n_fed counts every token), and the saved file
+    stops growing once the history is full."""
+    kv = KVConfig(capacity=96, policy="streaming", sinks=4)
+    questions = ["Write one sentence about cats.", "Now one about dogs.", "And birds?", "And fish?", "And frogs?"]
+    full = llm.chat_session(system="Be brief.", kv=kv, seed=3, max_tokens=16)
+    bounded = llm.chat_session(system="Be brief.", kv=kv, seed=3, max_tokens=16, history_tokens=40)
+    sizes = []
+    for k, q in enumerate(questions):
+        assert bounded.send(q, stream=False).tokens == full.send(q, stream=False).tokens
+        assert bounded.tokens == full.tokens[-40:] and bounded.n_fed == full.n_fed == len(full.tokens)
+        assert bounded.messages == full.messages[:1] + full.messages[-2:]
+        sizes.append(os.path.getsize(bounded.save(tmp_path / f"b{k}.session")))
+    assert len(full.messages) == 1 + 2 * len(questions) and bounded.store.n_seen == bounded.n_fed
+    assert max(sizes[2:]) - min(sizes[2:]) < 0.02 * sizes[-1], sizes   # the store is full, the history bounded
+    b = ChatSession.load(llm, tmp_path / f"b{len(questions) - 1}.session")
+    assert (b.history_tokens, b.n_fed, b.tokens, b.messages) == (40, bounded.n_fed, bounded.tokens, bounded.messages)
+    assert b.send("And cows?", stream=False).tokens == full.send("And cows?", stream=False).tokens
+    with pytest.raises(ConfigError, match="history_tokens"):
+        llm.chat_session(history_tokens=0)

@@ -2,13 +2,13 @@
 (user turns of Pride and Prejudice, 8-token greedy answers), saved and reloaded every 1,000 tokens,
 and the same conversation without reloads. The answers are the same tokens; open file descriptors
 are the same at every reload; RSS after the last reload is within 10% of RSS after the first (the
-store is fixed; only the token history grows, by bytes per token)."""
+store is fixed, and the session keeps a bounded history: ChatSession(history_tokens=...)); the
+saved file stops growing once the history is full."""
 from __future__ import annotations
 
 import os
 import sys
 
-import pytest
 
 import ringllm
 
@@ -18,7 +18,8 @@ from soak import run_soak  # noqa: E402
 
 def test_soak_short(smollm2_path, tmp_path):
     llm = ringllm.LLM(smollm2_path, n_threads=1, progress=False)
-    kw = dict(tokens=3000, capacity=64, policy="streaming", turn_chars=600, answer_tokens=8, folder=str(tmp_path))
+    kw = dict(tokens=3000, capacity=64, policy="streaming", turn_chars=600, answer_tokens=8, folder=str(tmp_path),
+              history_tokens=500)
     reloaded = run_soak(llm, reload_every=1000, **kw)
     plain = run_soak(llm, reload_every=None, **kw)
     assert reloaded["tokens_fed"] >= 3000 and len(reloaded["samples"]) >= 4
