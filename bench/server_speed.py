@@ -9,7 +9,8 @@ equal work). Per client count, streamed and not: total generated tokens/s over t
 the whole round (first request sent to last answer received), the slowest request against the
 median, and time to first token (streamed). In-process: the same model, `LLM.generate` with the
 same request in this process, one call before each server round (never at the same time as one),
-timed the same way (tokens over the call's wall time).
+timed the same way (tokens over the call's wall time). Mean batch: the server's engine steps in the
+round, sequences per step (its /metrics histogram ringllm_batch_size, read before and after).
 Writes bench/results/server_speed.{json,md}.
 """
 from __future__ import annotations
@@ -61,14 +62,28 @@ def request(url: str, prompt: str, tokens: int, stream: bool) -> dict:
     return {"seconds": time.perf_counter() - t0, "tokens": n, "ttft": first}
 
 
+def batch_totals(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's ringllm_batch_size histogram: sequences stepped, engine steps."""
+    total = count = 0.0
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("ringllm_batch_size_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("ringllm_batch_size_count"):
+            count = float(line.split()[-1])
+    return total, count
+
+
 def round_of(url: str, clients: int, tokens: int, stream: bool) -> dict:
+    before = batch_totals(url)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         rs = list(pool.map(lambda i: request(url, PROMPTS[i % len(PROMPTS)], tokens, stream), range(clients)))
     wall = time.perf_counter() - t0
     secs = [r["seconds"] for r in rs]
+    after = batch_totals(url)
     out = {"clients": clients, "stream": stream, "tok_s": sum(r["tokens"] for r in rs) / wall,
-           "slowest_over_median": max(secs) / statistics.median(secs)}
+           "slowest_over_median": max(secs) / statistics.median(secs),
+           "mean_batch": (after[0] - before[0]) / max(after[1] - before[1], 1)}
     if stream:
         out["ttft_median_s"] = statistics.median(r["ttft"] for r in rs)
     return out
@@ -102,7 +117,8 @@ def main() -> int:
                     rounds.append(round_of(url, n, args.tokens, stream))
                 row = {"clients": n, "stream": stream,
                        "tok_s": round(statistics.median(r["tok_s"] for r in rounds), 1),
-                       "slowest_over_median": round(max(r["slowest_over_median"] for r in rounds), 2)}
+                       "slowest_over_median": round(max(r["slowest_over_median"] for r in rounds), 2),
+                       "mean_batch": round(statistics.median(r["mean_batch"] for r in rounds), 2)}
                 if stream:
                     row["ttft_median_s"] = round(statistics.median(r["ttft_median_s"] for r in rounds), 3)
                 rows.append(row)
@@ -116,12 +132,12 @@ def main() -> int:
           f"POST /v1/completions, max_tokens {args.tokens}, ignore_eos, temperature 0; medians of {args.repeats} "
           f"rounds. In-process `LLM.generate` on the same request, its rounds alternating with the server's: "
           f"**{local:.1f} tok/s** (median of {len(local_runs)}; tokens over the call's wall time, prefill included).\n",
-          "| clients | stream | total tok/s | vs in-process | vs one client | slowest / median | TTFT median |",
-          "|---|---|---|---|---|---|---|"]
+          "| clients | stream | total tok/s | vs in-process | vs one client | slowest / median | TTFT median | mean batch |",
+          "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         vs_one = f"{r['tok_s'] / one[r['stream']]:.2f}x" if one else "-"
         md.append(f"| {r['clients']} | {r['stream']} | {r['tok_s']} | {r['tok_s'] / local:.2f}x | {vs_one} | "
-                  f"{r['slowest_over_median']} | {r.get('ttft_median_s', '-')} |")
+                  f"{r['slowest_over_median']} | {r.get('ttft_median_s', '-')} | {r['mean_batch']} |")
     write_results(args.out, {"command": cmdline, "machine": machine(), "in_process_tok_s": round(local, 1),
                              "rows": rows}, "\n".join(md) + "\n")
     print("\n".join(md))
