@@ -101,6 +101,26 @@ def _set_numba_cache_dir() -> None:
 
 _set_numba_cache_dir()
 
+
+def _import_numba_arraymath_without_blas() -> None:
+    """numba.np.arraymath, which Numba imports on its first compile or cache load, probes for a BLAS
+    at import by importing scipy.linalg (OpenBLAS: 0.2-0.5 s and tens of MB of every process that
+    loads a kernel). No ringllm kernel calls BLAS; the probe's only use is np.correlate/np.convolve
+    picking BLAS over a plain loop, and a user's own np.dot still imports it when compiled. So the
+    module is imported here with scipy.linalg unimportable for that one import, unless the process
+    has already imported scipy.linalg (then the probe costs nothing and finds it)."""
+    if "scipy.linalg" in sys.modules or "numba.np.arraymath" in sys.modules:
+        return
+    sys.modules["scipy.linalg"] = None          # the import machinery's "halted" marker: ImportError
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        if sys.modules.get("scipy.linalg", 0) is None:
+            del sys.modules["scipy.linalg"]
+
+
+_import_numba_arraymath_without_blas()
+
 from ringllm.runtime import compile_clock  # noqa: E402  (after the cache directory is set)
 
 compile_clock.set_cache_dir(os.environ.get("NUMBA_CACHE_DIR"))
