@@ -510,5 +510,5 @@ def render_chat(template: str | None, messages: list[dict], add_generation_promp
     except TemplateError as exc:
         raise ConfigError(f"chat template failed: {exc}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError,
-            OverflowError, RecursionError) as exc:
-        raise ConfigError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+            OverflowError, RecursionError, NameError) as exc:     # NameError: Jinja writes a float literal
+        raise ConfigError(f"chat template failed: {type(exc).__name__}: {exc}") from None   # past 1e308 as `inf`

@@ -315,3 +315,10 @@ def test_check_template_kwargs():
                        ({"add_generation_prompt": False}, "cannot set"), ({"x": object()}, "cannot be passed")):
         with pytest.raises(ConfigError, match=match):
             check_template_kwargs(bad)
+
+
+def test_float_literal_past_float_range_is_a_config_error():
+    """Jinja writes a float literal past 1e308 into its generated code as `inf`, a NameError when the
+    template runs (found by the atheris chat_template target; the input is in its corpus)."""
+    with pytest.raises(ConfigError, match="NameError"):
+        render_chat("{{ rang74(7e09999) }}", [{"role": "user", "content": "hi"}], bos_token="<s>", eos_token="</s>")
