@@ -138,10 +138,7 @@ def release_file_pages(arrays) -> int:
         return 0
     seen, total = set(), 0
     for a in arrays:
-        b = a
-        while isinstance(b, np.ndarray) and getattr(b, "_mmap", None) is None:
-            b = b.base
-        m = getattr(b, "_mmap", None) if isinstance(b, np.ndarray) else None
+        m = _file_mapping(a)
         if m is None or id(m) in seen:
             continue
         seen.add(id(m))

@@ -271,14 +271,20 @@ def _iq4_idx(qs: np.ndarray) -> np.ndarray:
 PACK_CHUNK_BYTES = 4 << 20    # file bytes of rows packed at a time (rounded to whole tiles)
 
 
-def _stacked_rows(blocks: list, r0: int, r1: int) -> np.ndarray:
-    """Rows r0..r1-1 of the row blocks stacked in order (a view when one block holds them all)."""
+def _row_slices(blocks: list, r0: int, r1: int) -> list:
+    """The slices of the row blocks (stacked in order) that hold rows r0..r1-1."""
     out, base = [], 0
     for b in blocks:
         lo, hi = max(r0, base), min(r1, base + b.shape[0])
         if lo < hi:
             out.append(b[lo - base:hi - base])
         base += b.shape[0]
+    return out
+
+
+def _stacked_rows(blocks: list, r0: int, r1: int) -> np.ndarray:
+    """Rows r0..r1-1 of the row blocks stacked in order (a view when one block holds them all)."""
+    out = _row_slices(blocks, r0, r1)
     return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
 
 
@@ -286,12 +292,7 @@ def _packed_rows_done(blocks: list, r0: int, r1: int) -> None:
     """Rows r0..r1-1 are packed: their file pages leave the RSS (host_memory.release_array_pages; a no-op
     for rows that are not a read-only file mapping). They stay readable: read again (the embedding rows
     an engine looks up, a press's W_q), they fault back in from the page cache."""
-    base = 0
-    for b in blocks:
-        lo, hi = max(r0, base), min(r1, base + b.shape[0])
-        if lo < hi:
-            release_array_pages([b[lo - base:hi - base]])
-        base += b.shape[0]
+    release_array_pages(_row_slices(blocks, r0, r1))
 
 
 def pack_in_chunks(part, qtype: GGMLType, data, n_rows: int, n_cols: int, tile: int) -> np.ndarray:
