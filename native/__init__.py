@@ -2,6 +2,7 @@
 
     eng = CUDAEngine(spec, tensors)                     # raises DeviceError without a GPU/driver
     st = eng.new_store(KVConfig(capacity=64, policy="h2o"))
+    st8 = eng.new_store(KVConfig(capacity=64, k_type="q8_0", v_type="q8_0"))   # rows in f32, f16 or q8_0
     logits = eng.prefill(ids, st)                        # (n_vocab,) float32
     tok = eng.pick()                                     # greedy on the device
     tok = eng.decode(tok, st)                            # one decode step + greedy, one device call
@@ -24,10 +25,11 @@ and the compiled cffi module is ringllm.native._ringllm_cuda (native/_cffi_build
 """
 from ringllm.native.cuda_backend import CUDAEngine, CUDAStore
 from ringllm.native.cuda_kernels import kernels
-from ringllm.native.cuda_lib import (DEVICE_POLICIES, HEADER, HERE, RL_ERR_ARG, RL_ERR_CUDA, RL_ERR_NO_CUDA,
-                                     RL_ERR_NO_DEVICE, RL_ERR_OOM, RL_ERR_STATE, RL_OK, DeviceError, available,
-                                     build_info, check_status, device_count, ffi_lib, has_cuda, library_path)
+from ringllm.native.cuda_lib import (DEVICE_KV_TYPES, DEVICE_POLICIES, HEADER, HERE, RL_ERR_ARG, RL_ERR_CUDA,
+                                     RL_ERR_NO_CUDA, RL_ERR_NO_DEVICE, RL_ERR_OOM, RL_ERR_STATE, RL_OK, DeviceError,
+                                     available, build_info, check_status, device_count, ffi_lib, has_cuda,
+                                     library_path)
 
 __all__ = ["DeviceError", "CUDAEngine", "CUDAStore", "available", "device_count", "build_info", "library_path",
-           "DEVICE_POLICIES", "kernels", "has_cuda", "ffi_lib", "check_status", "HERE", "HEADER", "RL_OK",
-           "RL_ERR_NO_CUDA", "RL_ERR_NO_DEVICE", "RL_ERR_CUDA", "RL_ERR_ARG", "RL_ERR_OOM", "RL_ERR_STATE"]
+           "DEVICE_KV_TYPES", "DEVICE_POLICIES", "kernels", "has_cuda", "ffi_lib", "check_status", "HERE", "HEADER",
+           "RL_OK", "RL_ERR_NO_CUDA", "RL_ERR_NO_DEVICE", "RL_ERR_CUDA", "RL_ERR_ARG", "RL_ERR_OOM", "RL_ERR_STATE"]

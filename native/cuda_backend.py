@@ -8,17 +8,19 @@ replayed as a captured CUDA graph), generate(ids, store, n) both in a loop.
 
 Every option and tensor is checked against the spec before the first device call
 (CUDAEngine._plan); the device objects (rl_model, rl_store) are opaque handles freed by the
-garbage collector (ffi.gc). A store keeps the layer layout of runtime/kv_store.py, and a policy
-the device does not implement is a ConfigError naming the policies it has.
+garbage collector (ffi.gc). A store keeps the layer layout of runtime/kv_store.py and holds its
+rows in the KVConfig's k_type / v_type (f32, f16 or q8_0); a policy or KV type the device does not
+implement is a ConfigError naming the ones it has.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ringllm.native.cuda_lib import (ACTIVATIONS, DEVICE_POLICIES, NORM_KINDS, c_ptr, check_sampling, check_status,
-                                     ffi_lib, matrix_blocks, uniform_draw)
+from ringllm.native.cuda_lib import (ACTIVATIONS, DEVICE_KV_TYPES, DEVICE_POLICIES, NORM_KINDS, c_ptr, check_sampling,
+                                     check_status, ffi_lib, matrix_blocks, uniform_draw)
 from ringllm.runtime.errors import ConfigError, UnsupportedModelError
 from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.kv_types import STORE_DTYPE, check_kv_type, row_width
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.qtensor import QTensor
 
@@ -45,11 +47,22 @@ class CUDAStore:
     The layer layout is KVStore's: capacity C per layer (a sliding-window layer whose window fits
     gets C = window, no sinks, the ring), ring layers for full/streaming without staging, policy
     layers with P = KVConfig.physical_capacity slots otherwise.
+
+    K and V rows are held in kv.k_type / kv.v_type, one of DEVICE_KV_TYPES (f32, f16, q8_0; the row
+    layouts of runtime/kv_types.py, bit-identical to the CPU codecs for the same input): a row is
+    encoded once, when the KV write stores its token, keys before RoPE on every layer (the layout of
+    the CPU store's "fused" strategy, which its policy layers use for quantized keys), and decoded in
+    registers by attention and the key-scoring policies (knorm, lsh score the key as held).
     """
 
     def __init__(self, engine: "CUDAEngine", kv: KVConfig):
         spec = engine.spec
         kv.validate()
+        for what, name in (("k_type", kv.k_type), ("v_type", kv.v_type)):
+            if name not in DEVICE_KV_TYPES:
+                raise ConfigError(f"{what} {name!r} is not available on the cuda backend's KV store; available: "
+                                  f"{', '.join(DEVICE_KV_TYPES)} (use backend='cpu' for {name})")
+            check_kv_type(name, what, spec.head_dim)
         if kv.policy not in DEVICE_POLICIES:
             raise ConfigError(f"policy {kv.policy!r} is not available on the cuda backend; available: "
                               f"{', '.join(DEVICE_POLICIES)} (use backend='cpu' for the others)")
@@ -62,6 +75,7 @@ class CUDAStore:
             capacity, sinks = capacity or spec.n_ctx, 0
         self.engine, self.kv, self.spec = engine, kv, spec
         self.policy, self.positions, self.update = kv.policy, kv.positions, kv.update
+        self.k_type, self.v_type = kv.k_type, kv.v_type
         self.capacity, self.sinks = int(capacity), int(sinks)
         self.recent = kv.resolved_recent if kv.policy != "full" else 0
         self.reindexed = kv.positions == "reindexed"
@@ -96,6 +110,7 @@ class CUDAStore:
         for name, a in arrays.items():
             setattr(p, name, c_ptr(ffi, "int *", a))
         p.lsh_proj = c_ptr(ffi, "float *", proj)
+        p.k_type, p.v_type = DEVICE_KV_TYPES[kv.k_type], DEVICE_KV_TYPES[kv.v_type]
         out = ffi.new("rl_store **")
         check_status(lib.rl_store_init(out, engine._model, p), "rl_store_init")
         self._store = ffi.gc(out[0], lib.rl_store_free)
@@ -118,17 +133,22 @@ class CUDAStore:
         return self._held.copy(), self._evicted.copy()
 
     def read_layer(self, il: int) -> dict:
-        """Layer il's slots copied to the host: k, v (n_kv, P, hd) f32, seq, pos (n_kv, P) i32, score f64."""
+        """Layer il's slots copied to the host: seq, pos (n_kv, P) i32, score f64, and k, v (n_kv, P,
+        width) rows as the store holds them, in the dtype and width of k_type / v_type (KVStore.k[il]'s
+        layout: f32 gives the float32 values (n_kv, P, hd); runtime/kv_codec.decode(k, hd) decodes
+        the others). Keys are before RoPE."""
         if not 0 <= il < self.spec.n_layer:
             raise ConfigError(f"layer {il} out of range 0..{self.spec.n_layer - 1}")
         nkv, P, hd = self.spec.n_head_kv, self.layer_physical[il], self.spec.head_dim
-        out = {"k": np.empty((nkv, P, hd), np.float32), "v": np.empty((nkv, P, hd), np.float32),
+        out = {"k": np.empty((nkv, P, row_width(self.k_type, hd)), STORE_DTYPE[self.k_type]),
+               "v": np.empty((nkv, P, row_width(self.v_type, hd)), STORE_DTYPE[self.v_type]),
                "seq": np.empty((nkv, P), np.int32), "pos": np.empty((nkv, P), np.int32),
                "score": np.empty((nkv, P), np.float64)}
         ffi, lib = ffi_lib()
-        check_status(lib.rl_store_read_layer(self._store, il, c_ptr(ffi, "float *", out["k"]), c_ptr(ffi, "float *", out["v"]),
-                                       c_ptr(ffi, "int32_t *", out["seq"]), c_ptr(ffi, "int32_t *", out["pos"]),
-                                       c_ptr(ffi, "double *", out["score"])), "rl_store_read_layer")
+        check_status(lib.rl_store_read_layer(self._store, il, c_ptr(ffi, "void *", out["k"]),
+                                             c_ptr(ffi, "void *", out["v"]), c_ptr(ffi, "int32_t *", out["seq"]),
+                                             c_ptr(ffi, "int32_t *", out["pos"]), c_ptr(ffi, "double *", out["score"])),
+                     "rl_store_read_layer")
         return out
 
     def reset(self) -> None:

@@ -1,7 +1,7 @@
 """Single CUDA kernels called from Python: upload, one launch, download (tests and benchmarks).
 
     out = kernels.matmul(w, x)                  # x (T, n_cols) float32 @ W.T on the device
-    out, weights = kernels.attend(q, k, v, pos, count, q_pos, rotary_dim)
+    out, weights = kernels.attend(q, k, v, pos, count, q_pos, rotary_dim)   # k, v: rows of a KV type
 
 Each wrapper checks its arrays (cuda_lib's checks) before calling the matching rl_kernel_* entry
 point of include/ringllm_cuda.h, so tests can compare every device kernel with its CPU twin
@@ -11,12 +11,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringllm.native.cuda_lib import (ACTIVATIONS, NORM_KINDS, as_f32, as_i32, c_ptr, check_sampling, check_status,
-                                     ffi_lib, matrix_blocks)
+from ringllm.native.cuda_lib import (ACTIVATIONS, DEVICE_KV_TYPES, NORM_KINDS, as_f32, as_i32, c_ptr, check_sampling,
+                                     check_status, ffi_lib, matrix_blocks)
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_types import STORE_DTYPE, check_kv_type, row_width
 from ringllm.runtime.qtensor import QTensor
 
 __all__ = ["kernels"]
+
+
+def _kv_rows(a, name: str, n_kv: int, P: int, hd: int) -> tuple[np.ndarray, str]:
+    """(C-contiguous rows, KV type) of a store array (n_kv, P, width) in a type the device holds,
+    named by its dtype as runtime/kv_types.py does (float32 f32, uint16 f16, int8 q8_0)."""
+    kind = next((t for t in DEVICE_KV_TYPES if a.dtype == STORE_DTYPE[t]), None)
+    if kind is None:
+        raise ConfigError(f"{name} must hold rows of a KV type of the device ({', '.join(DEVICE_KV_TYPES)}: dtype "
+                          f"{', '.join(str(STORE_DTYPE[t]) for t in DEVICE_KV_TYPES)}), got {a.dtype}")
+    check_kv_type(kind, name, hd)
+    shape = (n_kv, P, row_width(kind, hd))
+    if a.shape != shape:
+        raise ConfigError(f"{name} ({kind}) must have shape {shape}, got {a.shape}")
+    return np.ascontiguousarray(a), kind
 
 
 class kernels:
@@ -102,15 +117,20 @@ class kernels:
     def attend(q, k, v, pos, count, q_pos: int, rotary_dim: int, rope_base: float = 10000.0,
                rope_scale: float = 1.0, attn_scale: float | None = None, device: int = 0):
         """One query's attention over a layer's slots (runtime/attention.py attend):
-        q (n_head, hd), k, v (n_kv, P, hd) float32 keys before RoPE; pos (n_kv, P), count (n_kv,) ints.
-        Returns out (n_head, hd) and the softmax weights (n_head, P) (zero past count)."""
+        q (n_head, hd) float32; k, v (n_kv, P, width) rows of a KV type of the device, keys before
+        RoPE: float32 (width hd), or f16 / q8_0 rows as runtime/kv_codec.encode gives them (uint16,
+        width hd / int8, width hd / 32 * 34; the type follows the dtype, k and v may differ);
+        pos (n_kv, P), count (n_kv,) ints. Returns out (n_head, hd) and the softmax weights
+        (n_head, P) (zero past count)."""
         if not all(isinstance(a, np.ndarray) for a in (q, k, v, pos, count)):
             raise ConfigError("q, k, v, pos, count must be numpy arrays")
         if q.ndim != 2 or k.ndim != 3:
-            raise ConfigError("q must be (n_head, hd) and k, v (n_kv, P, hd)")
+            raise ConfigError("q must be (n_head, hd) and k, v (n_kv, P, width)")
         n_head, hd = q.shape
         n_kv, P, _ = k.shape
-        q, k, v = as_f32(q, "q"), as_f32(k, "k", (n_kv, P, hd)), as_f32(v, "v", (n_kv, P, hd))
+        q = as_f32(q, "q")
+        k, k_type = _kv_rows(k, "k", n_kv, P, hd)
+        v, v_type = _kv_rows(v, "v", n_kv, P, hd)
         pos, count = as_i32(pos, "pos", (n_kv, P)), as_i32(count, "count", (n_kv,))
         if n_head % n_kv:
             raise ConfigError(f"n_head {n_head} must be a multiple of n_kv {n_kv}")
@@ -122,10 +142,12 @@ class kernels:
         out = np.empty((n_head, hd), np.float32)
         w = np.zeros((n_head, P), np.float32)
         ffi, lib = ffi_lib()
-        check_status(lib.rl_kernel_attend(device, c_ptr(ffi, "float *", q), c_ptr(ffi, "float *", k), c_ptr(ffi, "float *", v),
-                                    c_ptr(ffi, "int32_t *", pos), c_ptr(ffi, "int32_t *", count), n_head, n_kv, P, hd,
-                                    rotary_dim, float(rope_base), float(rope_scale), float(scale), int(q_pos),
-                                    c_ptr(ffi, "float *", out), c_ptr(ffi, "float *", w)), "rl_kernel_attend")
+        check_status(lib.rl_kernel_attend(device, c_ptr(ffi, "float *", q), c_ptr(ffi, "void *", k),
+                                          c_ptr(ffi, "void *", v), DEVICE_KV_TYPES[k_type], DEVICE_KV_TYPES[v_type],
+                                          c_ptr(ffi, "int32_t *", pos), c_ptr(ffi, "int32_t *", count), n_head, n_kv,
+                                          P, hd, rotary_dim, float(rope_base), float(rope_scale), float(scale),
+                                          int(q_pos), c_ptr(ffi, "float *", out), c_ptr(ffi, "float *", w)),
+                     "rl_kernel_attend")
         return out, w
 
     @staticmethod

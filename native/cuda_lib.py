@@ -12,8 +12,8 @@ CUDA error text included: ConfigError for a bad argument, DeviceError for everyt
 Arrays are checked here before anything reaches C (in the style of pynacl): as_f32, as_i32 and
 matrix_blocks raise ConfigError on a wrong dtype, shape or range instead of casting silently;
 c_ptr hands cffi a pointer into a checked, C-contiguous array. The constants mirror the header's
-enums (status codes, policies, norm kinds, activations); tests/test_native.py checks them against
-the built module.
+enums (status codes, policies, norm kinds, activations, the KV store's element types);
+tests/test_native.py and tests/test_native_kv_types.py check them against the built module.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_types import SUPPORTED_TYPES, GGMLType, row_bytes
 
-__all__ = ["ACTIVATIONS", "DEVICE_POLICIES", "HEADER", "HERE", "NORM_KINDS", "RL_ERR_ARG", "RL_ERR_CUDA",
-           "RL_ERR_NO_CUDA", "RL_ERR_NO_DEVICE", "RL_ERR_OOM", "RL_ERR_STATE", "RL_OK", "DeviceError", "as_f32",
-           "as_i32", "available", "build_info", "c_ptr", "check_sampling", "check_status", "device_count",
+__all__ = ["ACTIVATIONS", "DEVICE_KV_TYPES", "DEVICE_POLICIES", "HEADER", "HERE", "NORM_KINDS", "RL_ERR_ARG",
+           "RL_ERR_CUDA", "RL_ERR_NO_CUDA", "RL_ERR_NO_DEVICE", "RL_ERR_OOM", "RL_ERR_STATE", "RL_OK", "DeviceError",
+           "as_f32", "as_i32", "available", "build_info", "c_ptr", "check_sampling", "check_status", "device_count",
            "ffi_lib", "has_cuda", "library_path", "matrix_blocks", "uniform_draw"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,6 +38,9 @@ HEADER = os.path.join(HERE, "include", "ringllm_cuda.h")
 RL_OK, RL_ERR_NO_CUDA, RL_ERR_NO_DEVICE, RL_ERR_CUDA, RL_ERR_ARG, RL_ERR_OOM, RL_ERR_STATE = range(7)
 
 DEVICE_POLICIES = {"full": 0, "streaming": 1, "h2o": 2, "tova": 3, "knorm": 4, "lsh": 5}
+# KV store element types the device holds (KVConfig k_type / v_type, runtime/kv_types.py) -> their
+# GGML codes, rl_store_params k_type / v_type (RL_TYPE_F32, RL_TYPE_F16, RL_TYPE_Q8_0)
+DEVICE_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 NORM_KINDS = {"rms": 0, "layer": 1}
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 

@@ -41,6 +41,7 @@ from dataclasses import fields
 from ringllm.backends import make_engine
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, PRESSES, UPDATE_MODES, KVConfig
+from ringllm.runtime.kv_types import KV_TYPES
 from ringllm.sampling import SamplingParams
 
 # Each command imports the model loader, engines, LLM and server when it runs (not here), so that
@@ -264,13 +265,23 @@ _CHAT_HELP = ("commands: /reset (forget the conversation), /save FILE, /load FIL
               "/quit; Ctrl-C stops an answer, Ctrl-D ends")
 
 
+def _load_session(session, path: str, kv_types, err) -> None:
+    """/load and --load: the saved session, its KV store converted to kv_types when given and different."""
+    saved = session.restore(path, kv_types=kv_types)
+    note = ""
+    if saved != (session.kv.k_type, session.kv.v_type):
+        note = f", KV store converted from {saved[0]}/{saved[1]} to {session.kv.k_type}/{session.kv.v_type}"
+    print(f"[loaded {path}: {session.turns} turns{note}]", file=err)
+
+
 def _chat(args: argparse.Namespace) -> int:
     llm = _llm(args, warmup=True)
     defaults = {k: v for k, v in _sampling(args).items() if v is not None}
     session = llm.chat_session(system=args.system, seed=args.seed, max_tokens=args.n_predict, **defaults)
+    # --cache-type-k/-v given: a loaded session's store is converted to them (else it keeps its own)
+    kv_types = (llm.kv.k_type, llm.kv.v_type) if args.kv_k_type or args.kv_v_type else None
     if args.load:
-        session.restore(args.load)
-        print(f"[loaded {args.load}: {session.turns} turns]", file=sys.stderr)
+        _load_session(session, args.load, kv_types, sys.stderr)
     interactive = sys.stdin.isatty()
     err = sys.stderr
     print(f"ringllm chat with {llm.model_name} (KV: {session.kv.policy}, capacity {session.kv.capacity or llm.n_ctx}). "
@@ -311,8 +322,7 @@ def _chat(args: argparse.Namespace) -> int:
                     if not arg:
                         print("[usage: /load FILE]", file=err)
                         continue
-                    session.restore(arg)
-                    print(f"[loaded {arg}: {session.turns} turns]", file=err)
+                    _load_session(session, arg, kv_types, err)
                 elif cmd == "/stats":
                     print(json.dumps({k: v for k, v in session.kv_stats().items() if k != "layer_capacity"}), file=err)
                 elif cmd == "/help":
@@ -552,6 +562,11 @@ def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
         opt = "--kv-" + f.name.replace("_", "-")
         if f.name == "update":
             g.add_argument(opt, dest="kv_update", choices=UPDATE_MODES, default=None)
+        elif f.name in ("k_type", "v_type"):
+            which = f.name[0]
+            g.add_argument(f"--cache-type-{which}", opt, dest="kv_" + f.name, choices=KV_TYPES, default=None,
+                           help=f"how the KV store holds {'keys' if which == 'k' else 'values'}: f32 (default), "
+                                "f16, q8_0 or q4_0 (llama.cpp's blocks of 32, quantized once as written)")
         elif f.name == "compress":
             g.add_argument(opt, dest="kv_compress", choices=PRESSES, default=None,
                            help="compress the prompt after prefill with this press (with --kv-compress-budget B or "

@@ -37,6 +37,7 @@ from ringllm.chat_template import check_template_kwargs
 from ringllm.prompt_cache import default_cache_bytes
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, KVConfig
+from ringllm.runtime.kv_types import KV_TYPES, check_kv_type
 from ringllm.server_api import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest, ServerSettings,
                                 error_body)
 from ringllm.server_http import SSEResponse, sse_event
@@ -123,6 +124,7 @@ class Routes:
         s = self.settings
         return {"model": self.name, "aliases": sorted(self.names - {self.name}), "n_ctx": self.llm.n_ctx,
                 "kv": self.llm.kv.to_dict(), "policies": list(POLICIES), "positions": list(POSITION_MODES),
+                "kv_types": list(KV_TYPES),
                 "max_tokens_cap": s.max_tokens_cap, "default_max_tokens": s.default_max_tokens,
                 "strict_model": s.strict_model, "prompt_cache": self.worker().cache_stats()}
 
@@ -330,6 +332,8 @@ class Routes:
         try:
             kv = KVConfig.from_dict({**self.llm.kv.to_dict(), **req.kv})
             kv.validate()
+            check_kv_type(kv.k_type, "k_type", self.llm.spec.head_dim)       # blocks fit this model's heads
+            check_kv_type(kv.v_type, "v_type", self.llm.spec.head_dim)
         except (ConfigError, TypeError, ValueError) as exc:
             raise APIError(400, f"kv: {exc}", param="kv") from None
         if kv.capacity is not None and kv.capacity > self.llm.n_ctx:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -377,10 +378,16 @@ class ChatSession:
         return path
 
     @classmethod
-    def load(cls, llm, path: str | os.PathLike) -> "ChatSession":
+    def load(cls, llm, path: str | os.PathLike, kv_types: tuple[str, str] | None = None) -> "ChatSession":
         """A session saved by save(), bound to `llm` (which must be the same model). Everything is
         checked (format, version, model, checksum, every array's shape and dtype) before the session
-        exists; errors are SessionFileError."""
+        exists; errors are SessionFileError. The session keeps the KVConfig it was saved with, KV
+        types (k_type, v_type) included, unless kv_types = (k_type, v_type) asks for others: its
+        store is then converted (KVStore.convert_types: each row decoded and encoded again) and its
+        KVConfig says so; an unknown type, or one the backend lacks, is a ConfigError."""
+        if kv_types is not None:
+            kt, vt = kv_types
+            replace(llm.kv, k_type=kt, v_type=vt)          # names checked before the file is read
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise SessionFileError(path, "no such file")
@@ -464,6 +471,15 @@ class ChatSession:
             raise
         except (RingLLMError, KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise SessionFileError(path, f"inconsistent content: {exc}") from None
+        saved_kv_types = (session_kv.k_type, session_kv.v_type)
+        if kv_types is not None and saved_kv_types != tuple(kv_types):
+            session_kv = replace(session_kv, k_type=kv_types[0], v_type=kv_types[1])
+            if store is not None:
+                convert = getattr(store, "convert_types", None)
+                if convert is None:
+                    raise ConfigError(f"this backend's KV store cannot change KV types (saved {st['kv'].get('k_type', 'f32')}"
+                                      f"/{st['kv'].get('v_type', 'f32')}, asked {kv_types[0]}/{kv_types[1]})")
+                store = llm.engine.adopt_store(convert(*kv_types))
         obj = cls.__new__(cls)
         obj.llm, obj.kv, obj.system, obj.seed = llm, session_kv, system, seed
         obj.defaults, obj.chat_template_kwargs = defaults, template_kwargs
@@ -475,9 +491,12 @@ class ChatSession:
         obj.n_fed, obj.history_tokens = n_fed, history_tokens
         obj.sampler_state, obj.turns, obj._damaged = sampler.state(), turns, None
         obj.cut_answer = cut_answer
+        obj.saved_kv_types = saved_kv_types        # (k_type, v_type) of the file, before any conversion
         return obj
 
-    def restore(self, path: str | os.PathLike) -> None:
-        """Replace this session's state with a saved one (all or nothing)."""
-        loaded = ChatSession.load(self.llm, path)
+    def restore(self, path: str | os.PathLike, kv_types: tuple[str, str] | None = None) -> tuple[str, str]:
+        """Replace this session's state with a saved one (all or nothing); kv_types as in load().
+        Returns the (k_type, v_type) the file was saved with."""
+        loaded = ChatSession.load(self.llm, path, kv_types=kv_types)
         self.__dict__.update(loaded.__dict__)
+        return loaded.saved_kv_types

@@ -21,6 +21,8 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.fast_exp import exp_f32
+from ringllm.runtime.kv_codec import encode_row, kv_row
+from ringllm.runtime.kv_row_math import accumulate_row, accumulate_rows4, group_scores, group_scores_row
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rotate_by_table, rotate_into, rotate_with
 
@@ -63,44 +65,28 @@ def scale_group(qrot, h0, group, scale):
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def group_scores(scores, qrot, key, h0, group, j):
-    """scores[h0 + g, j] = qrot[h0 + g] . key (hd,) for the group's query heads."""
-    for g in range(group):
-        qg = qrot[h0 + g]
-        acc = np.float32(0.0)
-        for d in range(key.shape[0]):
-            acc += qg[d] * key[d]
-        scores[h0 + g, j] = acc
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap):
+def _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap, vb):
     """For the query heads of kv head h: softmax over scores[hq, :n] (in place, becoming the weights),
     out[hq] = weights @ v_l[h, :n]; mass[h, :n] = weights summed over the group when mass is wanted.
-    softcap > 0 soft-caps the scores first (cap_scores)."""
+    softcap > 0 soft-caps the scores first (cap_scores). v_l in any KV type: the rows are read four
+    at a time, once for the whole group, and each query head's sum runs over them in slot order
+    (kv_row_math.accumulate_rows4; vb (4, hd) f32 scratch for f16 rows)."""
     hd = out.shape[1]
     h0 = h * group
     for g in range(group):
-        hq = h0 + g
-        sc = scores[hq]
+        sc = scores[h0 + g]
         cap_scores(sc, n, softcap)
         softmax_inplace(sc, n)
-        o = out[hq]
+        o = out[h0 + g]
         for d in range(hd):
             o[d] = 0.0
-        j = 0
-        while j + 4 <= n:              # four rows per pass over o: a quarter of the loads/stores of o
-            w0, w1, w2, w3 = sc[j], sc[j + 1], sc[j + 2], sc[j + 3]
-            v0, v1, v2, v3 = v_l[h, j], v_l[h, j + 1], v_l[h, j + 2], v_l[h, j + 3]
-            for d in range(hd):
-                o[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d])
-            j += 4
-        while j < n:
-            w = sc[j]
-            vj = v_l[h, j]
-            for d in range(hd):
-                o[d] += w * vj[d]
-            j += 1
+    j = 0
+    while j + 4 <= n:                  # four rows per pass over o: a quarter of the loads/stores of o
+        accumulate_rows4(out, scores, v_l, h, j, h0, group, vb)
+        j += 4
+    while j < n:
+        accumulate_row(out, scores, v_l, h, j, h0, group, vb)
+        j += 1
     if mass.shape[0] > 0:
         for j in range(n):
             acc = np.float32(0.0)
@@ -114,7 +100,8 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
     """Attention of one token over the occupied slots of one layer.
 
     out (n_head, hd) f32: result.         q (n_head, hd) f32: queries before RoPE.
-    k_l, v_l (n_kv, cap, hd) f32; pos_l (n_kv, cap) i64; count_l (n_kv,) i64: the layer's store.
+    k_l, v_l (n_kv, cap, width) in the store's KV types (kv_types.py; f32: width = hd); pos_l (n_kv, cap)
+        i64; count_l (n_kv,) i64: the layer's store.
     q_pos (n_kv,) i64: the query's logical position per kv head (heads may hold different numbers
         of tokens under per-head budgets, and in reindexed mode the query sits at count - 1).
     cos, sin (n_pos, rotary_dim/2) f32: RopeTable.
@@ -126,6 +113,7 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
     n_head, hd = q.shape
     n_kv = k_l.shape[0]
     group = n_head // n_kv
+    vb = np.empty((4, hd), np.float32)
     for h in range(n_kv):
         n = count_l[h]
         h0 = h * group
@@ -133,9 +121,9 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
             rotate_into(qrot[h0 + g], q[h0 + g], q_pos[h], cos, sin, rotary_dim)
         scale_group(qrot, h0, group, scale)
         for j in range(n):
-            rotate_into(krot, k_l[h, j], pos_l[h, j], cos, sin, rotary_dim)
+            rotate_into(krot, kv_row(k_l, h, j, krot), pos_l[h, j], cos, sin, rotary_dim)
             group_scores(scores, qrot, krot, h0, group, j)
-        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap)
+        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap, vb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +151,7 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
     n_head, hd = q.shape
     n_kv = k_l.shape[0]
     group = n_head // n_kv
+    vb = np.empty((5, hd), np.float32)       # decoded rows of a quantized store: four values, one key
     no_offset = np.int64(-1) << 62
     have = no_offset                 # offset whose angles sit in `angles`
     for h in range(n_kv):
@@ -179,8 +168,8 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
                 for g in range(group):
                     rotate_with(qrot[h0 + g], q[h0 + g], angles[0], angles[1], rotary_dim)
                 scale_group(qrot, h0, group, scale)
-            group_scores(scores, qrot, k_l[h, j], h0, group, j)
-        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap)
+            group_scores_row(scores, qrot, k_l, h, j, h0, group, vb[4])
+        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap, vb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +203,7 @@ def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, r
     n_kv = k_l.shape[0]
     group = n_head // n_kv
     n_var = qvar.shape[0]
+    vb = np.empty((5, hd), np.float32)
     for h in range(n_kv):
         n = count_l[h]
         h0 = h * group
@@ -223,7 +213,9 @@ def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, r
         for j in range(n):
             off = kbase_l[h, j] - pos_l[h, j]
             if off < 0 or off >= n_var:
-                rotate_by_table(k_l[h, j], k_l[h, j], -off, cos, sin, rotary_dim)
+                kj = kv_row(k_l, h, j, vb[4])
+                rotate_by_table(vb[4], kj, -off, cos, sin, rotary_dim)
+                encode_row(k_l[h, j], vb[4])
                 kbase_l[h, j] = pos_l[h, j]
                 off = 0
             offs[j] = off
@@ -235,12 +227,13 @@ def attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, r
                 scale_group(qvar[o], h0, group, scale)
         for j in range(n):
             o = offs[j]
+            kj = kv_row(k_l, h, j, vb[4])
             for g in range(group):
                 acc = np.float32(0.0)
                 for d in range(hd):
-                    acc += qvar[o, h0 + g, d] * k_l[h, j, d]
+                    acc += qvar[o, h0 + g, d] * kj[d]
                 scores[h0 + g, j] = acc
-        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap)
+        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap, vb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,10 +251,12 @@ def attend_rk(out, q, k_l, rk_l, v_l, pos_l, count_l, q_pos, cosf, sinf, cos, si
               qrot, mass):
     """attend() reading keys through the RK cache: rk_l (n_kv, cap, rotary_dim) f32 = rotate_half of
     each key; cosf, sinf (n_pos, rotary_dim) full-width tables (FullRopeTable); cos, sin the
-    half-width ones (the query is rotated once). Other arguments as in attend()."""
+    half-width ones (the query is rotated once). Other arguments as in attend(); keys f32 only (the
+    RK cache is float32), values in any KV type."""
     n_head, hd = q.shape
     n_kv = k_l.shape[0]
     group = n_head // n_kv
+    vb = np.empty((4, hd), np.float32)
     for hq in range(n_head):
         rotate_into(qrot[hq], q[hq], q_pos, cos, sin, rotary_dim)
         for d in range(hd):
@@ -283,4 +278,4 @@ def attend_rk(out, q, k_l, rk_l, v_l, pos_l, count_l, q_pos, cosf, sinf, cos, si
                 for d in range(rotary_dim, hd):
                     acc += qg[d] * kj[d]
                 scores[h0 + g, j] = acc
-        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap)
+        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap, vb)

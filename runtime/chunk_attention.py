@@ -30,6 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from ringllm.runtime.fast_exp import exp_f32
+from ringllm.runtime.kv_codec import kv_row, kv_rows
 from ringllm.runtime.kv_write import kv_write_streaming
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rope_rows_at, rotate_with
@@ -61,9 +62,11 @@ def chunk_pays(n_seen: int, T: int, min_pairs: int = MIN_PAIRS) -> bool:
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _block(out, qrot, k_l, v_l, seq_l, h, group, t0, nt, seq0, n_slots, softcap, S, O, m, ls):
-    """Queries t0 .. t0 + nt - 1 of kv head h's group over slots [0, n_slots): out[t, h*group + g]."""
-    hd = k_l.shape[2]
+def _block(out, qrot, k_l, v_l, seq_l, h, group, t0, nt, seq0, n_slots, softcap, S, O, m, ls, vb):
+    """Queries t0 .. t0 + nt - 1 of kv head h's group over slots [0, n_slots): out[t, h*group + g].
+    k_l, v_l in any KV type; vb (K_BLOCK + 1, hd) f32 scratch: a key block's values decoded once
+    for all R rows, and a key."""
+    hd = qrot.shape[2]
     R = nt * group
     for r in range(R):
         m[r] = _NEG
@@ -76,7 +79,7 @@ def _block(out, qrot, k_l, v_l, seq_l, h, group, t0, nt, seq0, n_slots, softcap,
         if seq_l[h, j0] > last:                   # slots hold increasing sequence indices: none visible
             break
         for jj in range(nj):
-            kj = k_l[h, j0 + jj]
+            kj = kv_row(k_l, h, j0 + jj, vb[K_BLOCK])
             sj = seq_l[h, j0 + jj]
             for r in range(R):
                 t = t0 + r // group
@@ -90,6 +93,7 @@ def _block(out, qrot, k_l, v_l, seq_l, h, group, t0, nt, seq0, n_slots, softcap,
                 if softcap > 0:
                     acc = softcap * np.tanh(acc / softcap)
                 S[r, jj] = acc
+        vblk = kv_rows(v_l, h, j0, nj, vb)
         for r in range(R):
             mx = m[r]
             for jj in range(nj):
@@ -110,13 +114,13 @@ def _block(out, qrot, k_l, v_l, seq_l, h, group, t0, nt, seq0, n_slots, softcap,
             jj = 0
             while jj + 4 <= nj:
                 w0, w1, w2, w3 = S[r, jj], S[r, jj + 1], S[r, jj + 2], S[r, jj + 3]
-                v0, v1, v2, v3 = v_l[h, j0 + jj], v_l[h, j0 + jj + 1], v_l[h, j0 + jj + 2], v_l[h, j0 + jj + 3]
+                v0, v1, v2, v3 = vblk[jj], vblk[jj + 1], vblk[jj + 2], vblk[jj + 3]
                 for d in range(hd):
                     o[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d])
                 jj += 4
             while jj < nj:
                 w = S[r, jj]
-                vj = v_l[h, j0 + jj]
+                vj = vblk[jj]
                 for d in range(hd):
                     o[d] += w * vj[d]
                 jj += 1
@@ -144,7 +148,7 @@ def _attend_all(out, qrot, k_l, v_l, seq_l, seq0, n_slots, softcap):
         R = Q_BLOCK * group
         _block(out, qrot, k_l, v_l, seq_l, h, group, t0, nt, seq0, n_slots, softcap,
                np.empty((R, K_BLOCK), np.float32), np.empty((R, hd), np.float32),
-               np.empty(R, np.float32), np.empty(R, np.float32))
+               np.empty(R, np.float32), np.empty(R, np.float32), np.empty((K_BLOCK + 1, hd), np.float32))
 
 
 @njit(cache=True, nogil=True)

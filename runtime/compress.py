@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_codec import decode, encode
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.press import LayerPrompt, choose_layer
@@ -89,12 +90,18 @@ def held_slots(store: KVStore, il: int, h: int) -> np.ndarray:
     return np.argsort(store.seq[il][h, :n], kind="stable")
 
 
+def stored_key_values(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarray:
+    """(len(slots), hd) f32: those keys as the layer holds them (its layout), decoded from its KV type."""
+    rows = store.k[il][h, slots]
+    return rows.copy() if rows.dtype == np.float32 else decode(rows, store.spec.head_dim)
+
+
 def plain_keys(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarray:
     """(len(slots), hd) f32: those keys before RoPE, whatever the layer's layout."""
     mode = store.rope_mode(il)
-    k = store.k[il][h, slots]
+    k = stored_key_values(store, il, h, slots)
     if mode in ("fused", "rk"):
-        return k.copy()
+        return k
     if mode == "stored":
         return _rotate(store.spec, il, k, -store.seq[il][h, slots])
     if mode == "kshift":
@@ -111,14 +118,15 @@ def rotated_keys(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarr
     mode = store.rope_mode(il)
     pos = store.pos[il][h, slots]
     if mode == "kshift" or (mode == "stored" and np.array_equal(pos, store.seq[il][h, slots])):
-        return store.k[il][h, slots]
+        return stored_key_values(store, il, h, slots)
     return _rotate(store.spec, il, plain_keys(store, il, h, slots), pos)
 
 
 def laid_out_keys(store: KVStore, il: int, h: int, slots: np.ndarray, mode: str, pos: np.ndarray) -> np.ndarray:
     """(len(slots), hd) f32: those keys of `store` as a ring layer in layout `mode` holds them at
     positions `pos` (stored: rotated at the sequence index; kshift: at the position; fused: before
-    RoPE). Copied as they are when the source already holds them that way."""
+    RoPE). Copied as they are, rows in the store's KV type, when the source already holds them that
+    way; else float32 values (written through the destination's encoder)."""
     src = store.rope_mode(il)
     if mode == "stored" and src == "stored":
         return store.k[il][h, slots]
@@ -155,7 +163,8 @@ def transplant(store: KVStore, keep: list, kv: KVConfig, engine, layer_capacity:
                 raise ConfigError(f"layer {il} keeps {n} tokens, more than the decode store's {dst.seq[il].shape[1]}")
             seq = store.seq[il][h, slots]
             pos = np.arange(n, dtype=np.int64) if dst.reindexed else seq
-            dst.k[il][h, :n] = laid_out_keys(store, il, h, slots, mode, pos)
+            rows = laid_out_keys(store, il, h, slots, mode, pos)
+            dst.k[il][h, :n] = rows if rows.dtype == dst.k[il].dtype else encode(rows, dst.kv.k_type)
             dst.v[il][h, :n] = store.v[il][h, slots]
             dst.seq[il][h, :n] = seq
             dst.rank[il][h, :n] = np.arange(n)

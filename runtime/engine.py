@@ -32,6 +32,7 @@ from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.host_memory import release_array_pages
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import KVStore
+from ringllm.runtime.kv_codec import round_trip
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies.base import Policy
 from ringllm.runtime.policy_step import policy_write_attend
@@ -92,8 +93,9 @@ class CPUEngine:
                 change when an eviction re-indexes them (llama.cpp's K-shift).
         Layers where a policy chooses victims use "rebased" (keys rotated at a per-slot base position
         kept within REBASE_LIMIT of the slot's position, the query rotated once per offset: see
-        attention.attend_rebased), or "fused" when rope is "fused" or the policy reads the stored
-        keys as they were before RoPE (rkv, gvote). bench/rope_strategies.py measures them.
+        attention.attend_rebased), or "fused" when rope is "fused", the policy reads the stored
+        keys as they were before RoPE (rkv, gvote), or the keys are quantized (KVConfig.k_type: a
+        re-rotation would quantize a key again). bench/rope_strategies.py measures them.
         precision: "f32" (default): the weight products take float32 activations, exact up to the
             accumulation order; "q8": llama.cpp's numerics, activations quantized to 8 bits per
             block in every product with a Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K weight (integer dot
@@ -205,9 +207,13 @@ class CPUEngine:
         if self.sc.grow(cap):
             self.offs = np.zeros(cap, np.int64)
             self.head_offs = np.zeros((self.spec.n_head_kv, cap), np.int64)
-        policy_mode = "fused" if self.rope == "fused" or store.policy_impl.plain_keys else "rebased"
+        plain = self.rope == "fused" or store.policy_impl.plain_keys or store.kv.quantized_keys
+        policy_mode = "fused" if plain else "rebased"
         ring_mode = store.ring_rope or self.rope          # a compressed store may fix its own (kv_store.py)
         modes = [policy_mode if store.uses_policy(il) else ring_mode for il in range(self.spec.n_layer)]
+        if "rk" in modes and store.kv.quantized_keys:
+            raise ConfigError(f"rope 'rk' caches rotate_half(k) in float32 beside f32 keys; k_type "
+                              f"{store.kv.k_type!r} needs rope 'stored', 'fused' or 'kshift'")
         if store.update == "shift" and self.rope in ("rk", "kshift"):
             raise ConfigError(f"rope {self.rope!r} works on the in-place store only (update 'inplace')")
         old = store.layer_rope_mode
@@ -523,8 +529,9 @@ class CPUEngine:
                                 store.rotation_args(il),
                                 (sc.out, q_t, table.cos, table.sin, scale, attn_cap, sc.scores, self.qvar, self.qvar_have,
                                  sc.krot, sc.qrot, sc.qpos, mass, self.offs))
-            if inserts:          # the policy's per-token state of the new slot (reads neither attention nor out)
-                policy.on_insert(store, il, kk[t], q_t)
+            if inserts:          # the policy's per-token state of the new slot (reads neither attention nor out),
+                k_pre = kk[t] if not store.kv.quantized_keys else round_trip(kk[t], store.kv.k_type)   # from the
+                policy.on_insert(store, il, k_pre, q_t)                                # key as the store holds it
             policy.observe(store, il, mass, seq)
             if hook is not None:
                 hook(il, mass, store)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.eviction import keep_after
+from ringllm.runtime.kv_types import check_kv_type
 from ringllm.runtime.policies import REGISTRY
 
 POLICIES = ("full", "streaming", "h2o", "scissorhands", "tova", "knorm", "lsh", "random", "snapkv", "pyramidkv",
@@ -56,6 +57,13 @@ class KVConfig:
     rkv_lambda: `rkv` weight of importance against redundancy, in [0, 1].
     seed: seed of `random`, `lsh` projections and `gvote` sampling.
     update: "inplace" (EQUIP) | "shift" (shift-and-append baseline for benchmarks: survivors copied down).
+    k_type, v_type: how keys and values are held, runtime/kv_types.py: "f32" (default), "f16", "q8_0"
+        or "q4_0" (llama.cpp's block layouts along head_dim, one f16 scale per 32 values; head_dim
+        must be a multiple of 32). A row is encoded once, when its token is written, and slots move
+        as encoded rows. Keys the layer's RoPE strategy stores rotated ("stored": at the sequence
+        index) are quantized after rotation; policy layers of a quantized-key store keep keys before
+        RoPE (rotated as read), so no eviction ever re-quantizes a key; the "kshift" strategy
+        re-rotates (decodes, rotates, encodes) a key each time an eviction re-indexes it.
 
     Prompt compression after prefill (runtime/press.py, runtime/compress.py; generate, chat and chat
     sessions): the whole prompt is prefilled into a transient store sized to it, the press scores the
@@ -100,6 +108,8 @@ class KVConfig:
     compress_window: int = 64
     compress_pool: int = 5
     max_prompt: int | None = None
+    k_type: str = "f32"
+    v_type: str = "f32"
 
     def __post_init__(self):
         self.validate()
@@ -118,6 +128,8 @@ class KVConfig:
         need(self.policy in POLICIES, f"policy {self.policy!r} unknown; valid: {', '.join(POLICIES)}")
         need(self.positions in POSITION_MODES, f"positions {self.positions!r} unknown; valid: {', '.join(POSITION_MODES)}")
         need(self.update in UPDATE_MODES, f"update {self.update!r} unknown; valid: {', '.join(UPDATE_MODES)}")
+        check_kv_type(self.k_type, "k_type")
+        check_kv_type(self.v_type, "v_type")
         need(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
         need(self.recent is None or self.recent >= 0, f"recent must be >= 0, got {self.recent}")
         for name in ("lazy", "slack", "max_drop"):
@@ -188,6 +200,11 @@ class KVConfig:
         if self.recent is not None:
             return self.recent
         return REGISTRY[self.policy].default_recent(self)
+
+    @property
+    def quantized_keys(self) -> bool:
+        """Whether keys are held in a type other than f32 (their layout then avoids re-rotations)."""
+        return self.k_type != "f32"
 
     @property
     def staged(self) -> bool:

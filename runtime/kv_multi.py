@@ -31,6 +31,7 @@ from numba import njit
 
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.eviction import GRID_GIVEN, choose_victims, count_below
+from ringllm.runtime.kv_codec import encode_row
 from ringllm.runtime.rope_kernels import REBASE_LIMIT
 
 # ---------------------------------------------------------------------------------------------
@@ -43,8 +44,9 @@ def kv_put_rows(k_l, v_l, heads, slots, k_rows, v_rows):
     """k_l[heads[i], slots[i]] = k_rows[i], v_l[...] = v_rows[i] for i = 0..m-1 in order (a later row
     wins where a (head, slot) repeats).
 
-    k_l, v_l (n_kv, P, d) f32 (v_l may be k_l's RK twin (n_kv, P, rotary_dim) with v_rows the same
-    width); heads, slots (m,) i64; k_rows, v_rows (m, d) f32. Returns None."""
+    k_l, v_l (n_kv, P, d) in the store's KV types (v_l may be k_l's RK twin (n_kv, P, rotary_dim) with
+    v_rows the same width); heads, slots (m,) i64; k_rows, v_rows (m, d) rows of the same types (saved
+    from the store: copied as they are). Returns None."""
     d = k_l.shape[2]
     dv = v_l.shape[2]
     for i in range(heads.shape[0]):
@@ -60,11 +62,11 @@ def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
                     v_new, seq_new, reindexed, rebased, vseq):
     """m new tokens enter and the m tokens in their slots leave, per head, in one pass.
 
-    k_l, v_l (n_kv, P, hd) f32; seq_l, rank_l, pos_l, kbase_l, aux_l (n_kv, P) i64; score_l (n_kv, P) f64;
+    k_l, v_l (n_kv, P, width) in the store's KV types; seq_l, rank_l, pos_l, kbase_l, aux_l (n_kv, P) i64; score_l (n_kv, P) f64;
     hist_l (n_kv, w, P) f32; count_l, evicted_l (n_kv,) i64 (the store's arrays of one layer).
     slots (n_kv, m) i64: slot of head h that new token i takes: an occupied slot (its token leaves)
     or a free one (slots count, count + 1, ... in order of use; checked by the caller).
-    k_new, v_new (m, n_kv, hd) f32; seq_new (m,) i64 increasing and newer than every held token
+    k_new, v_new (m, n_kv, hd) f32 (encoded as written); seq_new (m,) i64 increasing and newer than every held token
     (checked by the caller). vseq (m,) i64 scratch.
 
     A survivor's rank drops by the number of leaving tokens older than it (binary search over their
@@ -74,7 +76,6 @@ def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
     """
     n_kv = seq_l.shape[0]
     m = seq_new.shape[0]
-    hd = k_l.shape[2]
     w = hist_l.shape[1]
     for h in range(n_kv):
         n = count_l[h]
@@ -107,9 +108,8 @@ def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
             aux_l[h, s] = 0
             for c in range(w):
                 hist_l[h, c, s] = 0.0
-            for d in range(hd):
-                k_l[h, s, d] = k_new[i, h, d]
-                v_l[h, s, d] = v_new[i, h, d]
+            encode_row(k_l[h, s], k_new[i, h])
+            encode_row(v_l[h, s], v_new[i, h])
         count_l[h] = n_after
         evicted_l[h] += n_leave
 

@@ -1,7 +1,9 @@
 """The fixed-capacity KV store of one sequence, written in place (EQUIP), with logical positions per slot.
 
 Arrays per layer il (allocated once, never resized, never shifted; P = physical slots, see below):
-    k[il], v[il]   (n_kv_head, P, head_dim) float32   keys laid out as the layer's RoPE strategy keeps
+    k[il], v[il]   (n_kv_head, P, width)              rows in the KVConfig's k_type / v_type
+                                                       (runtime/kv_types.py; f32: width = head_dim);
+                                                       keys laid out as the layer's RoPE strategy keeps
                                                        them (runtime/rope.py: rotated at the sequence
                                                        index for "stored", the default on ring layers;
                                                        at `kbase` on "rebased" policy layers; before
@@ -49,14 +51,18 @@ configured capacity: their own window, exactly as the model defines it, whatever
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, keep_after
 from ringllm.runtime.key_sum import key_sums
+from ringllm.runtime.kv_codec import decode, encode
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
 from ringllm.runtime.host_memory import lazy_zeros, small_pages
+from ringllm.runtime.kv_types import STORE_DTYPE, check_kv_type, row_width
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
@@ -105,6 +111,8 @@ class KVStore:
         elif kwargs:
             raise ConfigError(f"pass a KVConfig or keyword arguments, not both (got {sorted(kwargs)})")
         kv.validate()
+        check_kv_type(kv.k_type, "k_type", spec.head_dim)
+        check_kv_type(kv.v_type, "v_type", spec.head_dim)
         capacity, sinks = kv.capacity, kv.sinks
         if kv.policy == "full":
             if capacity is not None and not 1 <= capacity <= spec.n_ctx:
@@ -150,8 +158,9 @@ class KVStore:
         self.layer_physical = phys
         hw = self.policy_impl.history_width
         with small_pages():           # a new store's first token would fault in huge pages (host_memory.py)
-            self.k = [lazy_zeros((nkv, p, hd), np.float32) for p in phys]
-            self.v = [lazy_zeros((nkv, p, hd), np.float32) for p in phys]
+            kw, vw = row_width(kv.k_type, hd), row_width(kv.v_type, hd)
+            self.k = [lazy_zeros((nkv, p, kw), STORE_DTYPE[kv.k_type]) for p in phys]
+            self.v = [lazy_zeros((nkv, p, vw), STORE_DTYPE[kv.v_type]) for p in phys]
             self.hist = [lazy_zeros((nkv, hw, p), np.float32) for p in phys]
         self.seq = [np.full((nkv, p), -1, np.int64) for p in phys]
         self.rank = [lazy_zeros((nkv, p), np.int64) for p in phys]
@@ -393,6 +402,33 @@ class KVStore:
         branch, a prompt prefix shared by several requests). The copy belongs to no engine yet: the
         engine adopts it on its first use. ConfigError during a rollback journal."""
         return KVStore.from_snapshot(self.spec, self.snapshot())
+
+    def convert_types(self, k_type: str, v_type: str) -> "KVStore":
+        """A copy of this store holding its keys and values in k_type / v_type (KVConfig): each row
+        decoded and encoded again (a quantized row keeps its rounding; f32 -> q8_0 rounds as a write
+        would). Keys are converted in their layout; a policy layer laid out "rebased" is first re-laid
+        "fused" when the keys become quantized (the layout a quantized store's policy layers use,
+        engine.adopt_store). The copy belongs to no engine yet. ConfigError for an unknown type or
+        during a rollback journal."""
+        kv = replace(self.kv, k_type=k_type, v_type=v_type)      # validates the names
+        check_kv_type(k_type, "k_type", self.spec.head_dim)
+        check_kv_type(v_type, "v_type", self.spec.head_dim)
+        src = self.fork()
+        modes = list(self.layer_rope_mode) if self.layer_rope_mode is not None else None
+        if modes is not None and kv.quantized_keys:
+            for il, mode in enumerate(modes):
+                if mode == "rebased":
+                    src.convert_rope_layout(il, "rebased", "fused")
+                    modes[il] = "fused"
+        state = src.state()
+        hd = self.spec.head_dim
+        arrays = dict(state["arrays"])
+        for il in range(self.spec.n_layer):
+            for field, name in (("k", k_type), ("v", v_type)):
+                rows = arrays[f"{field}.{il}"]
+                if rows.dtype != STORE_DTYPE[name]:
+                    arrays[f"{field}.{il}"] = encode(decode(rows, hd) if rows.dtype != np.float32 else rows, name)
+        return KVStore.restore(self.spec, {**state, "kv": kv.to_dict(), "arrays": arrays, "layer_rope_mode": modes})
 
     def snapshot(self) -> "StoreSnapshot":
         """This store's state in as many bytes as it has written (StoreSnapshot): what a prompt cache

@@ -21,6 +21,7 @@ from numba import njit
 
 from ringllm.runtime.eviction import GRID_GIVEN, count_below, pick_victims, ring_slot
 from ringllm.runtime.key_sum import key_inv_norm, key_sum_move
+from ringllm.runtime.kv_codec import encode_row
 from ringllm.runtime.rope_kernels import rotate_key_by
 
 # The arrays of one layer in the order the kernels take them: one tuple per layer (KVStore.layers),
@@ -30,13 +31,20 @@ LAYER_FIELDS = ("k", "v", "seq", "rank", "pos", "kbase", "score", "aux", "hist",
 K, V, SEQ, RANK, POS, KBASE, SCORE, AUX, HIST, COUNT, EVICTED, KSUM = range(len(LAYER_FIELDS))
 
 @njit(cache=True, nogil=True, inline="always")
+def copy_row(a_l, h, dst, src):
+    """Row dst of head h of a store array (n_kv, P, width) = row src, in the store's type as it is."""
+    for d in range(a_l.shape[2]):
+        a_l[h, dst, d] = a_l[h, src, d]
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new):
-    """Slot `slot` of head h takes token seq_new at logical position pos_new: k_new[h], v_new[h] (hd,)."""
+    """Slot `slot` of head h takes token seq_new at logical position pos_new: k_new[h], v_new[h] (hd,)
+    f32, encoded in the store's KV types (kv_types.py; quantized once, here)."""
     seq_l[h, slot] = seq_new
     pos_l[h, slot] = pos_new
-    for d in range(k_l.shape[2]):
-        k_l[h, slot, d] = k_new[h, d]
-        v_l[h, slot, d] = v_new[h, d]
+    encode_row(k_l[h, slot], k_new[h])
+    encode_row(v_l[h, slot], v_new[h])
 
 
 @njit(cache=True, nogil=True)
@@ -64,7 +72,6 @@ def kv_write_shift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq
     non-sink) is copied one slot down and the new token is appended at the end. Kept only as the
     honest baseline of the in-place update in benchmarks."""
     n_kv, cap = seq_l.shape
-    hd = k_l.shape[2]
     for h in range(n_kv):
         n = count_l[h]
         if n < cap:
@@ -75,9 +82,8 @@ def kv_write_shift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq
             for j in range(sinks, cap - 1):
                 seq_l[h, j] = seq_l[h, j + 1]
                 pos_l[h, j] = j if reindexed else pos_l[h, j + 1]
-                for d in range(hd):
-                    k_l[h, j, d] = k_l[h, j + 1, d]
-                    v_l[h, j, d] = v_l[h, j + 1, d]
+                copy_row(k_l, h, j, j + 1)
+                copy_row(v_l, h, j, j + 1)
             slot = cap - 1
         _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, slot if reindexed else seq_new)
 
@@ -93,9 +99,8 @@ def _move_slot(lay, h, dst, src, reindexed):
         pos_l[h, dst] = pos_l[h, src]
     score_l[h, dst] = score_l[h, src]
     aux_l[h, dst] = aux_l[h, src]
-    for d in range(k_l.shape[2]):
-        k_l[h, dst, d] = k_l[h, src, d]
-        v_l[h, dst, d] = v_l[h, src, d]
+    copy_row(k_l, h, dst, src)
+    copy_row(v_l, h, dst, src)
     for i in range(hist_l.shape[1]):
         hist_l[h, i, dst] = hist_l[h, i, src]
 
@@ -213,7 +218,7 @@ def kv_write_policy(lay, k_new, v_new, seq_new, wr, victims, rw):
                 got = pick_victims(key_l, grid, h, drop_h[h], seq_l, rank_l, count_l, sinks, recent, victims)
             if ksum.shape[0] > 0:
                 for m in range(got):
-                    key_sum_move(ksum, k_l, h, victims[m], score_l[h, victims[m]], -1)
+                    key_sum_move(ksum, k_l, h, victims[m], score_l[h, victims[m]], -1, tmp)
             if shift:
                 evict_slots_shift(lay, h, victims, got, reindexed)
             else:
@@ -229,8 +234,8 @@ def kv_write_policy(lay, k_new, v_new, seq_new, wr, victims, rw):
             hist_l[h, i, slot] = 0.0
         count_l[h] = slot + 1
         if ksum.shape[0] > 0:
-            score_l[h, slot] = key_inv_norm(k_l, h, slot)
-            key_sum_move(ksum, k_l, h, slot, score_l[h, slot], 1)
+            score_l[h, slot] = key_inv_norm(k_l, h, slot, tmp)
+            key_sum_move(ksum, k_l, h, slot, score_l[h, slot], 1, tmp)
         if rebase != 0:
             kbase_l[h, slot] = pos_l[h, slot]
             rotate_key_by(k_l, h, slot, pos_l[h, slot], angle_tag, angles, inv_freq, inv_scale, rotary_dim, tmp)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from numba import njit
 
-from ringllm.runtime.attention import cap_scores, group_scores, scale_group, softmax_inplace
+from ringllm.runtime.attention import cap_scores, scale_group, softmax_inplace
+from ringllm.runtime.kv_row_math import group_scores
 from ringllm.runtime.eviction import count_below
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import rotate_into

@@ -56,6 +56,9 @@ class PagedStore:
                  compact_every: int = 0, compaction: str = "fill", seq_id: int | None = None):
         kv = kv or KVConfig()
         kv.validate()
+        if kv.k_type != "f32" or kv.v_type != "f32":
+            raise ConfigError(f"the paged KV pool holds float32 rows; k_type {kv.k_type!r} / v_type {kv.v_type!r} "
+                              "need the dense store (supported here: f32)")
         if kv.policy not in ("streaming", "full") or kv.staged:
             raise ConfigError(f"the paged store offers policies 'streaming' (without staged eviction) and 'full'; "
                               f"got {kv.policy!r}{' with staging' if kv.staged else ''}")

@@ -10,7 +10,11 @@ position. Positions (DESIGN.md):
 Eviction: `full` (grow to the model's context, then an error), `streaming` (StreamingLLM: keep
 the first `sinks` tokens and the most recent ones; the victim is the oldest non-sink token) and the
 score-based policies of runtime/reference_policies.py (NumPy, written apart from the Numba ones),
-with staged eviction (lazy/slack/max_drop). Sliding-window layers (Gemma 3) hold min(window,
+with staged eviction (lazy/slack/max_drop). KV types (KVConfig k_type / v_type): a token's key and
+value are rounded as they enter, through gguf's NumPy quantizers, exactly where the CPU engine's
+store rounds them: values as they are; keys of policy layers before RoPE; keys of ring layers
+rotated at their sequence index (the engine's "stored" strategy; ReferenceCache's ring_keys),
+rounded, and rotated back to this cache's before-RoPE form. Sliding-window layers (Gemma 3) hold min(window,
 capacity) tokens and, when the window fits the capacity, behave exactly like the model's own
 window: the oldest token leaves, no sinks, no policy.
 
@@ -44,6 +48,18 @@ def dequantize_reference(t: QTensor) -> np.ndarray:
 
     vals = quants.dequantize(np.ascontiguousarray(t.data), GGMLQuantizationType(int(t.qtype)))
     return np.ascontiguousarray(vals, dtype=np.float32).reshape(t.shape)
+
+
+def round_kv_type(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """x (..., hd) float32 as a KV store of type kv_type holds it: gguf's NumPy quantize and dequantize
+    (f16: NumPy's half conversion), independent of ringllm.runtime.kv_types."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if kv_type == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    qt = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[kv_type]
+    return np.ascontiguousarray(quants.dequantize(quants.quantize(x, qt), qt), dtype=np.float32).reshape(x.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,11 +96,16 @@ class ReferenceCache:
     Args:
         spec: the model.
         kv: a KVConfig, or its keyword arguments (capacity, policy, sinks, positions, knobs).
+        ring_keys: where the engine being checked rounds the quantized keys of ring layers: "stored"
+            (rotated at the sequence index, CPUEngine's default) or "fused" (before RoPE).
     """
 
-    def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, **kwargs):
+    def __init__(self, spec: ModelSpec, kv: KVConfig | None = None, ring_keys: str = "stored", **kwargs):
         kv = kv if kv is not None else KVConfig(**kwargs)
         kv.validate()
+        if ring_keys not in ("stored", "fused"):
+            raise ConfigError(f"ring_keys {ring_keys!r} unknown; valid: 'stored', 'fused'")
+        self.ring_keys = ring_keys
         if kv.policy not in REF_POLICIES:
             raise ConfigError(f"reference engine policy {kv.policy!r} unknown; valid: {tuple(REF_POLICIES)}")
         self.spec, self.kv, self.policy, self.positions = spec, kv, kv.policy, kv.positions
@@ -132,7 +153,9 @@ class ReferenceCache:
 
     def insert(self, il: int, k: np.ndarray, v: np.ndarray, seq: int, q: np.ndarray | None = None) -> None:
         """Make room (shift out the victims) and append token `seq`: k, v (n_kv_head, head_dim) before RoPE;
-        q (n_head, head_dim) its query before RoPE (policies that choose by the query)."""
+        q (n_head, head_dim) its query before RoPE (policies that choose by the query). k and v are
+        rounded to the KV types first (rounded_kv)."""
+        k, v = self.rounded_kv(il, k, v, seq)
         lc = self.layers[il]
         n_drop = self.n_drop(il)
         if lc.ragged and not lc.policy:       # ring: a full head drops its oldest non-sink token
@@ -175,6 +198,23 @@ class ReferenceCache:
         if q is not None and lc.policy:
             self.query_history[il][seq] = q.copy()
             self.query_history[il].pop(seq - self.kv.window, None)
+
+    def rounded_kv(self, il: int, k: np.ndarray, v: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """k, v (n_kv, hd) as the store holds them under the KV types (module docstring), keys given
+        and returned before RoPE."""
+        kv = self.kv
+        if kv.v_type != "f32":
+            v = round_kv_type(v, kv.v_type)
+        if kv.k_type != "f32":
+            ring = not self.layers[il].policy or kv.ring     # the engine's ring layers (kv_store.py)
+            if not ring or self.ring_keys == "fused":
+                k = round_kv_type(k, kv.k_type)
+            else:
+                s = self.spec
+                base, scale = layer_freqs(s, il), s.rope_scale[il]
+                at = rope(k[:, None, :], np.array([seq]), s.rotary_dim, base, scale)[:, 0]
+                k = rope(round_kv_type(at, kv.k_type)[:, None, :], np.array([-seq]), s.rotary_dim, base, scale)[:, 0]
+        return k, v
 
     def observe(self, il: int, weights: np.ndarray) -> None:
         """weights (n_head, L): this step's attention rows, in the order of the held tokens."""

@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.eviction import ring_slot
+from ringllm.runtime.kv_codec import encode_row, kv_row
 from ringllm.runtime.numba_flags import FASTMATH
 
 # "rebased" policy layers: the largest offset (kbase - pos) a stored key may have before it is
@@ -87,13 +88,13 @@ def rope_rows_at(x, p, inv_freq, inv_scale, rotary_dim, tmp):
 @njit(cache=True, nogil=True, inline="always")
 def rotate_key_by(k_l, h, j, delta, have, angles, inv_freq, inv_scale, rotary_dim, tmp):
     """Key j of head h rotated in place by `delta` positions; angles (2, rotary_dim/2) caches the
-    cos/sin of the delta in have[0] (recomputed only when the delta changes)."""
+    cos/sin of the delta in have[0] (recomputed only when the delta changes). tmp (hd,) f32 scratch.
+    A quantized key is decoded, rotated and encoded again (kv_types.py)."""
     if delta != have[0]:
         angles_at(angles[0], angles[1], delta, inv_freq, inv_scale)
         have[0] = delta
-    rotate_with(tmp, k_l[h, j], angles[0], angles[1], rotary_dim)
-    for d in range(k_l.shape[2]):
-        k_l[h, j, d] = tmp[d]
+    rotate_with(tmp, kv_row(k_l, h, j, tmp), angles[0], angles[1], rotary_dim)
+    encode_row(k_l[h, j], tmp)
 
 
 @njit(cache=True, nogil=True)
@@ -134,9 +135,9 @@ def kv_write_kshift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, se
     mode an eviction moves every newer token down one position, so its stored key is re-rotated by
     -1 in place (back (2, rotary_dim/2) f32: cos, sin of -inv_freq/scale). The new key k_new
     (pre-RoPE) is rotated at its position as it is written. angles (2, rotary_dim/2) f32 and tmp
-    (hd,) f32 are scratch."""
+    (hd,) f32 are scratch. A quantized key is re-rotated as llama.cpp's K-shift does it on a
+    quantized cache: decoded, rotated, encoded again (each re-rotation rounds it once more)."""
     n_kv, cap = seq_l.shape
-    hd = k_l.shape[2]
     have = np.int64(-1)
     for h in range(n_kv):
         slot, pos_new, victim_seq = ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new)
@@ -144,15 +145,13 @@ def kv_write_kshift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, se
             for j in range(cap):
                 if seq_l[h, j] > victim_seq:
                     pos_l[h, j] -= 1
-                    rotate_with(tmp, k_l[h, j], back[0], back[1], rotary_dim)
-                    for d in range(hd):
-                        k_l[h, j, d] = tmp[d]
+                    rotate_with(tmp, kv_row(k_l, h, j, tmp), back[0], back[1], rotary_dim)
+                    encode_row(k_l[h, j], tmp)
         if pos_new != have:
             angles_at(angles[0], angles[1], pos_new, inv_freq, inv_scale)
             have = pos_new
         rotate_with(tmp, k_new[h], angles[0], angles[1], rotary_dim)
         seq_l[h, slot] = seq_new
         pos_l[h, slot] = pos_new
-        for d in range(hd):
-            k_l[h, slot, d] = tmp[d]
-            v_l[h, slot, d] = v_new[h, d]
+        encode_row(k_l[h, slot], tmp)
+        encode_row(v_l[h, slot], v_new[h])

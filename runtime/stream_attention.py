@@ -13,7 +13,8 @@ stores and reused while the batch keeps them (a server's batch changes only when
 leaves).
 
 When it applies (streams_fit): every store's layer is a ring in the "stored" RoPE layout, updated in
-place, with no rollback journal and no hooks that watch the attention (mass_hook, query_hook).
+place, with no rollback journal and no hooks that watch the attention (mass_hook, query_hook), and
+the stores hold their rows in the same KV types.
 """
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ __all__ = ["StreamArrays", "streams_fit", "write_attend_streams"]
 
 
 def streams_fit(stores, il: int) -> bool:
-    """True when layer il of every store can go through write_attend_streams."""
+    """True when layer il of every store can go through write_attend_streams (the typed lists hold
+    one array type: every store's K rows of one KV type, and its V rows of one)."""
+    if len({(st.k[il].dtype, st.v[il].dtype) for st in stores}) > 1:
+        return False
     for st in stores:
         if (not st.layer_ring[il] or st.update != "inplace" or st.journal is not None
                 or st.layer_rope_mode[il] != "stored" or st.mass_hook is not None or st.query_hook is not None):
@@ -40,13 +44,17 @@ def streams_fit(stores, il: int) -> bool:
 
 class StreamArrays:
     """Typed lists of the B stores' arrays of each layer (k, v, seq, pos, count, evicted), with the
-    stores' sinks per layer and position modes, for one set of stores (`key`)."""
+    stores' sinks per layer and position modes, for one set of stores (`key`); None for a layer
+    whose stores hold rows of different KV types (streams_fit is False there)."""
 
     def __init__(self, stores, n_layer: int):
         self.key = self._key(stores)
         self.stores = list(stores)          # keeps the ids in key valid
         self.layers = []
         for il in range(n_layer):
+            if len({(st.k[il].dtype, st.v[il].dtype) for st in stores}) > 1:
+                self.layers.append(None)      # stores of mixed KV types: one typed list cannot hold them
+                continue
             lists = []
             for field in ("k", "v", "seq", "pos", "count", "evicted"):
                 lst = List()

@@ -257,3 +257,23 @@ def test_bounded_history_keeps_the_last_tokens_and_exchange(llm, tmp_path):
     assert b.send("And cows?", stream=False).tokens == full.send("And cows?", stream=False).tokens
     with pytest.raises(ConfigError, match="history_tokens"):
         llm.chat_session(history_tokens=0)
+
+
+def test_quantized_kv_session_saves_and_converts(llm, tmp_path):
+    """A session with a q8_0 store saves and restores token-identically, keeping its types; loaded with
+    kv_types=(f32, f32) its store is converted (rows decoded) and it says so; a bad type is a ConfigError."""
+    kv = KVConfig(capacity=64, policy="streaming", sinks=4, k_type="q8_0", v_type="q8_0")
+    a = llm.chat_session(kv=kv, seed=5, max_tokens=12)
+    a.send("Name three colours.", stream=False)
+    path = a.save(tmp_path / "q8.session")
+    cont_a = a.send("And two fruits?", stream=False).tokens
+    b = ChatSession.load(llm, path)
+    assert b.kv == kv and b.store.k[0].dtype == np.int8 and b.saved_kv_types == ("q8_0", "q8_0")
+    assert b.send("And two fruits?", stream=False).tokens == cont_a
+    c = ChatSession.load(llm, path, kv_types=("f32", "f32"))
+    assert (c.kv.k_type, c.kv.v_type) == ("f32", "f32") and c.store.k[0].dtype == np.float32
+    assert c.saved_kv_types == ("q8_0", "q8_0")
+    assert c.store.n_seen == c.n_fed
+    c.send("And two fruits?", stream=False)                  # the converted store decodes on
+    with pytest.raises(ConfigError, match="k_type 'q3' unknown"):
+        ChatSession.load(llm, path, kv_types=("q3", "f32"))

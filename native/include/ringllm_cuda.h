@@ -13,7 +13,9 @@
  * Numerics follow the CPU engine (runtime/engine.py): weights stay in their GGUF blocks on the
  * device and are dequantized in registers, every accumulation is float32 (norm statistics float64),
  * RoPE angles are computed in float64 and rounded to float32, keys are stored before RoPE and
- * rotated by their slot's logical position when read.
+ * rotated by their slot's logical position when read. K and V rows are held in the store's element
+ * types (rl_store_params k_type / v_type: f32, f16 or q8_0, the row layouts of runtime/kv_types.py),
+ * encoded once when their token is written and decoded in registers when read.
  *
  * Threads: one handle must not be used by two threads at once; distinct handles may.
  */
@@ -184,10 +186,16 @@ typedef struct {
                                    victim = slot sinks + evictions mod (C_l - sinks), P_l = C_l */
     const float *lsh_proj;      /* (n_layer, lsh_bits, head_dim) float32 projections, or NULL
                                    unless policy is RL_POLICY_LSH */
+    int k_type, v_type;         /* element types of the K and V rows, GGML codes: RL_TYPE_F32 (0: a
+                                   zeroed struct), RL_TYPE_F16 (IEEE half per value), RL_TYPE_Q8_0
+                                   (block_q8_0 along head_dim, head_dim a multiple of 32); a row of
+                                   head_dim values takes 4 * head_dim, 2 * head_dim or
+                                   head_dim / 32 * 34 bytes */
 } rl_store_params;
 
 /* Allocate an empty store for model m (rl_model_ready must have succeeded).
- * RL_ERR_ARG: C_l < 1, P_l < C_l, sinks_l >= C_l on a ring layer, lsh_proj missing, ... */
+ * RL_ERR_ARG: C_l < 1, P_l < C_l, sinks_l >= C_l on a ring layer, lsh_proj missing, a k_type /
+ * v_type other than f32, f16, q8_0 (the message names them), q8_0 with head_dim % 32 != 0, ... */
 int rl_store_init(rl_store **out, rl_model *m, const rl_store_params *p);
 
 /* Release the store. NULL is a no-op. */
@@ -199,10 +207,11 @@ int rl_store_reset(rl_store *s);
 /* Counters: held (n_layer, n_head_kv) and evicted (n_layer, n_head_kv) int64, and tokens seen. */
 int rl_store_counts(rl_store *s, int64_t *held, int64_t *evicted, int64_t *n_seen);
 
-/* Copy layer il's slots to the host for inspection: k, v (n_head_kv, P_l, head_dim) float32 (keys
- * before RoPE), seq, pos (n_head_kv, P_l) int32 (-1 / 0 for empty slots), score (n_head_kv, P_l)
- * float64. Any pointer may be NULL (skipped). */
-int rl_store_read_layer(rl_store *s, int il, float *k, float *v, int32_t *seq, int32_t *pos, double *score);
+/* Copy layer il's slots to the host for inspection: k, v (n_head_kv, P_l) rows as the store holds
+ * them (keys before RoPE), each of the k_type / v_type row bytes (rl_store_params), seq, pos
+ * (n_head_kv, P_l) int32 (-1 / 0 for empty slots), score (n_head_kv, P_l) float64. Any pointer may
+ * be NULL (skipped). */
+int rl_store_read_layer(rl_store *s, int il, void *k, void *v, int32_t *seq, int32_t *pos, double *score);
 
 /* Device bytes of the store (K, V and slot metadata). */
 int rl_store_bytes(rl_store *s, int64_t *out);
@@ -254,12 +263,14 @@ int rl_kernel_embed(int device, int qtype, int64_t n_rows, int64_t n_cols, const
                     const int32_t *ids, int n, float embed_scale, float *out);
 
 /* Attention of one query over one layer's slots (runtime/attention.py attend()):
- * q (n_head, hd) before RoPE; k, v (n_kv, P, hd) keys before RoPE; pos (n_kv, P) int32 logical
- * positions; count (n_kv,) int32 occupied slots (each >= 1, <= P); q_pos the query's position.
- * out (n_head, hd); weights (n_head, P) float32 softmax weights (columns past count untouched). */
-int rl_kernel_attend(int device, const float *q, const float *k, const float *v, const int32_t *pos,
-                     const int32_t *count, int n_head, int n_kv, int P, int hd, int rotary_dim, double rope_base,
-                     double rope_scale, float attn_scale, int q_pos, float *out, float *weights);
+ * q (n_head, hd) float32 before RoPE; k, v (n_kv, P) rows of types k_type, v_type (as
+ * rl_store_params: RL_TYPE_F32, RL_TYPE_F16, RL_TYPE_Q8_0), keys before RoPE; pos (n_kv, P) int32
+ * logical positions; count (n_kv,) int32 occupied slots (each >= 1, <= P); q_pos the query's
+ * position. out (n_head, hd); weights (n_head, P) float32 softmax weights (columns past count
+ * untouched). RL_ERR_ARG (before any device call) on another type. */
+int rl_kernel_attend(int device, const float *q, const void *k, const void *v, int k_type, int v_type,
+                     const int32_t *pos, const int32_t *count, int n_head, int n_kv, int P, int hd, int rotary_dim,
+                     double rope_base, double rope_scale, float attn_scale, int q_pos, float *out, float *weights);
 
 /* rl_pick over a host logits row (n,) float32. */
 int rl_kernel_pick(int device, const float *logits, int n, float temperature, int top_k, float top_p, float u,

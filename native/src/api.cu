@@ -370,6 +370,8 @@ extern "C" int rl_model_set_graph(rl_model *m, int enable) {
 struct rl_store {
     rl_model *m = nullptr;
     StorePolicy pol{};
+    int k_type = RL_TYPE_F32, v_type = RL_TYPE_F32;
+    int64_t k_row = 0, v_row = 0;   // bytes of one K / V row (kv_row_bytes)
     std::vector<LayerStore> layers;
     float *proj = nullptr;       // (n_layer, lsh_bits, hd) or null
     float *weights = nullptr;    // (n_head, max P) softmax weights of the last attention step
@@ -392,6 +394,17 @@ static void store_release(rl_store *s) {
     s->graph = nullptr;
 }
 
+// RL_ERR_ARG unless `type` is a KV store element type the device holds (kv_rows.cuh) for head_dim hd.
+static int check_kv_type(int type, const char *what, int hd, const char *fn) {
+    if (type != RL_TYPE_F32 && type != RL_TYPE_F16 && type != RL_TYPE_Q8_0)
+        return rl_fail(RL_ERR_ARG, "%s: %s %d is not a KV store type of the device; supported: f32 (%d), f16 (%d), "
+                       "q8_0 (%d)", fn, what, type, RL_TYPE_F32, RL_TYPE_F16, RL_TYPE_Q8_0);
+    if (kv_row_bytes(type, hd) == 0)
+        return rl_fail(RL_ERR_ARG, "%s: %s q8_0 quantizes blocks of %d values along head_dim; head_dim is %d", fn,
+                       what, KV_QBLOCK, hd);
+    return RL_OK;
+}
+
 extern "C" int rl_store_reset(rl_store *s) {
     if (!s) return rl_fail(RL_ERR_ARG, "rl_store_reset: NULL store");
     const rl_model_params &p = s->m->p;
@@ -402,8 +415,8 @@ extern "C" int rl_store_reset(rl_store *s) {
         RL_CK(cudaMemsetAsync(L.rank, 0, slots * sizeof(int32_t), s->m->stream));
         RL_CK(cudaMemsetAsync(L.score, 0, slots * sizeof(double), s->m->stream));
         RL_CK(cudaMemsetAsync(L.aux, 0, slots * sizeof(uint64_t), s->m->stream));
-        RL_CK(cudaMemsetAsync(L.k, 0, slots * p.head_dim * sizeof(float), s->m->stream));
-        RL_CK(cudaMemsetAsync(L.v, 0, slots * p.head_dim * sizeof(float), s->m->stream));
+        RL_CK(cudaMemsetAsync(L.k, 0, slots * s->k_row, s->m->stream));
+        RL_CK(cudaMemsetAsync(L.v, 0, slots * s->v_row, s->m->stream));
         RL_CK(cudaMemsetAsync(L.count, 0, p.n_head_kv * sizeof(int32_t), s->m->stream));
         RL_CK(cudaMemsetAsync(L.evicted, 0, p.n_head_kv * sizeof(int64_t), s->m->stream));
     }
@@ -425,6 +438,8 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         return rl_fail(RL_ERR_ARG, "rl_store_init: recent, lazy, slack, max_drop must be >= 0");
     if (sp->policy == RL_POLICY_LSH && (!sp->lsh_proj || sp->lsh_bits < 1 || sp->lsh_bits > 64))
         return rl_fail(RL_ERR_ARG, "rl_store_init: lsh needs lsh_proj and lsh_bits in 1..64");
+    RL_TRY(check_kv_type(sp->k_type, "k_type", p.head_dim, "rl_store_init"));
+    RL_TRY(check_kv_type(sp->v_type, "v_type", p.head_dim, "rl_store_init"));
     for (int il = 0; il < p.n_layer; il++) {
         const int C = sp->layer_capacity[il], P = sp->layer_physical[il], S = sp->layer_sinks[il];
         if (C < 1 || P < C || S < 0 || S >= C || (sp->layer_ring[il] && P != C))
@@ -438,6 +453,10 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
     s->m = m;
     s->pol = StorePolicy{sp->policy, sp->reindexed ? 1 : 0, sp->recent, sp->lazy, sp->slack, sp->max_drop,
                          sp->lsh_bits};
+    s->k_type = sp->k_type;
+    s->v_type = sp->v_type;
+    s->k_row = kv_row_bytes(sp->k_type, p.head_dim);
+    s->v_row = kv_row_bytes(sp->v_type, p.head_dim);
     s->layers.resize(p.n_layer);
     int st = RL_OK;
     const int64_t nkv = p.n_head_kv, hd = p.head_dim;
@@ -448,11 +467,13 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         L.P = sp->layer_physical[il];
         L.sinks = sp->layer_sinks[il];
         L.ring = sp->layer_ring[il] ? 1 : 0;
+        L.k_type = s->k_type;
+        L.v_type = s->v_type;
         s->max_p = L.P > s->max_p ? L.P : s->max_p;
         const int64_t slots = nkv * L.P;
         const char *what = "cudaMalloc (KV store)";
-        if (st == RL_OK) st = dev_alloc(&L.k, slots * hd, what);
-        if (st == RL_OK) st = dev_alloc(&L.v, slots * hd, what);
+        if (st == RL_OK) st = dev_alloc(&L.k, slots * s->k_row, what);
+        if (st == RL_OK) st = dev_alloc(&L.v, slots * s->v_row, what);
         if (st == RL_OK) st = dev_alloc(&L.seq, slots, what);
         if (st == RL_OK) st = dev_alloc(&L.rank, slots, what);
         if (st == RL_OK) st = dev_alloc(&L.score, slots, what);
@@ -512,7 +533,7 @@ extern "C" int rl_store_counts(rl_store *s, int64_t *held, int64_t *evicted, int
     return RL_OK;
 }
 
-extern "C" int rl_store_read_layer(rl_store *s, int il, float *k, float *v, int32_t *seq, int32_t *pos, double *score) {
+extern "C" int rl_store_read_layer(rl_store *s, int il, void *k, void *v, int32_t *seq, int32_t *pos, double *score) {
     if (!s) return rl_fail(RL_ERR_ARG, "rl_store_read_layer: NULL store");
     const rl_model_params &p = s->m->p;
     if (il < 0 || il >= p.n_layer) return rl_fail(RL_ERR_ARG, "rl_store_read_layer: layer %d out of range", il);
@@ -520,8 +541,8 @@ extern "C" int rl_store_read_layer(rl_store *s, int il, float *k, float *v, int3
     RL_CK(cudaStreamSynchronize(s->m->stream));
     const LayerStore &L = s->layers[il];
     const size_t slots = (size_t)p.n_head_kv * L.P;
-    if (k) RL_CK(cudaMemcpy(k, L.k, slots * p.head_dim * sizeof(float), cudaMemcpyDeviceToHost));
-    if (v) RL_CK(cudaMemcpy(v, L.v, slots * p.head_dim * sizeof(float), cudaMemcpyDeviceToHost));
+    if (k) RL_CK(cudaMemcpy(k, L.k, slots * s->k_row, cudaMemcpyDeviceToHost));
+    if (v) RL_CK(cudaMemcpy(v, L.v, slots * s->v_row, cudaMemcpyDeviceToHost));
     if (seq) RL_CK(cudaMemcpy(seq, L.seq, slots * sizeof(int32_t), cudaMemcpyDeviceToHost));
     if (pos) RL_CK(cudaMemcpy(pos, s->pol.reindexed ? L.rank : L.seq, slots * sizeof(int32_t), cudaMemcpyDeviceToHost));
     if (score) RL_CK(cudaMemcpy(score, L.score, slots * sizeof(double), cudaMemcpyDeviceToHost));
@@ -534,7 +555,7 @@ extern "C" int rl_store_bytes(rl_store *s, int64_t *out) {
     int64_t t = 0;
     for (const LayerStore &L : s->layers) {
         const int64_t slots = (int64_t)p.n_head_kv * L.P;
-        t += slots * (2 * p.head_dim * 4 + 4 + 4 + 8 + 8 + 4 + 1) + p.n_head_kv * (4 + 8);
+        t += slots * (s->k_row + s->v_row + 4 + 4 + 8 + 8 + 4 + 1) + p.n_head_kv * (4 + 8);
     }
     *out = t;
     return RL_OK;
@@ -591,9 +612,9 @@ static void layer(rl_model *m, rl_store *s, int il, int T) {
     const int32_t *pos = s->pol.reindexed ? L.rank : L.seq;
     for (int t = 0; t < T; t++) {   // decode semantics: write (evicting first), attend, observe
         launch_kv_write(L, s->pol, m->k + t * nk, m->v + t * nk, m->q + t * nq, proj, s->n_seen, t, nkv, nh, hd, st);
-        launch_attend(m->att + t * nq, s->weights, m->q + t * nq, L.k, L.v, pos, L.count, s->n_seen, t,
-                      s->pol.reindexed ? RL_QPOS_COUNT : RL_QPOS_SEQ, nh, nkv, L.P, hd, p.rotary_dim, inv_scale,
-                      inv_freq, p.attn_scale, st);
+        launch_attend(m->att + t * nq, s->weights, m->q + t * nq, L.k, L.v, L.k_type, L.v_type, pos, L.count,
+                      s->n_seen, t, s->pol.reindexed ? RL_QPOS_COUNT : RL_QPOS_SEQ, nh, nkv, L.P, hd, p.rotary_dim,
+                      inv_scale, inv_freq, p.attn_scale, st);
         if (policy_layer && (s->pol.policy == RL_POLICY_H2O || s->pol.policy == RL_POLICY_TOVA))
             launch_observe(L, s->pol.policy, s->weights, nh, nkv, st);
     }
@@ -833,13 +854,15 @@ extern "C" int rl_kernel_embed(int device, int qtype, int64_t n_rows, int64_t n_
     return RL_OK;
 }
 
-extern "C" int rl_kernel_attend(int device, const float *q, const float *k, const float *v, const int32_t *pos,
-                                const int32_t *count, int n_head, int n_kv, int P, int hd, int rotary_dim,
-                                double rope_base, double rope_scale, float attn_scale, int q_pos, float *out,
-                                float *weights) {
+extern "C" int rl_kernel_attend(int device, const float *q, const void *k, const void *v, int k_type, int v_type,
+                                const int32_t *pos, const int32_t *count, int n_head, int n_kv, int P, int hd,
+                                int rotary_dim, double rope_base, double rope_scale, float attn_scale, int q_pos,
+                                float *out, float *weights) {
     if (!q || !k || !v || !pos || !count || !out || !weights || n_kv < 1 || n_head % n_kv || P < 1 || hd < 1 ||
         rotary_dim % 2 || rotary_dim > hd || !(rope_base > 0) || !(rope_scale > 0))
         return rl_fail(RL_ERR_ARG, "rl_kernel_attend: bad arguments");
+    RL_TRY(check_kv_type(k_type, "k_type", hd, "rl_kernel_attend"));
+    RL_TRY(check_kv_type(v_type, "v_type", hd, "rl_kernel_attend"));
     for (int h = 0; h < n_kv; h++)
         if (count[h] < 1 || count[h] > P) return rl_fail(RL_ERR_ARG, "rl_kernel_attend: count[%d] = %d", h, count[h]);
     RL_TRY(use_device(device));
@@ -849,14 +872,14 @@ extern "C" int rl_kernel_attend(int device, const float *q, const float *k, cons
     DBuf dq, dk, dv, dp, dc, dinv, dout, dw;
     const int64_t slots = (int64_t)n_kv * P;
     RL_TRY(dq.alloc<float>((int64_t)n_head * hd, q));
-    RL_TRY(dk.alloc<float>(slots * hd, k));
-    RL_TRY(dv.alloc<float>(slots * hd, v));
+    RL_TRY(dk.alloc<uint8_t>(slots * kv_row_bytes(k_type, hd), (const uint8_t *)k));
+    RL_TRY(dv.alloc<uint8_t>(slots * kv_row_bytes(v_type, hd), (const uint8_t *)v));
     RL_TRY(dp.alloc<int32_t>(slots, pos));
     RL_TRY(dc.alloc<int32_t>(n_kv, count));
     RL_TRY(dinv.alloc<double>(half + 1, inv.data()));
     RL_TRY(dout.alloc<float>((int64_t)n_head * hd));
     RL_TRY(dw.alloc<float>((int64_t)n_head * P, weights));
-    launch_attend(dout.as<float>(), dw.as<float>(), dq.as<float>(), dk.as<float>(), dv.as<float>(),
+    launch_attend(dout.as<float>(), dw.as<float>(), dq.as<float>(), dk.as<uint8_t>(), dv.as<uint8_t>(), k_type, v_type,
                   dp.as<int32_t>(), dc.as<int32_t>(), nullptr, q_pos, RL_QPOS_FIXED, n_head, n_kv, P, hd, rotary_dim,
                   1.0 / rope_scale, dinv.as<double>(), attn_scale, 0);
     RL_LAUNCHED("attend");

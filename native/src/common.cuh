@@ -1,9 +1,10 @@
 // Internal declarations shared by the CUDA translation units of libringllm_cuda.so.
 //
-//   quant.cu    GGUF block decoding in registers; dequant, matmul/matvec, embedding kernels
-//   kernels.cu  norms, activations, residual adds, the attention step, KV writes with eviction,
-//               attention-mass bookkeeping of the policies, token choice
-//   api.cu      the C API of include/ringllm_cuda.h: handles, uploads, the forward pass
+//   quant.cu     GGUF block decoding in registers; dequant, matmul/matvec, embedding kernels
+//   kernels.cu   norms, activations, residual adds, the attention step, KV writes with eviction,
+//                attention-mass bookkeeping of the policies, token choice
+//   api.cu       the C API of include/ringllm_cuda.h: handles, uploads, the forward pass
+//   kv_rows.cuh  KV store rows in their element types (f32, f16, q8_0): encode, decode, copy
 //
 // Launchers take the destination first (house style), then inputs, then sizes, then the stream,
 // and return nothing: api.cu checks cudaGetLastError after each group of launches.
@@ -17,6 +18,8 @@
 extern "C" {
 #include "ringllm_cuda.h"
 }
+
+#include "kv_rows.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // Errors: a thread-local message and helpers that turn a cudaError_t into a status
@@ -49,7 +52,7 @@ bool rl_type_layout(int qtype, int *block, int *size);
 // ---------------------------------------------------------------------------------------------
 
 struct LayerStore {
-    float *k, *v;          // (n_kv, P, hd) keys before RoPE, values
+    uint8_t *k, *v;        // (n_kv, P) rows of kv_row_bytes(k_type / v_type, hd) bytes: keys before RoPE, values
     int32_t *seq;          // (n_kv, P) sequence index held, -1 empty
     int32_t *rank;         // (n_kv, P) rank by sequence index among held (= position when reindexed)
     double *score;         // (n_kv, P) policy score (accumulated mass, latest mean, key norm)
@@ -59,6 +62,7 @@ struct LayerStore {
     int32_t *victims;      // (n_kv, P) scratch: chosen victims
     uint8_t *taken;        // (n_kv, P) scratch: slot already chosen this round
     int P, C, sinks, ring;
+    int k_type, v_type;    // RL_TYPE_F32 | RL_TYPE_F16 | RL_TYPE_Q8_0 (kv_rows.cuh)
 };
 
 struct StorePolicy {
@@ -87,10 +91,10 @@ void launch_softcap(float *x, float cap, int64_t n, cudaStream_t st);
 void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
                      const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd,
                      cudaStream_t st);
-void launch_attend(float *out, float *weights, const float *q, const float *k, const float *v, const int32_t *pos,
-                   const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed, int q_pos_mode, int n_head,
-                   int n_kv, int P, int hd, int rotary_dim, double inv_scale, const double *inv_freq,
-                   float attn_scale, cudaStream_t st);
+void launch_attend(float *out, float *weights, const float *q, const uint8_t *k, const uint8_t *v, int k_type,
+                   int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed,
+                   int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double inv_scale,
+                   const double *inv_freq, float attn_scale, cudaStream_t st);
 void launch_observe(LayerStore L, int policy, const float *weights, int n_head, int n_kv, cudaStream_t st);
 void launch_advance(int64_t *n_seen, int T, cudaStream_t st);
 void launch_pick(int32_t *token, const float *logits, int n, const float *params, cudaStream_t st);

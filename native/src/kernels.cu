@@ -4,9 +4,13 @@
 //
 // Each mirrors a CPU kernel (runtime/ops.py, runtime/kv_store.py, runtime/attention.py,
 // runtime/policies/*) in formula and, where it matters for tie-breaking, in operation order.
+// The kernels that touch K / V rows are templates on the store's element types (KT, VT:
+// kv_rows.cuh); the f32 instances are the plain float32 code.
 #include "common.cuh"
 
 #include <math.h>
+
+#include <type_traits>
 
 namespace {
 
@@ -123,11 +127,11 @@ __device__ __forceinline__ int keep_after(int length, int cap, int lazy, int sla
     return k < cap + slack ? k : cap + slack;
 }
 
-// SimHash bit i of x (hd,): sign of proj[i] . x, summed in float32 in index order with no FMA
-// (runtime/policies/lsh.py simhash_rows).
-__device__ __forceinline__ bool simhash_bit(const float *proj_i, const float *x, int hd) {
+// SimHash bit i of the row x (hd values of type T): sign of proj[i] . x, summed in float32 in
+// index order with no FMA (runtime/policies/lsh.py simhash_rows).
+template <int T> __device__ __forceinline__ bool simhash_bit(const float *proj_i, const uint8_t *x, int hd) {
     float acc = 0.0f;
-    for (int d = 0; d < hd; d++) acc = __fadd_rn(acc, __fmul_rn(proj_i[d], x[d]));
+    for (int d = 0; d < hd; d++) acc = __fadd_rn(acc, __fmul_rn(proj_i[d], kv_get<T>(x, d)));
     return acc > 0.0f;
 }
 
@@ -147,12 +151,17 @@ __device__ __forceinline__ double victim_key(int policy, int j, const int32_t *s
     }
 }
 
+// Token t of the chunk (k_new, v_new (n_kv, hd) float32, k before RoPE) into the store, its rows
+// encoded in KT / VT here; victims' slots are refilled by moving encoded rows. Policy scores of the
+// key (knorm, lsh) are taken from the key as the store holds it (decoded), as the CPU store's.
+template <int KT, int VT>
 __global__ void __launch_bounds__(KV_THREADS)
 kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
                 const float *proj, const int64_t *n_seen, int t, int n_head, int hd) {
     const int h = blockIdx.x, n_kv = gridDim.x, group = n_head / n_kv, tid = threadIdx.x;
     const int P = L.P;
-    float *K = L.k + (int64_t)h * P * hd, *V = L.v + (int64_t)h * P * hd;
+    const int64_t krb = kv_row_bytes(KT, hd), vrb = kv_row_bytes(VT, hd);
+    uint8_t *K = L.k + (int64_t)h * P * krb, *V = L.v + (int64_t)h * P * vrb;
     int32_t *seq = L.seq + h * P, *rank = L.rank + h * P, *victims = L.victims + h * P;
     double *score = L.score + h * P;
     uint64_t *aux = L.aux + h * P;
@@ -181,10 +190,8 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
                     if (seq[j] > vs) rank[j] -= 1;
             rank_new = L.C - 1;
         }
-        for (int d = tid; d < hd; d += blockDim.x) {
-            K[(int64_t)slot * hd + d] = kn[d];
-            V[(int64_t)slot * hd + d] = vn[d];
-        }
+        kv_put<KT>(K + slot * krb, kn, hd);
+        kv_put<VT>(V + slot * vrb, vn, hd);
         __syncthreads();   // every thread has read count, evicted and seq[slot]
         if (tid == 0) {
             seq[slot] = seq_new;
@@ -204,7 +211,8 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
             const int nb = pol.lsh_bits;
             for (int gi = tid; gi < group * nb; gi += blockDim.x) {
                 const int g = gi / nb, i = gi % nb;
-                bits[gi] = simhash_bit(proj + (int64_t)i * hd, q_new + (int64_t)(h * group + g) * hd, hd);
+                const float *qg = q_new + (int64_t)(h * group + g) * hd;
+                bits[gi] = simhash_bit<RL_TYPE_F32>(proj + (int64_t)i * hd, reinterpret_cast<const uint8_t *>(qg), hd);
             }
             __syncthreads();
             if (tid < group) {
@@ -283,10 +291,8 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
         for (int m = 0; m < got; m++) {
             const int j = victims[m], last = n - 1 - m;
             if (j != last) {
-                for (int d = tid; d < hd; d += blockDim.x) {
-                    K[(int64_t)j * hd + d] = K[(int64_t)last * hd + d];
-                    V[(int64_t)j * hd + d] = V[(int64_t)last * hd + d];
-                }
+                kv_copy<KT>(K + j * krb, K + last * krb, hd);
+                kv_copy<VT>(V + j * vrb, V + last * vrb, hd);
                 if (tid == 0) {
                     seq[j] = seq[last];
                     rank[j] = rank[last];
@@ -301,13 +307,15 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     }
     __syncthreads();
     const int slot = n - s_got;
-    for (int d = tid; d < hd; d += blockDim.x) {
-        K[(int64_t)slot * hd + d] = kn[d];
-        V[(int64_t)slot * hd + d] = vn[d];
-    }
+    kv_put<KT>(K + slot * krb, kn, hd);
+    kv_put<VT>(V + slot * vrb, vn, hd);
+    // the key as the store holds it: kn itself for f32, else the row just encoded (read back once
+    // every thread's part of it is written)
+    const uint8_t *kheld = KT == RL_TYPE_F32 ? reinterpret_cast<const uint8_t *>(kn) : K + slot * krb;
+    if constexpr (KT != RL_TYPE_F32) __syncthreads();
     if (pol.policy == RL_POLICY_LSH) {
         const int nb = pol.lsh_bits;
-        for (int i = tid; i < nb; i += blockDim.x) bits[i] = simhash_bit(proj + (int64_t)i * hd, kn, hd);
+        for (int i = tid; i < nb; i += blockDim.x) bits[i] = simhash_bit<KT>(proj + (int64_t)i * hd, kheld, hd);
     }
     __syncthreads();
     if (tid == 0) {
@@ -318,7 +326,10 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
         if (pol.policy == RL_POLICY_KNORM) {
             // L2 norm of the pre-RoPE key (float64 of float32 values) on a log grid of 1/256 octave,
             // as runtime/policies/knorm.py: twins that differ by rounding tie, and the older goes
-            for (int d = 0; d < hd; d++) sc += (double)kn[d] * (double)kn[d];
+            for (int d = 0; d < hd; d++) {
+                const double x = (double)kv_get<KT>(kheld, d);
+                sc += x * x;
+            }
             sc = floor(256.0 * log2(sqrt(sc) + 1e-30) + 0.5);
         }
         if (pol.policy == RL_POLICY_LSH)
@@ -346,8 +357,10 @@ __device__ __forceinline__ void rope_cs(float *c, float *s, double p, double inv
     *s = (float)sd;
 }
 
+// k, v: (n_kv, P) rows of types KT, VT (keys before RoPE), decoded in registers; f32 accumulation.
+template <int KT, int VT>
 __global__ void __launch_bounds__(ATT_THREADS)
-attend_kernel(float *out, float *weights, const float *q, const float *k, const float *v, const int32_t *pos,
+attend_kernel(float *out, float *weights, const float *q, const uint8_t *k, const uint8_t *v, const int32_t *pos,
               const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed, int q_pos_mode, int n_kv, int P,
               int hd, int rotary_dim, double inv_scale, const double *inv_freq, float attn_scale) {
     extern __shared__ float qr[];   // (hd,) the query rotated at its position, times attn_scale
@@ -369,21 +382,22 @@ attend_kernel(float *out, float *weights, const float *q, const float *k, const 
     for (int d = rotary_dim + tid; d < hd; d += blockDim.x) qr[d] = qh[d] * attn_scale;
     __syncthreads();
 
+    const int64_t krb = kv_row_bytes(KT, hd), vrb = kv_row_bytes(VT, hd);
     float *w = weights + (int64_t)hq * P;
-    const float *kh = k + (int64_t)h * P * hd;
+    const uint8_t *kh = k + (int64_t)h * P * krb;
     const int32_t *ph = pos + h * P;
     float mx = -INFINITY;
     for (int j = tid; j < n; j += blockDim.x) {
-        const float *kj = kh + (int64_t)j * hd;
+        const uint8_t *kj = kh + (int64_t)j * krb;
         const double p = (double)ph[j];
         float acc = 0.0f;
         for (int i = 0; i < half; i++) {
             float c, s;
             rope_cs(&c, &s, p, inv_scale, inv_freq[i]);
-            const float a = kj[i], b = kj[i + half];
+            const float a = kv_get<KT>(kj, i), b = kv_get<KT>(kj, i + half);
             acc += qr[i] * (a * c - b * s) + qr[i + half] * (b * c + a * s);
         }
-        for (int d = rotary_dim; d < hd; d++) acc += qr[d] * kj[d];
+        for (int d = rotary_dim; d < hd; d++) acc += qr[d] * kv_get<KT>(kj, d);
         w[j] = acc;
         mx = fmaxf(mx, acc);
     }
@@ -398,10 +412,10 @@ attend_kernel(float *out, float *weights, const float *q, const float *k, const 
     const float inv = 1.0f / tot;
     for (int j = tid; j < n; j += blockDim.x) w[j] *= inv;
     __syncthreads();
-    const float *vh = v + (int64_t)h * P * hd;
+    const uint8_t *vh = v + (int64_t)h * P * vrb;
     for (int d = tid; d < hd; d += blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < n; j++) acc += w[j] * vh[(int64_t)j * hd + d];
+        for (int j = 0; j < n; j++) acc += w[j] * kv_get<VT>(vh + (int64_t)j * vrb, d);
         out[(int64_t)hq * hd + d] = acc;
     }
 }
@@ -571,6 +585,21 @@ pick_kernel(int32_t *token, const float *logits, int n, const float *params) {
 
 static unsigned grid_for(int64_t n, int threads) { return (unsigned)((n + threads - 1) / threads); }
 
+// fn(KT, VT) with the store's element types as std::integral_constant (the kernels' template
+// arguments); types were validated at store init (any other code runs as f32).
+template <int KT, typename Fn> static void with_v_type(int v_type, Fn &&fn) {
+    using K = std::integral_constant<int, KT>;
+    if (v_type == RL_TYPE_F16) fn(K{}, std::integral_constant<int, RL_TYPE_F16>{});
+    else if (v_type == RL_TYPE_Q8_0) fn(K{}, std::integral_constant<int, RL_TYPE_Q8_0>{});
+    else fn(K{}, std::integral_constant<int, RL_TYPE_F32>{});
+}
+
+template <typename Fn> static void with_kv_types(int k_type, int v_type, Fn &&fn) {
+    if (k_type == RL_TYPE_F16) with_v_type<RL_TYPE_F16>(v_type, fn);
+    else if (k_type == RL_TYPE_Q8_0) with_v_type<RL_TYPE_Q8_0>(v_type, fn);
+    else with_v_type<RL_TYPE_F32>(v_type, fn);
+}
+
 void launch_norm(float *out, const float *x, const float *w, const float *b, int kind, int rows, int n, double eps,
                  cudaStream_t st) {
     norm_kernel<<<rows, 256, 0, st>>>(out, x, w, b, kind, n, eps);
@@ -599,16 +628,22 @@ void launch_advance(int64_t *n_seen, int T, cudaStream_t st) { advance_kernel<<<
 void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
                      const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd,
                      cudaStream_t st) {
-    kv_write_kernel<<<n_kv, KV_THREADS, 0, st>>>(L, pol, k_new, v_new, q_new, proj, n_seen, t, n_head, hd);
+    with_kv_types(L.k_type, L.v_type, [&](auto kt, auto vt) {
+        kv_write_kernel<decltype(kt)::value, decltype(vt)::value>
+            <<<n_kv, KV_THREADS, 0, st>>>(L, pol, k_new, v_new, q_new, proj, n_seen, t, n_head, hd);
+    });
 }
 
-void launch_attend(float *out, float *weights, const float *q, const float *k, const float *v, const int32_t *pos,
-                   const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed, int q_pos_mode, int n_head,
-                   int n_kv, int P, int hd, int rotary_dim, double inv_scale, const double *inv_freq,
-                   float attn_scale, cudaStream_t st) {
-    attend_kernel<<<n_head, ATT_THREADS, hd * sizeof(float), st>>>(out, weights, q, k, v, pos, count, q_pos_seq,
-                                                                   q_pos_fixed, q_pos_mode, n_kv, P, hd, rotary_dim,
-                                                                   inv_scale, inv_freq, attn_scale);
+void launch_attend(float *out, float *weights, const float *q, const uint8_t *k, const uint8_t *v, int k_type,
+                   int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed,
+                   int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double inv_scale,
+                   const double *inv_freq, float attn_scale, cudaStream_t st) {
+    with_kv_types(k_type, v_type, [&](auto kt, auto vt) {
+        attend_kernel<decltype(kt)::value, decltype(vt)::value>
+            <<<n_head, ATT_THREADS, hd * sizeof(float), st>>>(out, weights, q, k, v, pos, count, q_pos_seq,
+                                                             q_pos_fixed, q_pos_mode, n_kv, P, hd, rotary_dim,
+                                                             inv_scale, inv_freq, attn_scale);
+    });
 }
 
 void launch_observe(LayerStore L, int policy, const float *weights, int n_head, int n_kv, cudaStream_t st) {

@@ -39,7 +39,7 @@ int rl_store_init(rl_store **out, rl_model *m, const rl_store_params *p) { if (o
 int rl_store_free(rl_store *s) { return RL_OK; }
 int rl_store_reset(rl_store *s) { NOT_BUILT; }
 int rl_store_counts(rl_store *s, int64_t *held, int64_t *evicted, int64_t *n_seen) { NOT_BUILT; }
-int rl_store_read_layer(rl_store *s, int il, float *k, float *v, int32_t *seq, int32_t *pos, double *score) { NOT_BUILT; }
+int rl_store_read_layer(rl_store *s, int il, void *k, void *v, int32_t *seq, int32_t *pos, double *score) { NOT_BUILT; }
 int rl_store_bytes(rl_store *s, int64_t *out) { NOT_BUILT; }
 int rl_forward(rl_model *m, rl_store *s, const int32_t *ids, int n, float *logits, int all_logits) { NOT_BUILT; }
 int rl_pick(rl_model *m, float temperature, int top_k, float top_p, float u, int32_t *token) { NOT_BUILT; }
@@ -56,8 +56,10 @@ int rl_kernel_act(int device, int act, int gated, const float *gate, const float
 }
 int rl_kernel_embed(int device, int qtype, int64_t n_rows, int64_t n_cols, const uint8_t *w, int64_t row_bytes,
                     const int32_t *ids, int n, float embed_scale, float *out) { NOT_BUILT; }
-int rl_kernel_attend(int device, const float *q, const float *k, const float *v, const int32_t *pos,
-                     const int32_t *count, int n_head, int n_kv, int P, int hd, int rotary_dim, double rope_base,
-                     double rope_scale, float attn_scale, int q_pos, float *out, float *weights) { NOT_BUILT; }
+int rl_kernel_attend(int device, const float *q, const void *k, const void *v, int k_type, int v_type,
+                     const int32_t *pos, const int32_t *count, int n_head, int n_kv, int P, int hd, int rotary_dim,
+                     double rope_base, double rope_scale, float attn_scale, int q_pos, float *out, float *weights) {
+    NOT_BUILT;
+}
 int rl_kernel_pick(int device, const float *logits, int n, float temperature, int top_k, float top_p, float u,
                    int32_t *token) { NOT_BUILT; }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ringllm.runtime.kv_codec import kv_row
 from ringllm.runtime.policies.base import Policy, step_params
 from ringllm.runtime.policy_step import bind_layer_step
 from ringllm.runtime.policies.random_policy import splitmix64
@@ -77,14 +78,14 @@ def _nucleus_votes(qv, keys, n, scale, softcap, p, votes):
 @njit(cache=True, nogil=True)
 def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, rotary_dim, scale, softcap, p, seed,
            il, seq_new, p_now, p_future, z, krot, cs, sn):
-    n_kv, _, hd = k_l.shape
-    n_head = q_now.shape[0]
+    n_kv = k_l.shape[0]
+    n_head, hd = q_now.shape
     group = n_head // n_kv
     n = count_l[0]
-    for h in range(n_kv):                       # keys at their positions (float32 storage, f64 math)
+    for h in range(n_kv):                       # keys at their positions (as the store decodes them)
         for j in range(n):
             angles_at(cs, sn, pos_l[h, j], inv_freq, inv_scale)
-            rotate_with(krot[h, j], k_l[h, j], cs, sn, rotary_dim)
+            rotate_with(krot[h, j], kv_row(k_l, h, j, krot[h, j]), cs, sn, rotary_dim)
     votes = np.zeros(n, np.float64)
     scratch = np.zeros(n, np.float64)
     qf = np.zeros(hd, np.float32)
@@ -166,7 +167,7 @@ class GVote(Policy):
     def fill_keys(self, store, il, q, seq):
         s, kv = self.spec, self.kv
         if self.krot.shape[1] < store.k[il].shape[1]:
-            self.krot = np.zeros(store.k[il].shape, np.float32)
+            self.krot = np.zeros(store.k[il].shape[:2] + (store.spec.head_dim,), np.float32)
         n_old = int(store.count[il][0])
         p_now = n_old if store.reindexed else seq
         budget = _gvote(store.key, store.k[il], store.pos[il], store.count[il], store.extra[il], min(seq, kv.window), q,

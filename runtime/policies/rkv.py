@@ -19,6 +19,7 @@ from numba import njit
 
 from ringllm.runtime.eviction import GRID_ABS
 from ringllm.runtime.key_sum import KEY_SUM_FIXED, key_sums
+from ringllm.runtime.kv_codec import kv_row
 from ringllm.runtime.kv_write import AUX, COUNT, K, KSUM, SCORE
 from ringllm.runtime.policies.base import Policy, step_params
 from ringllm.runtime.policies.snapkv import check_window, observe_head, record_window, window_totals
@@ -30,9 +31,11 @@ def rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
     """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); tot_l (n_kv, P) i64 the slots'
     window totals in fixed point (snapkv.record_window, kept by observe); inv_l (n_kv, P) f64 the
     slots' 1/|k_j| and ksum (n_kv, hd) i64 the sum of the held unit keys in units of 2^-40 (both kept
-    by the store's write kernel, runtime/key_sum.py); s (hd,) f64 scratch. One pass over the keys.
-    fastmath: the dot products vectorize (float64, reassociated; far below the key grid)."""
-    hd = k_l.shape[2]
+    by the store's write kernel, runtime/key_sum.py); s (hd,) f64 scratch. One pass over the keys
+    (as the store decodes them). fastmath: the dot products vectorize (float64, reassociated; far
+    below the key grid)."""
+    hd = ksum.shape[1]
+    buf = np.empty(hd, np.float32)
     for h in range(k_l.shape[0]):
         n = count_l[h]
         for d in range(hd):
@@ -42,9 +45,10 @@ def rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
             top = max(top, np.float64(tot_l[h, j]))
         top = 1.0 / top if top > 0 else 0.0
         for j in range(n):
+            kj = kv_row(k_l, h, j, buf)
             dot = 0.0
             for d in range(hd):
-                dot += k_l[h, j, d] * s[d]
+                dot += kj[d] * s[d]
             red = (dot * inv_l[h, j] - 1.0) / max(n - 1, 1)
             key[h, j] = lam * np.float64(tot_l[h, j]) * top - (1.0 - lam) * red
 

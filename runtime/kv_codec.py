@@ -1,0 +1,299 @@
+"""Row codecs of the KV store's element types (runtime/kv_types.py names them): Numba kernels, and
+whole-array encode/decode for NumPy callers.
+
+The kernels that read and write store rows use kv_row, kv_rows, encode_row and decode_row: Numba
+overloads resolved by the row's dtype when a kernel is compiled for the store's arrays, so they take
+no type argument and a float32 store compiles to the code it had before types existed.
+
+Quantization follows llama.cpp's reference quantizers (ggml-quants.c quantize_row_q8_0_ref /
+q4_0_ref), which gguf's NumPy quantizers also follow: q8_0 d = amax/127, q = round-half-away(x/d);
+q4_0 d = m/-8 with m the value of largest magnitude (the first of ties), q = min(15, trunc(x/d +
+8.5)); the multiplier 1/d is float32 and d is stored as f16. No fastmath in the encoders: a row
+encodes to the same bytes as gguf.quants.quantize gives, which tests check.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from ringllm.runtime.kv_types import QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
+from ringllm.runtime.numba_flags import FASTMATH
+
+
+# ---------------------------------------------------------------------------------------------
+# Half precision (F16C's vcvtph2ps / vcvtps2ph where the CPU has them)
+# ---------------------------------------------------------------------------------------------
+
+
+@intrinsic
+def f16_bits_to_f32(typingctx, bits):
+    """float32 value of IEEE half bits (uint16)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def f32_to_f16_bits(typingctx, x):
+    """IEEE half bits (uint16) of a float32, rounded to nearest even (NumPy's astype(float16))."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def block_scale(row, o):
+    """The f16 scale of the block starting at element o of a q8_0 / q4_0 row (int8 / uint8), as float32."""
+    bits = np.uint16(np.uint8(row[o])) | (np.uint16(np.uint8(row[o + 1])) << np.uint16(8))
+    return f16_bits_to_f32(bits)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_scale(row, o, d, signed):
+    bits = f32_to_f16_bits(d)
+    lo, hi = bits & np.uint16(0xFF), bits >> np.uint16(8)
+    if signed:
+        row[o], row[o + 1] = np.int8(np.int32(lo) - 256 * (lo > 127)), np.int8(np.int32(hi) - 256 * (hi > 127))
+    else:
+        row[o], row[o + 1] = np.uint8(lo), np.uint8(hi)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _round_half_away(x):
+    """roundf: to nearest, halves away from zero (exact in float32: gguf's np_roundf)."""
+    a = abs(x)
+    fl = np.floor(a)
+    r = fl + np.floor(np.float32(2.0) * (a - fl))
+    return r if x >= 0 else -r
+
+
+# ---------------------------------------------------------------------------------------------
+# Row encoders and decoders, one per type
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _enc_f32(row, src):
+    for d in range(row.shape[0]):
+        row[d] = src[d]
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _dec_f32(dst, row):
+    for d in range(row.shape[0]):
+        dst[d] = row[d]
+
+
+@njit(cache=True, nogil=True)
+def _enc_f16(row, src):
+    for d in range(row.shape[0]):
+        row[d] = f32_to_f16_bits(src[d])
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _dec_f16(dst, row):
+    for d in range(row.shape[0]):
+        dst[d] = f16_bits_to_f32(row[d])
+
+
+@njit(cache=True, nogil=True)
+def _enc_q8_0(row, src):
+    for b in range(row.shape[0] // (QBLOCK + 2)):
+        x0 = b * QBLOCK
+        amax = np.float32(0.0)
+        for i in range(QBLOCK):
+            amax = max(amax, abs(src[x0 + i]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        o = b * (QBLOCK + 2)
+        _put_scale(row, o, d, True)
+        for i in range(QBLOCK):
+            row[o + 2 + i] = np.int8(_round_half_away(src[x0 + i] * inv))
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _dec_q8_0(dst, row):
+    for b in range(row.shape[0] // (QBLOCK + 2)):
+        o = b * (QBLOCK + 2)
+        d = block_scale(row, o)
+        x0 = b * QBLOCK
+        for i in range(QBLOCK):
+            dst[x0 + i] = d * np.float32(row[o + 2 + i])
+
+
+@njit(cache=True, nogil=True)
+def _enc_q4_0(row, src):
+    half = QBLOCK // 2
+    for b in range(row.shape[0] // (half + 2)):
+        x0 = b * QBLOCK
+        amax = np.float32(0.0)
+        m = np.float32(0.0)
+        for i in range(QBLOCK):
+            a = abs(src[x0 + i])
+            if a > amax:
+                amax, m = a, src[x0 + i]
+        d = m / np.float32(-8.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        o = b * (half + 2)
+        _put_scale(row, o, d, False)
+        for i in range(half):
+            lo = min(np.int32(15), np.int32(src[x0 + i] * inv + np.float32(8.5)))
+            hi = min(np.int32(15), np.int32(src[x0 + half + i] * inv + np.float32(8.5)))
+            row[o + 2 + i] = np.uint8(lo | (hi << 4))
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _dec_q4_0(dst, row):
+    half = QBLOCK // 2
+    for b in range(row.shape[0] // (half + 2)):
+        o = b * (half + 2)
+        d = block_scale(row, o)
+        x0 = b * QBLOCK
+        for i in range(half):
+            byte = np.int32(row[o + 2 + i])
+            dst[x0 + i] = d * np.float32((byte & 15) - 8)
+            dst[x0 + half + i] = d * np.float32((byte >> 4) - 8)
+
+
+# the encoders are not inlined into their callers' IR: a caller compiled with fastmath would let LLVM
+# rewrite amax / 127 as a product and change a scale's last bit
+_CODECS = {types.float32: (_enc_f32, _dec_f32), types.uint16: (_enc_f16, _dec_f16),
+           types.int8: (_enc_q8_0, _dec_q8_0), types.uint8: (_enc_q4_0, _dec_q4_0)}
+
+
+def _codec(row_type, which: int):
+    dtype = getattr(row_type, "dtype", None)
+    if dtype not in _CODECS:
+        raise TypeError(f"no KV type stores rows of {dtype}")
+    return _CODECS[dtype][which]
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels' interface (overloads: resolved by the row's dtype when a kernel compiles)
+# ---------------------------------------------------------------------------------------------
+
+
+def encode_row(row, src):
+    """row (width,) of a store array = src[:hd] float32 encoded in the row's type. Every codec counts
+    the values from the row's width (src and dst may be longer scratch: never read or written past hd)."""
+    _encode_rows(row.reshape(1, -1), np.asarray(src, np.float32).reshape(1, -1))
+
+
+def decode_row(dst, row):
+    """dst[:hd] float32 = the values row (width,) holds."""
+    _decode_rows(dst.reshape(1, -1), row.reshape(1, -1))
+
+
+def kv_row(arr, h, j, buf):
+    """Row j of head h of a store array (n_kv, P, width) as float32 (hd,) values: the row itself
+    for f32 (no copy), else decoded into buf (hd,) f32, which is returned."""
+    if arr.dtype == np.float32:
+        return arr[h, j]
+    decode_row(buf, arr[h, j])
+    return buf
+
+
+def kv_rows(arr, h, j0, n, buf):
+    """Rows j0 .. j0 + n - 1 of head h of a store array as float32 (n, hd): the rows themselves for
+    f32, else decoded into buf (>= n, hd) f32 and returned as buf[:n]."""
+    if arr.dtype == np.float32:
+        return arr[h, j0:j0 + n]
+    _decode_rows(buf[:n], arr[h, j0:j0 + n])
+    return buf[:n]
+
+
+@overload(encode_row, inline="always")
+def _ov_encode_row(row, src):
+    enc = _codec(row, 0)
+
+    def impl(row, src):
+        enc(row, src)
+    return impl
+
+
+@overload(decode_row, inline="always")
+def _ov_decode_row(dst, row):
+    dec = _codec(row, 1)
+
+    def impl(dst, row):
+        dec(dst, row)
+    return impl
+
+
+@overload(kv_row, inline="always")
+def _ov_kv_row(arr, h, j, buf):
+    if arr.dtype == types.float32:
+        def impl_f32(arr, h, j, buf):
+            return arr[h, j]
+        return impl_f32
+    dec = _codec(arr, 1)
+
+    def impl(arr, h, j, buf):
+        dec(buf, arr[h, j])
+        return buf
+    return impl
+
+
+@overload(kv_rows, inline="always")
+def _ov_kv_rows(arr, h, j0, n, buf):
+    if arr.dtype == types.float32:
+        def impl_f32(arr, h, j0, n, buf):
+            return arr[h, j0:j0 + n]
+        return impl_f32
+    dec = _codec(arr, 1)
+
+    def impl(arr, h, j0, n, buf):
+        for r in range(n):
+            dec(buf[r], arr[h, j0 + r])
+        return buf[:n]
+    return impl
+
+
+@njit(cache=True, nogil=True)
+def _encode_rows(rows, src):
+    for r in range(src.shape[0]):
+        encode_row(rows[r], src[r])
+
+
+@njit(cache=True, nogil=True)
+def _decode_rows(dst, rows):
+    for r in range(dst.shape[0]):
+        decode_row(dst[r], rows[r])
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole arrays (NumPy callers: a press's rebuild, type conversion of a saved store, tests)
+# ---------------------------------------------------------------------------------------------
+
+
+def encode(x: np.ndarray, name: str) -> np.ndarray:
+    """x (..., hd) float32 -> (..., row_width) in the store dtype of type `name`."""
+    check_kv_type(name, "KV type", x.shape[-1])
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    flat = x.reshape(-1, x.shape[-1])
+    out = np.empty((flat.shape[0], row_width(name, x.shape[-1])), STORE_DTYPE[name])
+    if flat.shape[0]:
+        _encode_rows(out, flat)
+    return out.reshape(x.shape[:-1] + (out.shape[1],))
+
+
+def decode(a: np.ndarray, head_dim: int) -> np.ndarray:
+    """A store array (..., row_width) -> its values (..., head_dim) float32."""
+    a = np.ascontiguousarray(a)
+    type_of(a)
+    flat = a.reshape(-1, a.shape[-1])
+    out = np.empty((flat.shape[0], head_dim), np.float32)
+    if flat.shape[0]:
+        _decode_rows(out, flat)
+    return out.reshape(a.shape[:-1] + (head_dim,))
+
+
+def round_trip(x: np.ndarray, name: str) -> np.ndarray:
+    """x (..., hd) float32 as a store of type `name` gives it back (encode then decode)."""
+    return decode(encode(x, name), x.shape[-1])

@@ -1,0 +1,57 @@
+"""The element types of the KV store (KVConfig k_type / v_type): names, row sizes, checks.
+
+A store row holds one token's key or value of one kv head: head_dim values, encoded as
+
+    type   array dtype   row (per head_dim values)                         bytes per value
+    f32    float32       the values                                         4
+    f16    uint16        IEEE half bit patterns (round to nearest even)     2
+    q8_0   int8          llama.cpp's block_q8_0 per 32 values: f16 scale d  34/32
+                         (2 bytes, little endian) then 32 int8 q; x = d q
+    q4_0   uint8         llama.cpp's block_q4_0 per 32 values: f16 scale d  18/32
+                         then 16 bytes; byte i holds q_i (low nibble) and
+                         q_{i+16} (high nibble); x = d (q - 8)
+
+The array's dtype names the type (the row codecs, runtime/kv_codec.py, dispatch on it). Slot
+moves copy rows whatever their type (k_l.shape[2] is the row's width in elements). No Numba here:
+the CLI and KVConfig read these names.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ringllm.runtime.errors import ConfigError
+
+KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
+STORE_DTYPE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.uint16), "q8_0": np.dtype(np.int8),
+               "q4_0": np.dtype(np.uint8)}
+QBLOCK = 32                                   # values per q8_0 / q4_0 block (one f16 scale each)
+_BLOCK_BYTES = {"q8_0": 2 + QBLOCK, "q4_0": 2 + QBLOCK // 2}
+
+
+def check_kv_type(name: str, what: str, head_dim: int | None = None) -> None:
+    """ConfigError unless `name` is a KV type (and, for q8_0 / q4_0, head_dim a multiple of 32)."""
+    if name not in KV_TYPES:
+        raise ConfigError(f"{what} {name!r} unknown; valid: {', '.join(KV_TYPES)}")
+    if head_dim is not None and name in _BLOCK_BYTES and head_dim % QBLOCK:
+        raise ConfigError(f"{what} {name!r} quantizes blocks of {QBLOCK} values along head_dim; this model's "
+                          f"head_dim is {head_dim}: use f32 or f16")
+
+
+def row_width(name: str, head_dim: int) -> int:
+    """Elements of a store row of type `name` holding head_dim values."""
+    if name in _BLOCK_BYTES:
+        return head_dim // QBLOCK * _BLOCK_BYTES[name]
+    return head_dim
+
+
+def row_bytes(name: str, head_dim: int) -> int:
+    """Bytes of one row (one token, one kv head) of type `name`."""
+    return row_width(name, head_dim) * STORE_DTYPE[name].itemsize
+
+
+def type_of(arr: np.ndarray) -> str:
+    """The KV type of a store array, from its dtype."""
+    for name, dt in STORE_DTYPE.items():
+        if arr.dtype == dt:
+            return name
+    raise ConfigError(f"no KV type has dtype {arr.dtype}")

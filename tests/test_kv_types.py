@@ -1,0 +1,257 @@
+"""KV store element types (KVConfig k_type / v_type: f16, q8_0, q4_0; runtime/kv_types.py).
+
+The row codecs against gguf's NumPy quantizers (bit for bit), the configuration errors, and the CPU
+engine against the NumPy reference engine (which rounds K and V with gguf's quantizers where the
+engine's store does) for every policy x type, through hundreds of evictions.
+
+Tolerances: the two engines compute K and V in different orders (~1e-7 relative), and a quantizer
+is a step function, so now and then an input within an ulp of a rounding boundary rounds one way
+in one engine and the other way in the other: one value moves by one quantization step (f16: 2^-11
+relative; q8_0: amax/127 of its block; q4_0: amax/8). Until the first such flip the logits agree
+within 1e-5; after it, by up to TYPE_TOL (measured maxima over every policy: f16 5e-4, q8_0 4e-3,
+q4_0 2e-2). The tokens are the same throughout, and the survivors are compared at every step; the
+logits are checked while they are the same (a flip can tip a near-tie of scores).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ringllm.models.loader import load_model
+from ringllm.runtime import kv_codec, kv_types
+from ringllm.runtime.engine import CPUEngine
+from ringllm.runtime.errors import ConfigError
+from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.reference import ReferenceEngine, round_kv_type
+
+from test_policies_engine import POLICIES, same_survivors
+
+TYPES = ["f16", "q8_0", "q4_0"]
+TYPE_TOL = {"f16": 2e-3, "q8_0": 2e-2, "q4_0": 6e-2}
+
+
+def _cases(rng) -> np.ndarray:
+    """Rows of 128 values that reach the quantizers' corners: zeros, a zero block, a negative extreme,
+    ties of the largest magnitude, exact halves of a step, huge and tiny scales."""
+    x = (rng.standard_normal((400, 128)) * rng.uniform(1e-3, 60, (400, 1))).astype(np.float32)
+    x[0] = 0
+    x[1, :32] = 0
+    x[2, 7] = -4 * np.abs(x[2]).max()
+    x[3, :32] = np.where(np.arange(32) % 2, 3.0, -3.0)          # +-3 ties: the first is the block's max
+    x[4, :32] = np.arange(32, dtype=np.float32) * (127 / 31) / 127 * 2.5 + 0.5 / 127   # values near halves
+    x[5] *= 1e4
+    x[6] *= 1e-30
+    return x
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_codec_is_gguf_bit_for_bit(name):
+    from gguf import GGMLQuantizationType as T, quants
+
+    x = _cases(np.random.default_rng(0))
+    enc = kv_codec.encode(x, name)
+    assert enc.dtype == kv_types.STORE_DTYPE[name] and enc.shape == (400, kv_types.row_width(name, 128))
+    if name == "f16":
+        np.testing.assert_array_equal(enc.view(np.float16), x.astype(np.float16))
+    else:
+        qt = {"q8_0": T.Q8_0, "q4_0": T.Q4_0}[name]
+        np.testing.assert_array_equal(enc.view(np.uint8), quants.quantize(x, qt))
+    np.testing.assert_array_equal(kv_codec.decode(enc, 128), round_kv_type(x, name))
+    assert kv_types.row_bytes(name, 128) * 400 == enc.nbytes
+
+
+def test_bytes_per_value():
+    assert [kv_types.row_bytes(t, 64) for t in ("f32", "f16", "q8_0", "q4_0")] == [256, 128, 68, 36]
+
+
+def test_bad_types_are_config_errors(tmp_path_factory):
+    with pytest.raises(ConfigError, match="k_type 'q5_1' unknown; valid: f32, f16, q8_0, q4_0"):
+        KVConfig(capacity=16, policy="streaming", k_type="q5_1")
+    with pytest.raises(ConfigError, match="v_type"):
+        KVConfig(capacity=16, policy="streaming", v_type="int8")
+    tiny = _tiny("gptneox", tmp_path_factory)          # head_dim 16: no whole block of 32
+    eng = CPUEngine(tiny.spec, tiny.tensors)
+    with pytest.raises(ConfigError, match="head_dim is 16: use f32 or f16"):
+        eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="q8_0"))
+    eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="f16", v_type="f16"))
+    wide = _tiny("llama", tmp_path_factory)
+    with pytest.raises(ConfigError, match="rope 'rk'"):
+        CPUEngine(wide.spec, wide.tensors, rope="rk").new_store(KVConfig(capacity=16, policy="streaming",
+                                                                        k_type="q8_0"))
+
+
+_TINY = {}
+
+
+def _tiny(arch, tmp_path_factory):
+    """A tiny random checkpoint; llama wide (head_dim 64), gemma3 (head_dim 32, sliding layers)."""
+    pytest.importorskip("transformers")
+    from tiny_checkpoints import build_tiny
+
+    if arch not in _TINY:
+        d = str(tmp_path_factory.mktemp(arch))
+        build_tiny(arch, d, wide=arch == "llama")
+        _TINY[arch] = load_model(d, tokenizer=False)
+    return _TINY[arch]
+
+
+def run_tracked(loaded, kv, ids, n_prompt, tol):
+    """The prompt ids[:n_prompt] as one chunk (the parallel chunk kernel on ring layers), then the
+    rest one token at a time, through the engine and the reference. Returns the first step whose
+    survivors differ (None: never); the logits agree within tol at every step before it."""
+    eng = CPUEngine(loaded.spec, loaded.tensors, n_batch=16)
+    eng.chunk_min_pairs = 0
+    ref = ReferenceEngine(loaded.spec, loaded.tensors)
+    st, rc = eng.new_store(kv), ref.new_cache(kv)
+    np.testing.assert_allclose(eng.logits(ids[:n_prompt], st), ref.forward(ids[:n_prompt], rc), rtol=0, atol=tol)
+    split = None if same_survivors(st, rc) else -1
+    for i, t in enumerate(ids[n_prompt:]):
+        le, lr = eng.step(t, st), ref.forward([t], rc)[0]
+        if split is None and not same_survivors(st, rc):
+            split = i
+        if split is None:
+            np.testing.assert_allclose(le, lr, rtol=0, atol=tol, err_msg=f"step {i}")
+    assert st.stats()["evicted_total"] > 0
+    return split
+
+
+# CI's short form: the ring, the Python-path policies that read keys (knorm, gvote), and compiled steps
+# that read keys (rkv) or only score (h2o), the types taken in turn, 148 steps at capacity 16. RINGLLM_KV_TYPES_FULL=1: every policy x type, 1,000 steps at capacity 64
+# (each pair compiles the policy's kernels for its arrays, ~15 s on two cores).
+FULL = os.environ.get("RINGLLM_KV_TYPES_FULL") == "1"
+PAIRS = ([(p, t) for p in POLICIES for t in TYPES] if FULL else
+         [(p, TYPES[i % len(TYPES)]) for i, p in enumerate(["streaming", "h2o", "knorm", "gvote", "rkv"])])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,name", PAIRS)
+def test_policies_and_types_against_reference(tmp_path_factory, policy, name):
+    tiny = _tiny("llama", tmp_path_factory)
+    capacity, n = (64, 1012) if FULL else (16, 160)
+    ids = np.random.default_rng(1).integers(0, 256, n).tolist()
+    kv = KVConfig(capacity=capacity, policy=policy, sinks=2, window=4, pool=3, lsh_bits=12, history=8,
+                  recent=None if policy != "h2o" else capacity // 4, k_type=name, v_type=name)
+    split = run_tracked(tiny, kv, ids, 12, TYPE_TOL[name])
+    print(f"{policy} {name}: survivors first differ at step {split}")
+    assert split is None or split > 20, f"survivors parted at step {split}"
+
+
+@pytest.mark.parametrize("positions", ["reindexed", "original"])
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "full"])
+def test_sliding_layers_and_positions(tmp_path_factory, policy, positions):
+    """Gemma 3's sliding-window rings beside its global layer, both position modes, k and v of
+    different types."""
+    tiny = _tiny("gemma3", tmp_path_factory)
+    ids = np.random.default_rng(4).permutation(256)[:90].tolist()
+    kv = KVConfig(capacity=None if policy == "full" else 16, policy=policy, sinks=2, window=4, positions=positions,
+                  k_type="q8_0", v_type="q4_0")
+    if policy == "full":
+        eng, ref = CPUEngine(tiny.spec, tiny.tensors, n_batch=16), ReferenceEngine(tiny.spec, tiny.tensors)
+        st, rc = eng.new_store(kv), ref.new_cache(kv)
+        np.testing.assert_allclose(eng.logits(ids, st), ref.forward(ids, rc), rtol=0, atol=TYPE_TOL["q4_0"])
+        return
+    run_tracked(tiny, kv, ids, 12, TYPE_TOL["q4_0"])
+
+
+def test_staged_eviction_with_types(tmp_path_factory):
+    """Staged eviction (lazy, slack, max_drop) on a quantized store, keys and values of other types."""
+    tiny = _tiny("llama", tmp_path_factory)
+    ids = np.random.default_rng(8).permutation(256)[:90].tolist()
+    kv = KVConfig(capacity=16, policy="h2o", sinks=2, recent=3, lazy=4, slack=2, max_drop=3, k_type="q8_0",
+                  v_type="q4_0")
+    split = run_tracked(tiny, kv, ids, 12, TYPE_TOL["q8_0"])
+    assert split is None or split > 20
+
+
+def test_store_holds_its_type_and_saves(tmp_path_factory):
+    """Rows are stored encoded (bytes per slot), survive snapshot/restore and state()/restore()
+    bitwise, and a restored store decodes on alike."""
+    from ringllm.runtime.kv_store import KVStore
+
+    tiny = _tiny("llama", tmp_path_factory)
+    eng = CPUEngine(tiny.spec, tiny.tensors)
+    kv = KVConfig(capacity=16, policy="h2o", k_type="q8_0", v_type="q8_0")
+    st = eng.new_store(kv)
+    eng.prefill(list(range(3, 40)), st)
+    assert st.k[0].dtype == np.int8 and st.k[0].shape[2] == 68 and st.v[0].nbytes == st.k[0].nbytes
+    restored = eng.adopt_store(KVStore.restore(tiny.spec, st.state()))
+    forked = st.fork()
+    a = [eng.step(t, st).copy() for t in (50, 51, 52)]
+    for other in (restored, forked):
+        np.testing.assert_array_equal(np.stack([eng.step(t, other).copy() for t in (50, 51, 52)]), np.stack(a))
+    bad = st.state()
+    bad["kv"] = {**bad["kv"], "k_type": "q4_0"}
+    with pytest.raises(ConfigError, match="k.0"):
+        KVStore.restore(tiny.spec, bad)
+
+
+def test_kshift_requantizes_and_stays_close(tmp_path_factory):
+    """rope "kshift" re-rotates every newer key at each eviction: a quantized key is decoded, rotated
+    and encoded again each time; it drifts from the key quantized once, measured here (q8_0)."""
+    tiny = _tiny("llama", tmp_path_factory)
+    ids = np.random.default_rng(5).permutation(256)[:120].tolist()
+    out = {}
+    for rope in ("stored", "kshift"):
+        eng = CPUEngine(tiny.spec, tiny.tensors, rope=rope)
+        st = eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="q8_0"))
+        out[rope] = np.stack([eng.step(t, st).copy() for t in ids])
+    err = np.abs(out["kshift"] - out["stored"]).max(axis=1)
+    assert err[:16].max() < 1e-4           # no eviction yet: no re-rotation
+    assert 0 < err.max() < 0.5
+
+
+def test_convert_types(tmp_path_factory):
+    """KVStore.convert_types: q -> f32 keeps every value (rows decoded); f32 -> q8_0 re-lays a policy
+    layer's keys before RoPE, then quantizes them as a write would; both stores decode on."""
+    tiny = _tiny("llama", tmp_path_factory)
+    eng = CPUEngine(tiny.spec, tiny.tensors)
+    ids = np.random.default_rng(6).permutation(256)[:40].tolist()
+    st = eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="q8_0", v_type="q4_0"))
+    eng.prefill(ids, st)
+    f = eng.adopt_store(st.convert_types("f32", "f32"))
+    hd = tiny.spec.head_dim
+    for il in range(tiny.spec.n_layer):
+        np.testing.assert_array_equal(f.k[il], kv_codec.decode(st.k[il], hd))
+        np.testing.assert_array_equal(f.v[il], kv_codec.decode(st.v[il], hd))
+    assert f.kv.k_type == "f32" and f.n_seen == st.n_seen
+    np.testing.assert_allclose(eng.step(7, f), eng.step(7, st), rtol=0, atol=TYPE_TOL["q4_0"])
+
+    h = eng.new_store(KVConfig(capacity=16, policy="h2o"))
+    eng.prefill(ids, h)
+    assert "rebased" in h.layer_rope_mode
+    q = eng.adopt_store(h.convert_types("q8_0", "q8_0"))
+    assert q.layer_rope_mode == ["fused"] * tiny.spec.n_layer and q.k[0].dtype == np.int8
+    direct = eng.new_store(KVConfig(capacity=16, policy="h2o", k_type="q8_0", v_type="q8_0"))
+    eng.prefill(ids, direct)
+    np.testing.assert_allclose(eng.step(7, q), eng.step(7, direct), rtol=0, atol=TYPE_TOL["q8_0"])
+    with pytest.raises(ConfigError, match="valid: f32, f16, q8_0, q4_0"):
+        h.convert_types("q2", "f32")
+
+
+def test_batched_decode_with_types(tmp_path_factory):
+    """step_batch over stores of one type (the parallel stream kernel) and of mixed types (the
+    per-store path): each row equals the store decoded alone, the same survivors."""
+    tiny = _tiny("llama", tmp_path_factory)
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=16)
+    rng = np.random.default_rng(7)
+    prompts = [rng.permutation(256)[:n].tolist() for n in (9, 30, 21)]
+    for types in (["q8_0"] * 3, ["q8_0", "f16", "q4_0"]):
+        cfg = [KVConfig(capacity=16, policy="streaming", sinks=2, k_type=t, v_type=t) for t in types]
+        alone, batch = [eng.new_store(c) for c in cfg], [eng.new_store(c) for c in cfg]
+        nxt = [int(np.argmax(eng.prefill(p, st))) for p, st in zip(prompts, alone)]
+        for p, st in zip(prompts, batch):
+            eng.prefill(p, st)
+        for _ in range(25):
+            got = eng.step_batch(nxt, batch)
+            want = np.stack([eng.step(t, st).copy() for t, st in zip(nxt, alone)])
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+            nxt = [int(t) for t in np.argmax(want, axis=1)]
+        for a, b in zip(alone, batch):
+            assert same_survivor_sets(a, b) and a.stats()["evicted_total"] > 0
+
+
+def same_survivor_sets(a, b) -> bool:
+    return all(np.array_equal(np.sort(a.seq[il][h, :int(a.count[il][h])]), np.sort(b.seq[il][h, :int(b.count[il][h])]))
+               for il in range(len(a.seq)) for h in range(a.seq[il].shape[0]))
