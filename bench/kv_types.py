@@ -1,6 +1,6 @@
 """KV store element types (KVConfig k_type = v_type = f32 | f16 | q8_0 | q4_0): size, decode speed, quality.
 
-    python bench/kv_types.py [--models smollm2,gemma3] [--capacities 512 4096 32768] [--steps 24]
+    python bench/kv_types.py [--models smollm2,gemma3] [--capacities 512 4096 32768] [--steps 24] [--ppl-types f16 q8_0/q4_0]
                              [--ppl-tokens 20000] [--ppl-capacities 256 512] [--ppl-policies streaming h2o snapkv]
                              [--chunk-ctx 2048] [--skip-ppl] [--skip-speed] [-t THREADS] [--out NAME]
 
@@ -16,7 +16,7 @@ Three parts, each per type:
   by half within minutes, so only same-round ratios mean anything).
 - quality: streaming perplexity over --ppl-tokens tokens of the novel fed one at a time (pyengine
   perplexity.streaming) per capacity x policy; and chunked perplexity at full context (--chunk-ctx
-  tokens per window, policy full), SmolLM2.
+  tokens per window, policy full), SmolLM2; per --ppl-types entry (a type, or K/V types).
 
 Writes bench/results/<out>.{json,md} and <out>.png (decode speed per capacity).
 """
@@ -95,7 +95,13 @@ def decode_speed(eng, capacities, steps: int, rounds: int) -> dict:
     return out
 
 
-def quality(model, eng, n_tokens: int, capacities, policies, chunk_ctx: int) -> dict:
+def _pair(name: str) -> tuple[str, str]:
+    """"q8_0" -> (q8_0, q8_0); "q8_0/q4_0" -> keys q8_0, values q4_0."""
+    k, _, v = name.partition("/")
+    return k, v or k
+
+
+def quality(model, eng, n_tokens: int, capacities, policies, chunk_ctx: int, types=TYPES) -> dict:
     from ringllm import perplexity as ppl
     from ringllm.runtime.kv_config import KVConfig
 
@@ -104,17 +110,19 @@ def quality(model, eng, n_tokens: int, capacities, policies, chunk_ctx: int) -> 
     rows = []
     for cap in capacities:
         for policy in policies:
-            for t in TYPES:
-                st = eng.new_store(KVConfig(capacity=cap, policy=policy, sinks=4, k_type=t, v_type=t))
+            for t in types:
+                kt, vt = _pair(t)
+                st = eng.new_store(KVConfig(capacity=cap, policy=policy, sinks=4, k_type=kt, v_type=vt))
                 t0 = time.perf_counter()
                 res = ppl.streaming(lambda tok: eng.step(tok, st), stream_ids, len(stream_ids))
                 rows.append({"kind": "streaming", "capacity": cap, "policy": policy, "type": t, "ppl": res.ppl,
                              "tokens": len(stream_ids), "seconds": time.perf_counter() - t0})
                 print("ppl", cap, policy, t, f"{res.ppl:.4f}", flush=True)
     n_chunk = min(len(ids), 4 * chunk_ctx)
-    for t in TYPES:
+    for t in types:
         def logits_fn(window, t=t):
-            return eng.logits(window, eng.new_store(KVConfig(capacity=chunk_ctx, policy="full", k_type=t, v_type=t)))
+            kt, vt = _pair(t)
+            return eng.logits(window, eng.new_store(KVConfig(capacity=chunk_ctx, policy="full", k_type=kt, v_type=vt)))
         tok = model.tokenizer
         res = ppl.chunked(logits_fn, ids[:n_chunk], chunk_ctx, tok.bos_id if tok.add_bos else None)
         rows.append({"kind": "chunked", "capacity": chunk_ctx, "policy": "full", "type": t, "ppl": res.ppl,
@@ -154,6 +162,8 @@ def main():
     ap.add_argument("--ppl-capacities", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--ppl-policies", nargs="+", default=["streaming", "h2o", "snapkv"])
     ap.add_argument("--chunk-ctx", type=int, default=2048)
+    ap.add_argument("--ppl-types", nargs="+", default=list(TYPES),
+                    help="types of the quality runs: a type, or K/V (e.g. q8_0/q4_0); f32 is always run")
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("-t", "--threads", type=int, default=None)
@@ -185,16 +195,18 @@ def main():
                                                f"({v['store_bytes'][t] / v['store_bytes']['f32']:.0%})" for t in TYPES)
                           + " |")
         if not args.skip_ppl and name == "smollm2":
-            rows = quality(model, eng, args.ppl_tokens, args.ppl_capacities, args.ppl_policies, args.chunk_ctx)
+            ptypes = ["f32"] + [t for t in args.ppl_types if t != "f32"]
+            rows = quality(model, eng, args.ppl_tokens, args.ppl_capacities, args.ppl_policies, args.chunk_ctx, ptypes)
             entry["quality"] = rows
             base = {(r["kind"], r["capacity"], r["policy"]): r["ppl"] for r in rows if r["type"] == "f32"}
             md += ["\nPerplexity (streaming: token by token through the store; chunked: windows of the full context, "
-                   "policy full), and its change from f32:\n", "| kind | capacity | policy | tokens | "
-                   + " | ".join(TYPES) + " |", "|---|---|---|---|" + "---|" * len(TYPES)]
+                   "policy full), and its change from f32 (K/V: keys of one type, values of the other):\n",
+                   "| kind | capacity | policy | tokens | " + " | ".join(ptypes) + " |",
+                   "|---|---|---|---|" + "---|" * len(ptypes)]
             keys = sorted({(r["kind"], r["capacity"], r["policy"], r["tokens"]) for r in rows})
             for kind, cap, policy, n in keys:
                 cells = []
-                for t in TYPES:
+                for t in ptypes:
                     p = next(r["ppl"] for r in rows if (r["kind"], r["capacity"], r["policy"], r["type"]) ==
                              (kind, cap, policy, t))
                     b = base[(kind, cap, policy)]

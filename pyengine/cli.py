@@ -528,7 +528,8 @@ def _warmup(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"ringllm warmup: compiling kernels for this CPU into {os.environ.get('NUMBA_CACHE_DIR') or 'the cache'}",
               file=sys.stderr, flush=True)
-    results = warmup(args.model, policies, jobs=args.jobs, knobs={"positions": args.positions},
+    knobs = {"positions": args.positions, "k_type": args.kv_k_type, "v_type": args.kv_v_type}
+    results = warmup(args.model, policies, jobs=args.jobs, knobs=knobs,
                      all_types=args.all_types, report=report, precision=args.precision)
     wall = time.perf_counter() - t0
     total = sum(r.compile_s for r in results)
@@ -688,6 +689,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--policy", action="append", choices=POLICIES, default=None,
                    help="eviction policy to compile for (repeatable; default: every policy)")
     w.add_argument("--positions", choices=POSITION_MODES, default="reindexed")
+    w.add_argument("--cache-type-k", dest="kv_k_type", choices=KV_TYPES, default="f32",
+                   help="the KV store's key type to compile for (each type's kernels compile apart)")
+    w.add_argument("--cache-type-v", dest="kv_v_type", choices=KV_TYPES, default="f32",
+                   help="the KV store's value type to compile for")
     w.add_argument("--precision", choices=("f32", "q8"), default="f32", help="the engine precision to compile for")
     w.add_argument("--all-types", action="store_true",
                    help="also compile every supported weight type's kernels (for models not at hand)")

@@ -59,7 +59,8 @@ def warm(engine, kv: KVConfig, few_rows: bool = True) -> None:
     sequence's short prefill chunk runs one matvec per row, the same bits)."""
     small = small_config(kv)
     if small is None:               # only the paths that do not evict: still most of the kernels
-        small = KVConfig(capacity=max(_SMALL_CAPACITIES), policy="full", positions=kv.positions)
+        small = KVConfig(capacity=max(_SMALL_CAPACITIES), policy="full", positions=kv.positions, k_type=kv.k_type,
+                         v_type=kv.v_type)
     n_vocab = engine.spec.n_vocab
     store = engine.new_store(small)
     few = [t % n_vocab for t in range(1, _FEW + 1)]               # a short chunk: one matvec per row

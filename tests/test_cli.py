@@ -45,6 +45,14 @@ def test_serve_binds_loopback_by_default():
     assert args.host == "127.0.0.1" and args.api_key is None
 
 
+def test_cache_type_flags_parse():
+    from ringllm.cli import build_parser
+    args = build_parser().parse_args(["serve", "--cache-type-k", "q8_0", "--cache-type-v", "q4_0"])
+    assert (args.kv_k_type, args.kv_v_type) == ("q8_0", "q4_0")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--cache-type-k", "q5_1"])
+
+
 def test_generate_json_and_text_agree(smollm2_path, tokenizer):
     r = run("generate", "-m", smollm2_path, "-p", "The capital of France is", "-n", "12", "--ignore-eos", "--json", *T1)
     assert r.returncode == 0, r.stderr
@@ -170,6 +178,11 @@ def test_chat_through_stdin_with_save_reset_load(tmp_path):
     r2 = run("chat", "-n", "24", "--kv-policy", "streaming", "--kv-capacity", "256", "--load", str(session), *T1,
              input="And 3+3?\n")
     assert r2.returncode == 0 and r2.stdout.strip() == answers[1]
+    # with --cache-type-k/-v the loaded session's store is converted to them, and the CLI says so
+    r3 = run("chat", "-n", "8", "--kv-policy", "streaming", "--kv-capacity", "256", "--cache-type-k", "q8_0",
+             "--cache-type-v", "q8_0", "--load", str(session), *T1, input="And 3+3?\n")
+    assert r3.returncode == 0, r3.stderr
+    assert "KV store converted from f32/f32 to q8_0/q8_0" in r3.stderr and r3.stdout.strip()
 
 
 def test_chat_ctrl_c_stops_the_answer_not_the_program():
