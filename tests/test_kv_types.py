@@ -118,7 +118,8 @@ def run_tracked(loaded, kv, ids, n_prompt, tol):
 
 
 # CI's short form: the ring, the Python-path policies that read keys (knorm, gvote), and compiled steps
-# that read keys (rkv) or only score (h2o), the types taken in turn, 148 steps at capacity 16. RINGLLM_KV_TYPES_FULL=1: every policy x type, 1,000 steps at capacity 64
+# that read keys (rkv) or only score (h2o), 148 steps at capacity 16, each (kernel, type) pair compiled once
+# (q4_0 on policy layers runs in the full form and in bench/results/kv_types_reference_matrix.md). RINGLLM_KV_TYPES_FULL=1: every policy x type, 1,000 steps at capacity 64
 # (each pair compiles the policy's kernels for its arrays, ~15 s on two cores).
 FULL = os.environ.get("RINGLLM_KV_TYPES_FULL") == "1"
 PAIRS = ([(p, t) for p in POLICIES for t in TYPES] if FULL else
