@@ -20,6 +20,7 @@ from numba.extending import intrinsic, overload
 
 from ringllm.runtime.kv_types import QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
 from ringllm.runtime.numba_flags import FASTMATH
+from ringllm.runtime.simd import andf, ld_i8, ld_u8i, srlf, vmul, vsplat, vstore, vsub
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,12 +120,13 @@ def _enc_q8_0(row, src):
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _dec_q8_0(dst, row):
+    # eight lanes at a time through the simd.py intrinsics: written as a scalar loop, the stores into
+    # dst keep LLVM from vectorizing (it cannot rule out that dst and row alias); the same products
     for b in range(row.shape[0] // (QBLOCK + 2)):
         o = b * (QBLOCK + 2)
-        d = block_scale(row, o)
-        x0 = b * QBLOCK
-        for i in range(QBLOCK):
-            dst[x0 + i] = d * np.float32(row[o + 2 + i])
+        d = vsplat(block_scale(row, o))
+        for c in range(QBLOCK // 8):
+            vstore(dst, b * QBLOCK + 8 * c, vmul(ld_i8(row, o + 2 + 8 * c), d))
 
 
 @njit(cache=True, nogil=True)
@@ -150,15 +152,17 @@ def _enc_q4_0(row, src):
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _dec_q4_0(dst, row):
+    # as _dec_q8_0: eight bytes give eight low nibbles (values i) and eight high ones (values i + 16)
     half = QBLOCK // 2
+    eight = vsplat(np.float32(8.0))
     for b in range(row.shape[0] // (half + 2)):
         o = b * (half + 2)
-        d = block_scale(row, o)
+        d = vsplat(block_scale(row, o))
         x0 = b * QBLOCK
-        for i in range(half):
-            byte = np.int32(row[o + 2 + i])
-            dst[x0 + i] = d * np.float32((byte & 15) - 8)
-            dst[x0 + half + i] = d * np.float32((byte >> 4) - 8)
+        for c in range(half // 8):
+            q = ld_u8i(row, o + 2 + 8 * c)
+            vstore(dst, x0 + 8 * c, vmul(vsub(andf(q, 15), eight), d))
+            vstore(dst, x0 + half + 8 * c, vmul(vsub(srlf(q, 4), eight), d))
 
 
 # the encoders are not inlined into their callers' IR: a caller compiled with fastmath would let LLVM
