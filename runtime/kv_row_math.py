@@ -15,8 +15,7 @@ sums run as they always have (slot order, four rows per pass: the f32 results ar
 before types existed). q8_0 and q4_0 rows are never decoded into memory: a block's 32 integers are
 converted once in registers and multiplied into up to four query heads' sums at a time (the block's
 scale applied once to each head's block sum), and a value block's scale is folded into each head's
-weight. Decoding a quantized row into a buffer first runs scalar (the stores into the buffer keep
-LLVM from vectorizing the conversion) and costs three times the fused form.
+weight.
 
 Numba overloads: the implementation is chosen by the row dtype when the calling kernel compiles.
 The Python functions below are the same arithmetic in NumPy (for callers outside Numba and tests).
