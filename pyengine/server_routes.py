@@ -37,7 +37,7 @@ from ringllm.chat_template import check_template_kwargs
 from ringllm.prompt_cache import default_cache_bytes
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, KVConfig
-from ringllm.runtime.kv_types import KV_TYPES, check_kv_type
+from ringllm.runtime.kv_types import KV_TYPES
 from ringllm.server_api import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest, ServerSettings,
                                 error_body)
 from ringllm.server_http import SSEResponse, sse_event
@@ -332,8 +332,7 @@ class Routes:
         try:
             kv = KVConfig.from_dict({**self.llm.kv.to_dict(), **req.kv})
             kv.validate()
-            check_kv_type(kv.k_type, "k_type", self.llm.spec.head_dim)       # blocks fit this model's heads
-            check_kv_type(kv.v_type, "v_type", self.llm.spec.head_dim)
+            kv.check_types_fit(self.llm.spec.head_dim)
         except (ConfigError, TypeError, ValueError) as exc:
             raise APIError(400, f"kv: {exc}", param="kv") from None
         if kv.capacity is not None and kv.capacity > self.llm.n_ctx:

@@ -385,9 +385,8 @@ class ChatSession:
         types (k_type, v_type) included, unless kv_types = (k_type, v_type) asks for others: its
         store is then converted (KVStore.convert_types: each row decoded and encoded again) and its
         KVConfig says so; an unknown type, or one the backend lacks, is a ConfigError."""
-        if kv_types is not None:
-            kt, vt = kv_types
-            replace(llm.kv, k_type=kt, v_type=vt)          # names checked before the file is read
+        if kv_types is not None:                           # checked before the file is read
+            replace(llm.kv, k_type=kv_types[0], v_type=kv_types[1]).check_types_fit(llm.spec.head_dim)
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise SessionFileError(path, "no such file")

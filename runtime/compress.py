@@ -92,8 +92,7 @@ def held_slots(store: KVStore, il: int, h: int) -> np.ndarray:
 
 def stored_key_values(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarray:
     """(len(slots), hd) f32: those keys as the layer holds them (its layout), decoded from its KV type."""
-    rows = store.k[il][h, slots]
-    return rows.copy() if rows.dtype == np.float32 else decode(rows, store.spec.head_dim)
+    return decode(store.k[il][h, slots], store.spec.head_dim)
 
 
 def plain_keys(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarray:

@@ -31,8 +31,8 @@ from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.host_memory import release_array_pages
 from ringllm.runtime.kv_config import KVConfig
-from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.kv_codec import round_trip
+from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies.base import Policy
 from ringllm.runtime.policy_step import policy_write_attend

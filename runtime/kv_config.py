@@ -201,6 +201,12 @@ class KVConfig:
             return self.recent
         return REGISTRY[self.policy].default_recent(self)
 
+    def check_types_fit(self, head_dim: int) -> None:
+        """ConfigError unless k_type and v_type can hold rows of head_dim values (q8_0 / q4_0 blocks of
+        32 must tile it): checked where a model meets the config (a store, a server request)."""
+        check_kv_type(self.k_type, "k_type", head_dim)
+        check_kv_type(self.v_type, "v_type", head_dim)
+
     @property
     def quantized_keys(self) -> bool:
         """Whether keys are held in a type other than f32 (their layout then avoids re-rotations)."""

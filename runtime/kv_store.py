@@ -62,7 +62,7 @@ from ringllm.runtime.kv_codec import decode, encode
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
 from ringllm.runtime.host_memory import lazy_zeros, small_pages
-from ringllm.runtime.kv_types import STORE_DTYPE, check_kv_type, row_width
+from ringllm.runtime.kv_types import STORE_DTYPE, row_width
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
@@ -111,8 +111,7 @@ class KVStore:
         elif kwargs:
             raise ConfigError(f"pass a KVConfig or keyword arguments, not both (got {sorted(kwargs)})")
         kv.validate()
-        check_kv_type(kv.k_type, "k_type", spec.head_dim)
-        check_kv_type(kv.v_type, "v_type", spec.head_dim)
+        kv.check_types_fit(spec.head_dim)
         capacity, sinks = kv.capacity, kv.sinks
         if kv.policy == "full":
             if capacity is not None and not 1 <= capacity <= spec.n_ctx:
@@ -411,8 +410,7 @@ class KVStore:
         engine.adopt_store). The copy belongs to no engine yet. ConfigError for an unknown type or
         during a rollback journal."""
         kv = replace(self.kv, k_type=k_type, v_type=v_type)      # validates the names
-        check_kv_type(k_type, "k_type", self.spec.head_dim)
-        check_kv_type(v_type, "v_type", self.spec.head_dim)
+        kv.check_types_fit(self.spec.head_dim)
         src = self.fork()
         modes = list(self.layer_rope_mode) if self.layer_rope_mode is not None else None
         if modes is not None and kv.quantized_keys:
@@ -427,7 +425,7 @@ class KVStore:
             for field, name in (("k", k_type), ("v", v_type)):
                 rows = arrays[f"{field}.{il}"]
                 if rows.dtype != STORE_DTYPE[name]:
-                    arrays[f"{field}.{il}"] = encode(decode(rows, hd) if rows.dtype != np.float32 else rows, name)
+                    arrays[f"{field}.{il}"] = encode(decode(rows, hd), name)
         return KVStore.restore(self.spec, {**state, "kv": kv.to_dict(), "arrays": arrays, "layer_rope_mode": modes})
 
     def snapshot(self) -> "StoreSnapshot":
