@@ -3,7 +3,7 @@ beside transformers on the same GPU (its default cache, and the HF StreamingLLM 
 pattern at the same capacities: bench/transformers_baseline.py), the CPU engine and (when
 llama-cpp-python was built with CUDA) llama.cpp on the same GGUF.
 
-    python bench/gpu_speed.py [-m MODEL] [--tg 256] [--pp 512] [--stream 50000] [--capacities 512,4096]
+    python bench/gpu_speed.py [-m MODEL] [--tg 256] [--pp 512,4096] [--stream 50000] [--capacities 512,4096]
                               [--hf-stream 2000] [--name gpu_speed]
 
 Needs an NVIDIA GPU (exits with the backend's DeviceError message otherwise). Prints and writes
@@ -16,6 +16,7 @@ point of the in-place store).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -42,22 +43,27 @@ def timed(fn, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def bench_gpu(m, n_tg: int, n_pp: int, repeats: int) -> dict:
+def bench_gpu(m, n_tg: int, pps: list[int], repeats: int) -> dict:
+    """Per mode (plain launches, CUDA-graph decode): prefill tok/s of each prompt length in pps (policy
+    full, chunks of up to 512 rows) and decode tok/s of n_tg tokens after an 8-token prompt, with the
+    logits downloaded every step (host argmax) and with the token chosen on the device."""
     from ringllm.native import CUDAEngine
 
     out = {}
-    prompt = np.random.default_rng(0).integers(100, 5000, n_pp).tolist()
-    cap = n_pp + n_tg + 8
+    rng = np.random.default_rng(0)
+    prompts = {n: rng.integers(100, min(5000, m.spec.n_vocab), n).tolist() for n in pps}
     for graph in (False, True):
-        eng = CUDAEngine(m.spec, m.tensors, n_batch=min(512, n_pp), cuda_graph=graph)
-        eng.generate(prompt[:16], eng.new_store(capacity=cap, policy="full"), 8)   # warm-up (and capture)
-        pp, tg_logits, tg_device = [], [], []
+        eng = CUDAEngine(m.spec, m.tensors, n_batch=min(512, max(pps)), cuda_graph=graph)
+        eng.generate(prompts[pps[0]][:16], eng.new_store(capacity=n_tg + 64, policy="full"), 8)   # warm-up (and capture)
+        pp = {n: [] for n in pps}
+        tg_logits, tg_device = [], []
         for _ in range(repeats):
-            st = eng.new_store(capacity=cap, policy="full")
-            pp.append(timed(lambda: eng.prefill(prompt, st), n_pp))
+            for n, prompt in prompts.items():
+                st = eng.new_store(capacity=n + 8, policy="full")
+                pp[n].append(timed(lambda: eng.prefill(prompt, st), n))
 
-            st = eng.new_store(capacity=cap, policy="full")
-            logits = eng.prefill(prompt[:8], st)
+            st = eng.new_store(capacity=n_tg + 16, policy="full")
+            logits = eng.prefill(prompts[pps[0]][:8], st)
 
             def host_argmax():
                 lg = logits
@@ -65,8 +71,8 @@ def bench_gpu(m, n_tg: int, n_pp: int, repeats: int) -> dict:
                     lg = eng.step(int(np.argmax(lg)), st)
             tg_logits.append(timed(host_argmax, n_tg))
 
-            st = eng.new_store(capacity=cap, policy="full")
-            eng.prefill(prompt[:8], st)
+            st = eng.new_store(capacity=n_tg + 16, policy="full")
+            eng.prefill(prompts[pps[0]][:8], st)
             tok = eng.pick()
 
             def device_pick():
@@ -75,8 +81,8 @@ def bench_gpu(m, n_tg: int, n_pp: int, repeats: int) -> dict:
                     t = eng.decode(t, st)
             tg_device.append(timed(device_pick, n_tg))
         key = "graph" if graph else "plain"
-        out[key] = {"pp": float(np.median(pp)), "tg_host_argmax": float(np.median(tg_logits)),
-                    "tg_device_pick": float(np.median(tg_device))}
+        out[key] = {"pp": {str(n): float(np.median(v)) for n, v in pp.items()},
+                    "tg_host_argmax": float(np.median(tg_logits)), "tg_device_pick": float(np.median(tg_device))}
     return out
 
 
@@ -143,17 +149,26 @@ def bench_transformers(path: str, n_tg: int, n_pp: int, n_stream: int, capacitie
     prompt = np.random.default_rng(0).integers(100, 5000, n_pp).tolist()
     out = {"default_cache": tb.default_cache(model, torch, device, prompt, n_tg)}
     for c in capacities:
-        r = tb.shift_append(model, torch, device, prompt, n_stream, c)
+        try:
+            r = tb.shift_append(model, torch, device, prompt, n_stream, c)
+        except Exception as e:          # e.g. an architecture whose rotary module the baseline does not know
+            out[f"shift_append_{c}"] = {"error": f"{type(e).__name__}: {e}"}
+            continue
         r.pop("tokens")
         out[f"shift_append_{c}"] = r
     return out
+
+
+def report(section: str, result) -> None:
+    """Print one section's figures as soon as they exist (a run cut short keeps what it measured)."""
+    print(f"[{section}] {json.dumps(result)}", flush=True)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-m", "--model", default=None, help="GGUF file or HF dir (default: bundled SmolLM2)")
     ap.add_argument("--tg", type=int, default=256)
-    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--pp", default="512,4096", help="prompt lengths of the prefill runs, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream", type=int, default=50000, help="tokens per long-stream run (0 = skip)")
     ap.add_argument("--capacities", default="512,4096", help="store capacities of the long streams")
@@ -182,25 +197,34 @@ def main(argv=None) -> None:
     native.check_status(ffi_dev[1].rl_device_info(0, dev, 256, total), "rl_device_info")
     gpu_name = ffi_dev[0].string(dev).decode()
 
+    pps = [int(n) for n in args.pp.split(",")]
     res = {"model": name, "gpu": gpu_name, "gpu_memory_gb": int(total[0]) / 1e9, "build": native.build_info(),
-           "machine": machine(), "decode_bytes": decode_bytes(m), "tg": args.tg, "pp": args.pp}
-    res["gpu_engine"] = bench_gpu(m, args.tg, args.pp, args.repeats)
+           "machine": machine(), "command": " ".join(sys.argv), "decode_bytes": decode_bytes(m), "tg": args.tg,
+           "pp": pps}
+    res["gpu_engine"] = bench_gpu(m, args.tg, pps, args.repeats)
+    report("gpu_engine", res["gpu_engine"])
     capacities = [int(c) for c in args.capacities.split(",")]
     if args.stream:
-        res["stream"] = {str(c): bench_stream(m, args.stream, c) for c in capacities}
+        res["stream"] = {}
+        for c in capacities:
+            res["stream"][str(c)] = bench_stream(m, args.stream, c)
+            report(f"stream {c}", res["stream"][str(c)])
     if args.hf_stream:
-        res["transformers"] = bench_transformers(path, args.tg, args.pp, args.hf_stream, capacities)
+        res["transformers"] = bench_transformers(path, args.tg, pps[0], args.hf_stream, capacities)
+        report("transformers", res["transformers"])
     if not args.no_cpu:
         res["cpu_tg"] = bench_cpu(m, min(args.tg, 64))
     res["llama_cpp_gpu_tg"] = bench_llama_cpp(path, args.tg)
 
     gb = res["decode_bytes"] / 1e9
     lines = [f"# GPU backend speed: {name} on {gpu_name}", "", f"build: {res['build']}", "",
-             "| mode | pp tok/s | tg tok/s (logits to host) | tg tok/s (token on device) | GB/s (device tg) |",
-             "|---|---|---|---|---|"]
+             f"command: `{res['command']}`", "",
+             "| mode | " + " | ".join(f"pp{n} tok/s" for n in pps) +
+             " | tg tok/s (logits to host) | tg tok/s (token on device) | GB/s of weights (device tg) |",
+             "|---|" + "---|" * len(pps) + "---|---|---|"]
     for mode, r in res["gpu_engine"].items():
-        lines.append(f"| {mode} | {r['pp']:.0f} | {r['tg_host_argmax']:.0f} | {r['tg_device_pick']:.0f} | "
-                     f"{r['tg_device_pick'] * gb:.1f} |")
+        lines.append(f"| {mode} | " + " | ".join(f"{r['pp'][str(n)]:.0f}" for n in pps) +
+                     f" | {r['tg_host_argmax']:.0f} | {r['tg_device_pick']:.0f} | {r['tg_device_pick'] * gb:.1f} |")
     if "cpu_tg" in res:
         lines += ["", f"CPU engine tg: {res['cpu_tg']:.1f} tok/s"]
     if res["llama_cpp_gpu_tg"]:
@@ -221,7 +245,9 @@ def main(argv=None) -> None:
                              f"{r['first_p99_ms']:.3f} | {r['last_p50_ms']:.3f} / {r['last_p99_ms']:.3f} | "
                              f"{r['evicted']} |")
             r = res.get("transformers", {}).get(f"shift_append_{cap}")
-            if r:
+            if r and "error" in r:
+                lines.append(f"| {cap} | transformers shift-and-append | {r['error']} | | | |")
+            elif r:
                 lines.append(f"| {cap} | transformers shift-and-append | {r['tok_s']:.0f} | {r['first_p50_ms']:.3f} / "
                              f"{r['first_p99_ms']:.3f} | {r['last_p50_ms']:.3f} / {r['last_p99_ms']:.3f} | "
                              f"{r['n_tokens']} |")

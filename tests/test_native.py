@@ -452,6 +452,13 @@ DEVICE_POLICY_CONFIGS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(DEVICE_POLICY_CONFIGS))
 def test_greedy_1000_tokens_match_cpu_per_policy(smollm2, name):
+    """The same 1,000 greedy tokens as the CPU engine, the same eviction counts, and the same survivors
+    in the first and last layers: exactly for the policies that rank by age (streaming, staged
+    streaming); for the scored ones up to one swapped pair per head. Their keys (knorm's key norms,
+    h2o/tova's attention masses, lsh's codes) are float32 sums taken in another order on each device;
+    the policies compare them on a grid so that rounding-level differences tie, but a value within
+    rounding of a grid boundary lands on either side of it, and one victim choice can then differ
+    without any token changing."""
     from ringllm.runtime.engine import CPUEngine
 
     kv = KVConfig(capacity=64, **DEVICE_POLICY_CONFIGS[name])
@@ -469,11 +476,15 @@ def test_greedy_1000_tokens_match_cpu_per_policy(smollm2, name):
     # 999 tokens fed back on each side; one more, then the same survivors in every head
     gpu_eng.decode(got[-1], gs)
     cpu.step(want[-1], cs)
+    by_age = kv.policy == "streaming"
     for il in (0, smollm2.spec.n_layer - 1):
         dev = gs.read_layer(il)
         for h in range(smollm2.spec.n_head_kv):
             n = int(cs.count[il][h])
-            assert sorted(dev["seq"][h][dev["seq"][h] >= 0]) == sorted(cs.seq[il][h, :n].tolist()), (name, il, h)
+            got_set, want_set = set(dev["seq"][h][dev["seq"][h] >= 0].tolist()), set(cs.seq[il][h, :n].tolist())
+            assert len(got_set) == len(want_set) == n, (name, il, h)
+            parted = sorted(got_set ^ want_set)
+            assert len(parted) <= (0 if by_age else 2), (name, il, h, parted)
     assert gs.stats()["evicted_total"] == cs.stats()["evicted_total"]
 
 
@@ -515,3 +526,21 @@ def test_store_options_and_stats(smollm2):
     full = eng.new_store(capacity=16, policy="full")
     with pytest.raises(ConfigError, match="exceed"):
         eng.logits(list(range(17)), full)
+
+
+@gpu
+@pytest.mark.gpu
+def test_llm_api_on_the_cuda_backend_matches_cpu(smollm2_path):
+    """ringllm.LLM(backend="cuda"): completion and chat give the CPU engine's greedy tokens."""
+    import ringllm
+
+    kv = KVConfig(capacity=64, policy="h2o", sinks=4)
+    cpu = ringllm.LLM(smollm2_path, kv=kv, progress=False)
+    dev = ringllm.LLM(smollm2_path, kv=kv, backend="cuda", progress=False)
+    prompt = "The sea was calm that morning, and"
+    want = cpu.complete(prompt, max_tokens=48, ignore_eos=True)
+    got = dev.complete(prompt, max_tokens=48, ignore_eos=True)
+    assert got.tokens == want.tokens and got.text == want.text
+    msgs = [{"role": "user", "content": "Write a haiku about the sea."}]
+    assert dev.chat(msgs, max_tokens=24).text == cpu.chat(msgs, max_tokens=24).text
+    assert dev.kv_stats()["evicted_total"] == cpu.kv_stats()["evicted_total"]

@@ -145,6 +145,10 @@ static const char *role_name(int role) {
     return role >= 0 && role < RL_N_ROLES ? names[role] : "?";
 }
 
+// Positions whose RoPE cos/sin the attention reads from a table (rl_model_ready builds it on the
+// device); later positions (original positions of long streams) are computed the same way in place.
+constexpr int ROPE_TABLE_POSITIONS = 32768;
+
 struct rl_model {
     rl_model_params p{};
     cudaStream_t stream = nullptr;
@@ -152,6 +156,9 @@ struct rl_model {
     std::vector<float *> vecs;     // same indexing
     std::vector<double> rope_base, rope_scale;
     double *d_inv_freq = nullptr;  // (n_layer, rotary_dim / 2)
+    // RoPE cos/sin tables (ROPE_TABLE_POSITIONS, rotary_dim / 2) per layer, shared by layers of equal
+    // base and scale (rope_tab[il] points into rope_tab_owned); NULL when rotary_dim is 0
+    std::vector<float2 *> rope_tab, rope_tab_owned;
     // run buffers (B = n_batch rows): x, h, a, h2 (B, e); q, att (B, nq); k, v (B, nkv*hd);
     // ffa, ffb (B, n_ff); logits (B, n_vocab); ids (B,); pick params (4,); token (1,)
     float *x = nullptr, *h = nullptr, *a = nullptr, *h2 = nullptr, *q = nullptr, *att = nullptr, *k = nullptr,
@@ -190,6 +197,7 @@ extern "C" int rl_model_free(rl_model *m) {
     for (auto &mt : m->mats) dev_free(mt.d);
     for (auto &vp : m->vecs) dev_free(vp);
     dev_free(m->d_inv_freq);
+    for (float2 *t : m->rope_tab_owned) dev_free(t);
     float **bufs[] = {&m->x, &m->h, &m->a, &m->h2, &m->q, &m->att, &m->k, &m->v, &m->ffa, &m->ffb, &m->logits,
                       &m->pick_params};
     for (float **b : bufs) dev_free(*b);
@@ -246,6 +254,15 @@ extern "C" int rl_model_init(rl_model **out, const rl_model_params *p) {
     return RL_OK;
 }
 
+// Host -> device copy on the model's stream, complete on return. A plain cudaMemcpy from pageable
+// memory runs on the legacy stream and may return before its DMA lands, and the model's stream is
+// non-blocking (not ordered after the legacy stream): its kernels could read the old bytes.
+static int upload(rl_model *m, void *dst, const void *src, size_t bytes) {
+    RL_CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, m->stream));
+    RL_CK(cudaStreamSynchronize(m->stream));
+    return RL_OK;
+}
+
 extern "C" int rl_model_set_matrix(rl_model *m, int role, int il, int qtype, int64_t n_rows, int64_t n_cols,
                                    const uint8_t *data, int64_t row_bytes) {
     if (!m || !data) return rl_fail(RL_ERR_ARG, "rl_model_set_matrix: NULL argument");
@@ -269,7 +286,7 @@ extern "C" int rl_model_set_matrix(rl_model *m, int role, int il, int qtype, int
     Matrix &mt = m->mats[m->idx(role, il)];
     dev_free(mt.d);
     RL_TRY(dev_alloc(&mt.d, n_rows * row_bytes, "cudaMalloc (weights)"));
-    RL_CK(cudaMemcpy(mt.d, data, (size_t)(n_rows * row_bytes), cudaMemcpyHostToDevice));
+    RL_TRY(upload(m, mt.d, data, (size_t)(n_rows * row_bytes)));
     mt.qtype = qtype;
     mt.rows = n_rows;
     mt.cols = n_cols;
@@ -292,7 +309,7 @@ extern "C" int rl_model_set_vector(rl_model *m, int role, int il, const float *d
     float *&d = m->vecs[m->idx(role, il)];
     dev_free(d);
     RL_TRY(dev_alloc(&d, n, "cudaMalloc (vector)"));
-    RL_CK(cudaMemcpy(d, data, (size_t)n * sizeof(float), cudaMemcpyHostToDevice));
+    RL_TRY(upload(m, d, data, (size_t)n * sizeof(float)));
     return RL_OK;
 }
 
@@ -340,7 +357,25 @@ extern "C" int rl_model_ready(rl_model *m) {
     for (int il = 0; il < p.n_layer; il++)
         for (int i = 0; i < half; i++) inv[(size_t)il * (half + 1) + i] = pow(m->rope_base[il], -(i * 2.0) / p.rotary_dim);
     RL_CK(cudaSetDevice(p.device));
-    RL_CK(cudaMemcpy(m->d_inv_freq, inv.data(), inv.size() * sizeof(double), cudaMemcpyHostToDevice));
+    RL_TRY(upload(m, m->d_inv_freq, inv.data(), inv.size() * sizeof(double)));
+    // cos/sin tables of positions [0, ROPE_TABLE_POSITIONS), one per distinct (base, scale)
+    for (float2 *t : m->rope_tab_owned) dev_free(t);
+    m->rope_tab_owned.clear();
+    m->rope_tab.assign(p.n_layer, nullptr);
+    for (int il = 0; il < p.n_layer && half > 0; il++) {
+        for (int jl = 0; jl < il && !m->rope_tab[il]; jl++)
+            if (m->rope_base[jl] == m->rope_base[il] && m->rope_scale[jl] == m->rope_scale[il])
+                m->rope_tab[il] = m->rope_tab[jl];
+        if (m->rope_tab[il]) continue;
+        float2 *t = nullptr;
+        RL_TRY(dev_alloc(&t, (int64_t)ROPE_TABLE_POSITIONS * half, "cudaMalloc (rope table)"));
+        m->rope_tab_owned.push_back(t);
+        m->rope_tab[il] = t;
+        launch_rope_table(t, m->d_inv_freq + (size_t)il * (half + 1), m->rope_scale[il], ROPE_TABLE_POSITIONS, half,
+                          m->stream);
+        RL_LAUNCHED("rope table");
+    }
+    RL_CK(cudaStreamSynchronize(m->stream));
     return RL_OK;
 }
 
@@ -489,8 +524,7 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         const int64_t n = (int64_t)p.n_layer * sp->lsh_bits * hd;
         st = dev_alloc(&s->proj, n, "cudaMalloc (lsh projections)");
         if (st == RL_OK) {
-            cudaError_t err = cudaMemcpy(s->proj, sp->lsh_proj, (size_t)n * sizeof(float), cudaMemcpyHostToDevice);
-            if (err != cudaSuccess) st = rl_cuda_fail(err, "cudaMemcpy (lsh projections)");
+            st = upload(m, s->proj, sp->lsh_proj, (size_t)n * sizeof(float));
         }
     }
     if (st == RL_OK) st = rl_store_reset(s);
@@ -607,14 +641,13 @@ static void layer(rl_model *m, rl_store *s, int il, int T) {
     LayerStore &L = s->layers[il];
     const float *proj = s->proj ? s->proj + (int64_t)il * s->pol.lsh_bits * hd : nullptr;
     const bool policy_layer = !L.ring;
-    const double inv_scale = 1.0 / m->rope_scale[il];
     const double *inv_freq = m->d_inv_freq + (int64_t)il * (p.rotary_dim / 2 + 1);
     const int32_t *pos = s->pol.reindexed ? L.rank : L.seq;
     for (int t = 0; t < T; t++) {   // decode semantics: write (evicting first), attend, observe
         launch_kv_write(L, s->pol, m->k + t * nk, m->v + t * nk, m->q + t * nq, proj, s->n_seen, t, nkv, nh, hd, st);
         launch_attend(m->att + t * nq, s->weights, m->q + t * nq, L.k, L.v, L.k_type, L.v_type, pos, L.count,
                       s->n_seen, t, s->pol.reindexed ? RL_QPOS_COUNT : RL_QPOS_SEQ, nh, nkv, L.P, hd, p.rotary_dim,
-                      inv_scale, inv_freq, p.attn_scale, st);
+                      m->rope_scale[il], inv_freq, m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale, st);
         if (policy_layer && (s->pol.policy == RL_POLICY_H2O || s->pol.policy == RL_POLICY_TOVA))
             launch_observe(L, s->pol.policy, s->weights, nh, nkv, st);
     }
@@ -881,7 +914,7 @@ extern "C" int rl_kernel_attend(int device, const float *q, const void *k, const
     RL_TRY(dw.alloc<float>((int64_t)n_head * P, weights));
     launch_attend(dout.as<float>(), dw.as<float>(), dq.as<float>(), dk.as<uint8_t>(), dv.as<uint8_t>(), k_type, v_type,
                   dp.as<int32_t>(), dc.as<int32_t>(), nullptr, q_pos, RL_QPOS_FIXED, n_head, n_kv, P, hd, rotary_dim,
-                  1.0 / rope_scale, dinv.as<double>(), attn_scale, 0);
+                  rope_scale, dinv.as<double>(), nullptr, 0, attn_scale, 0);
     RL_LAUNCHED("attend");
     RL_CK(cudaMemcpy(out, dout.p, (size_t)n_head * hd * sizeof(float), cudaMemcpyDeviceToHost));
     RL_CK(cudaMemcpy(weights, dw.p, (size_t)n_head * P * sizeof(float), cudaMemcpyDeviceToHost));

@@ -93,8 +93,10 @@ void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const fl
                      cudaStream_t st);
 void launch_attend(float *out, float *weights, const float *q, const uint8_t *k, const uint8_t *v, int k_type,
                    int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed,
-                   int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double inv_scale,
-                   const double *inv_freq, float attn_scale, cudaStream_t st);
+                   int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double scale,
+                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, cudaStream_t st);
+// tab (n_tab, half) = cos/sin of angle (p / scale) * inv_freq[i] (the attention's RoPE table)
+void launch_rope_table(float2 *tab, const double *inv_freq, double scale, int n_tab, int half, cudaStream_t st);
 void launch_observe(LayerStore L, int policy, const float *weights, int n_head, int n_kv, cudaStream_t st);
 void launch_advance(int64_t *n_seen, int T, cudaStream_t st);
 void launch_pick(int32_t *token, const float *logits, int n, const float *params, cudaStream_t st);

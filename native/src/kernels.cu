@@ -8,6 +8,7 @@
 // kv_rows.cuh); the f32 instances are the plain float32 code.
 #include "common.cuh"
 
+#include <float.h>
 #include <math.h>
 
 #include <type_traits>
@@ -86,7 +87,9 @@ __global__ void norm_kernel(float *out, const float *x, const float *w, const fl
 __device__ __forceinline__ float act_f(float x, int kind) {
     if (kind == RL_ACT_SILU) return x / (1.0f + expf(-x));
     if (kind == RL_ACT_GELU) return (float)(0.5 * (double)x * (1.0 + erf((double)x / sqrt(2.0))));
-    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    // 0.5 x (1 + tanh(u)) = x sigmoid(2u), in runtime/ops.py's form (no cancellation for x << 0)
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x / (1.0f + expf(-2.0f * u));
 }
 
 __global__ void act_kernel(float *out, const float *gate, const float *up, int kind, int gated, int64_t n) {
@@ -136,11 +139,13 @@ template <int T> __device__ __forceinline__ bool simhash_bit(const float *proj_i
 }
 
 // Victim key of slot j: the lowest key among unprotected slots goes (ties -> older token).
+// Attention masses (h2o, tova) are compared on runtime/eviction.py's grid (GRID_LOG, KEY_GRID = 4096
+// steps per octave): masses that differ only by rounding tie, and the older token goes, as on the CPU.
 __device__ __forceinline__ double victim_key(int policy, int j, const int32_t *seq, const double *score,
                                              const uint64_t *aux, const uint64_t *qcode, int group) {
     switch (policy) {
         case RL_POLICY_H2O:
-        case RL_POLICY_TOVA: return score[j];
+        case RL_POLICY_TOVA: return floor(4096.0 * log2(score[j] + 1e-30) + 0.5);
         case RL_POLICY_KNORM: return -score[j];
         case RL_POLICY_LSH: {
             int dist = 0;
@@ -346,15 +351,27 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
 // Attention step (runtime/attention.py attend): one block per query head
 // ==============================================================================================
 
-constexpr int ATT_THREADS = 128;
+constexpr int ATT_THREADS = 256;
+constexpr int ATT_DIMS = 256;      // value dims summed per pass of the weighted sum
 
-// cos/sin of position p for dim pair i: angle (p / scale) * base^(-2i/rotary_dim) in float64,
-// rounded to float32 as the CPU's RopeTable.
-__device__ __forceinline__ void rope_cs(float *c, float *s, double p, double inv_scale, double inv_freq) {
+// cos/sin of position p for dim pair i: angle (p / scale) * inv_freq[i] in float64, rounded to
+// float32, as the CPU's RopeTable; read from the model's table (tab: (n_tab, half) pairs, made once
+// by rope_table_kernel) for p < n_tab, computed the same way past it (original positions of a long
+// stream) or without a table (tab NULL).
+__device__ __forceinline__ float2 rope_angle_cs(int64_t p, double scale, double inv_freq) {
     double sd, cd;
-    sincos(p * inv_scale * inv_freq, &sd, &cd);
-    *c = (float)cd;
-    *s = (float)sd;
+    sincos(((double)p / scale) * inv_freq, &sd, &cd);
+    return make_float2((float)cd, (float)sd);
+}
+
+__device__ __forceinline__ float2 rope_cs(int64_t p, int i, int half, double scale, const double *inv_freq,
+                                          const float2 *tab, int n_tab) {
+    return p < n_tab ? tab[p * half + i] : rope_angle_cs(p, scale, inv_freq[i]);
+}
+
+__global__ void rope_table_kernel(float2 *tab, const double *inv_freq, double scale, int n_tab, int half) {
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < (int64_t)n_tab * half) tab[idx] = rope_angle_cs(idx / half, scale, inv_freq[idx % half]);
 }
 
 // k, v: (n_kv, P) rows of types KT, VT (keys before RoPE), decoded in registers; f32 accumulation.
@@ -362,9 +379,11 @@ template <int KT, int VT>
 __global__ void __launch_bounds__(ATT_THREADS)
 attend_kernel(float *out, float *weights, const float *q, const uint8_t *k, const uint8_t *v, const int32_t *pos,
               const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed, int q_pos_mode, int n_kv, int P,
-              int hd, int rotary_dim, double inv_scale, const double *inv_freq, float attn_scale) {
+              int hd, int rotary_dim, double scale, const double *inv_freq, const float2 *tab, int n_tab,
+              float attn_scale) {
     extern __shared__ float qr[];   // (hd,) the query rotated at its position, times attn_scale
     __shared__ float red[32];
+    __shared__ float part[ATT_THREADS / 32 * ATT_DIMS];   // per-warp partial sums of the value rows
     const int hq = blockIdx.x, group = gridDim.x / n_kv, h = hq / group, tid = threadIdx.x;
     const int half = rotary_dim / 2;
     const int n = count[h];
@@ -373,8 +392,8 @@ attend_kernel(float *out, float *weights, const float *q, const uint8_t *k, cons
     else if (q_pos_mode == RL_QPOS_SEQ) qp = *q_pos_seq + q_pos_fixed;
     const float *qh = q + (int64_t)hq * hd;
     for (int i = tid; i < half; i += blockDim.x) {
-        float c, s;
-        rope_cs(&c, &s, (double)qp, inv_scale, inv_freq[i]);
+        const float2 r = rope_cs(qp, i, half, scale, inv_freq, tab, n_tab);
+        const float c = r.x, s = r.y;
         const float a = qh[i], b = qh[i + half];
         qr[i] = (a * c - b * s) * attn_scale;
         qr[i + half] = (b * c + a * s) * attn_scale;
@@ -389,11 +408,11 @@ attend_kernel(float *out, float *weights, const float *q, const uint8_t *k, cons
     float mx = -INFINITY;
     for (int j = tid; j < n; j += blockDim.x) {
         const uint8_t *kj = kh + (int64_t)j * krb;
-        const double p = (double)ph[j];
+        const int64_t p = ph[j];
         float acc = 0.0f;
         for (int i = 0; i < half; i++) {
-            float c, s;
-            rope_cs(&c, &s, p, inv_scale, inv_freq[i]);
+            const float2 r = rope_cs(p, i, half, scale, inv_freq, tab, n_tab);
+            const float c = r.x, s = r.y;
             const float a = kv_get<KT>(kj, i), b = kv_get<KT>(kj, i + half);
             acc += qr[i] * (a * c - b * s) + qr[i + half] * (b * c + a * s);
         }
@@ -404,19 +423,44 @@ attend_kernel(float *out, float *weights, const float *q, const uint8_t *k, cons
     mx = block_max(mx, red);
     float tot = 0.0f;
     for (int j = tid; j < n; j += blockDim.x) {
-        const float e = expf(w[j] - mx);
+        const float e = expf(fmaxf(w[j] - mx, -87.3f));   // exp_f32's clamp: never below ~1.2e-38
         w[j] = e;
         tot += e;
     }
     tot = block_sum(tot, red);
     const float inv = 1.0f / tot;
-    for (int j = tid; j < n; j += blockDim.x) w[j] *= inv;
+    for (int j = tid; j < n; j += blockDim.x) {   // no subnormal weights (softmax_inplace): they become 0
+        const float wj = w[j] * inv;
+        w[j] = wj >= FLT_MIN ? wj : 0.0f;
+    }
     __syncthreads();
+    // out = sum_j w[j] v[j], 256 dims at a time: warp wi sums the slots j = wi, wi + nw, ... with its
+    // lanes over the dims (coalesced row reads, eight independent chains per lane), then the nw
+    // partial rows are added in warp order
     const uint8_t *vh = v + (int64_t)h * P * vrb;
-    for (int d = tid; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < n; j++) acc += w[j] * kv_get<VT>(vh + (int64_t)j * vrb, d);
-        out[(int64_t)hq * hd + d] = acc;
+    const int lane = tid & 31, wi = tid >> 5, nw = blockDim.x >> 5;
+    for (int d0 = 0; d0 < hd; d0 += ATT_DIMS) {
+        float acc[ATT_DIMS / 32];
+#pragma unroll
+        for (int c = 0; c < ATT_DIMS / 32; c++) acc[c] = 0.0f;
+        for (int j = wi; j < n; j += nw) {
+            const float wj = w[j];
+            const uint8_t *vj = vh + (int64_t)j * vrb;
+#pragma unroll
+            for (int c = 0; c < ATT_DIMS / 32; c++) {
+                const int d = d0 + c * 32 + lane;
+                if (d < hd) acc[c] += wj * kv_get<VT>(vj, d);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < ATT_DIMS / 32; c++) part[wi * ATT_DIMS + c * 32 + lane] = acc[c];
+        __syncthreads();
+        for (int d = d0 + tid; d < hd && d < d0 + ATT_DIMS; d += blockDim.x) {
+            float sum = 0.0f;
+            for (int x = 0; x < nw; x++) sum += part[x * ATT_DIMS + (d - d0)];
+            out[(int64_t)hq * hd + d] = sum;
+        }
+        __syncthreads();
     }
 }
 
@@ -636,14 +680,19 @@ void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const fl
 
 void launch_attend(float *out, float *weights, const float *q, const uint8_t *k, const uint8_t *v, int k_type,
                    int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed,
-                   int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double inv_scale,
-                   const double *inv_freq, float attn_scale, cudaStream_t st) {
+                   int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double scale,
+                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, cudaStream_t st) {
     with_kv_types(k_type, v_type, [&](auto kt, auto vt) {
         attend_kernel<decltype(kt)::value, decltype(vt)::value>
             <<<n_head, ATT_THREADS, hd * sizeof(float), st>>>(out, weights, q, k, v, pos, count, q_pos_seq,
                                                              q_pos_fixed, q_pos_mode, n_kv, P, hd, rotary_dim,
-                                                             inv_scale, inv_freq, attn_scale);
+                                                             scale, inv_freq, rope_tab, rope_tab ? n_tab : 0,
+                                                             attn_scale);
     });
+}
+
+void launch_rope_table(float2 *tab, const double *inv_freq, double scale, int n_tab, int half, cudaStream_t st) {
+    rope_table_kernel<<<grid_for((int64_t)n_tab * half, 256), 256, 0, st>>>(tab, inv_freq, scale, n_tab, half);
 }
 
 void launch_observe(LayerStore L, int policy, const float *weights, int n_head, int n_kv, cudaStream_t st) {

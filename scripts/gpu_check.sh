@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The GPU session's device check, in one call: build the CUDA backend with the machine's nvcc, run
+# every `gpu` test, then the GPU benchmarks. Every log and result goes to $WORK, which is packed into
+# $OUT/bundle.tgz after each stage (a stage killed by its timeout loses only itself).
+#
+#   bash scripts/gpu_check.sh [STAGE...]     STAGE: env build test bench sanitize (default: env build test bench)
+#
+# Expects (carried by the caller, ignored by git):
+#   .whl/   wheels of the Python packages the device image lacks (gguf, cffi, pycparser), installed
+#           into /tmp/site with --no-index (the device has no network);
+#   .dev/smollm2-135m-10layers.gguf   bench/truncated_gguf.py's cut of the bundled SmolLM2 (its first
+#           10 of 30 layers: the whole file does not fit the 64 MiB transfer). The parity tests run
+#           on it; the benchmarks run on its tiling back to 30 layers (SmolLM2-135M's shapes, types
+#           and bytes), on a random Gemma 3 270M bf16 checkpoint and on bench/synthetic_gguf.py's
+#           Qwen3-1.7B Q4_K_M, all written on the device.
+# Env: TEST_ARGS extra pytest arguments; TEST_TIMEOUT, T_SMOLLM2, T_GEMMA3, T_QWEN3 seconds per stage;
+# BENCH_MODELS (default "smollm2 gemma3 qwen3"); STREAM, HF_STREAM tokens per long stream (ringllm,
+# transformers); REPEATS of each pp/tg figure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check_out}
+WORK=/tmp/gpu_work
+mkdir -p "$OUT" "$WORK" /tmp/models
+export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba_cache
+STAGES=${*:-env build test bench}
+SMOL=$PWD/.dev/smollm2-135m-10layers.gguf
+
+stage() { echo "=== $1 $(date +%T)"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+bundle() { tar czf "$OUT/bundle.tgz" -C "$WORK" . ; }
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+if has env; then
+    stage env
+    { nvidia-smi; nvcc --version; lscpu | head -20
+      python3 -c "import sys, numpy, numba, torch, transformers, cffi; print(sys.version); print('numpy', numpy.__version__, 'numba', numba.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'cffi', cffi.__version__)"
+    } > "$WORK/env.txt" 2>&1
+    grep -E "Driver|H100|H200|release|Model name|numpy" "$WORK/env.txt"
+fi
+
+if has build; then
+    stage build
+    t0=$(date +%s)
+    python3 -m pip install --no-deps --no-build-isolation -v -e . > "$WORK/build.log" 2>&1
+    echo "pip install rc=$? in $(( $(date +%s) - t0 )) s"; grep "ringllm:" "$WORK/build.log"
+    python3 -c "import ringllm.native as n; print(n.build_info(), '| devices:', n.device_count())" 2>&1 | tee -a "$WORK/env.txt"
+    bundle
+fi
+
+if has test; then
+    stage test
+    RINGLLM_TEST_SMOLLM2=$SMOL timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -p no:cacheprovider -n 12 \
+        --timeout 240 -m gpu -rfE --junitxml "$WORK/junit.xml" ${TEST_ARGS:-} \
+        tests/test_native.py tests/test_native_kv_types.py > "$WORK/pytest.log" 2>&1
+    echo "pytest rc=$?"
+    grep -E "^(FAILED|ERROR)|passed|failed" "$WORK/pytest.log" | tail -60
+    bundle
+fi
+
+bench_one() {   # name, model path, seconds, transformers stream tokens
+    timeout "$3" python3 bench/gpu_speed.py -m "$2" --tg 128 --pp 512,4096 --repeats "${REPEATS:-3}" \
+        --stream "${STREAM:-10000}" --capacities 512,4096 --hf-stream "$4" --no-cpu \
+        --name "gpu_speed_$1" > "$WORK/bench_$1.log" 2>&1
+    echo "bench $1 rc=$?"; grep -v "^\[\|^stream " "$WORK/bench_$1.log" | tail -30
+    cp bench/results/gpu_speed_"$1".* "$WORK/" 2>/dev/null
+    bundle
+}
+
+if has bench; then
+    stage bench
+    for name in ${BENCH_MODELS:-smollm2 gemma3 qwen3}; do
+        case $name in
+            smollm2) python3 bench/truncated_gguf.py "$SMOL" 10 /tmp/models/smollm2-135m-tiled30.gguf --tile 30 \
+                         && bench_one smollm2 /tmp/models/smollm2-135m-tiled30.gguf "${T_SMOLLM2:-200}" "${HF_STREAM:-1000}" ;;
+            gemma3) python3 bench/random_hf_checkpoint.py gemma3-270m /tmp/models/gemma3-270m-random > /dev/null 2>&1 \
+                         && bench_one gemma3 /tmp/models/gemma3-270m-random "${T_GEMMA3:-200}" "${HF_STREAM:-1000}" ;;
+            # transformers would dequantize the 1.7B Q4_K_M file in NumPy first: ringllm alone
+            qwen3) bench_one qwen3 "$(RINGLLM_BENCH_CACHE=/tmp/models python3 bench/synthetic_gguf.py qwen3-1.7b)" \
+                         "${T_QWEN3:-200}" 0 ;;
+        esac
+    done
+fi
+
+if has sanitize; then
+    stage sanitize
+    RINGLLM_TEST_SMOLLM2=$SMOL timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 -m pytest -p no:cacheprovider -q -m gpu -x tests/test_native.py -k "dequant or matmul or attention or pick or norms" \
+        > "$WORK/sanitize.log" 2>&1
+    tail -30 "$WORK/sanitize.log"
+    bundle
+fi
+stage done
