@@ -11,11 +11,17 @@ stores on float32 arrays take an element index (`vload(arr, i)`, `vstore(arr, i,
 bounds-checked: callers own the offsets. Integer lanes hold packed fields; `andf` / `srlf` pick a
 field and convert it to float in one step (see quant_tiles.py for the field layouts).
 
+Portability. The x86 byte and 16-bit integer instructions (vpshufb, vpmaddubsw, vpmaddwd, vpsignb)
+are called by name on x86-64 only; on other targets (aarch64) the same intrinsics emit their exact
+semantics in generic LLVM IR, which LLVM lowers to that target's vector instructions (NEON: tbl,
+smull / umull, saddlp, ...): the kernels compute the same bits on every CPU. `TARGET_ARCH` is the
+architecture Numba compiles for (the process's target triple).
+
 `num_threads` is here because it is an intrinsic of the same kind: it calls the OpenMP layer's
 get_num_threads by symbol name, which keeps every kernel that asks for the thread count cacheable
 (Numba's own overload embeds a process-specific address).
 """
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
@@ -23,7 +29,7 @@ from numba.extending import intrinsic, models, register_model
 __all__ = ["f32x8", "i32x8", "vzero", "vsplat", "vbcast", "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16",
            "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma", "vadd", "vsub", "vmul", "isrl", "andf",
            "srlf", "vhsum", "num_threads", "ld_u8i", "iand", "lut16", "bc_i32", "maddubs", "add16", "hadd16",
-           "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane", "f16_round", "izero", "dpbusd"]
+           "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane", "f16_round", "izero", "dpbusd", "TARGET_ARCH", "X86"]
 
 
 # ==================================================================================================
@@ -49,6 +55,9 @@ i32x8 = I32x8Type()
 _VF = ir.VectorType(ir.FloatType(), 8)
 _VI = ir.VectorType(ir.IntType(32), 8)
 _I32 = ir.IntType(32)
+
+TARGET_ARCH = binding.get_process_triple().split("-")[0]     # "x86_64", "aarch64", ...
+X86 = TARGET_ARCH in ("x86_64", "i386", "i686")
 
 
 @register_model(F32x8Type)
@@ -295,11 +304,40 @@ def lut16(typingctx, tab, idx):
     bytes; idx: i32x8 of 4-bit indices, one per byte."""
     def codegen(context, builder, sig, args):
         vb = ir.VectorType(ir.IntType(8), 32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vb, [vb, vb]),
-                                            "llvm.x86.avx2.pshuf.b")
-        r = builder.call(fn, [builder.bitcast(args[0], vb), builder.bitcast(args[1], vb)])
-        return builder.bitcast(r, _VI)
+        tab, idx = builder.bitcast(args[0], vb), builder.bitcast(args[1], vb)
+        if X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vb, [vb, vb]),
+                                                "llvm.x86.avx2.pshuf.b")
+            return builder.bitcast(builder.call(fn, [tab, idx]), _VI)
+        return builder.bitcast(_lut16_portable(builder, tab, idx), _VI)
     return i32x8(tab, idx), codegen
+
+
+def _lut16_portable(builder, tab, idx):
+    """vpshufb's result on a <32 x i8> table and index vector without x86: on aarch64 one NEON tbl
+    per 128-bit half (an index & 0x8F >= 16 reads 0 there, as bit 7 does for vpshufb), elsewhere
+    byte by byte."""
+    v16 = ir.VectorType(ir.IntType(8), 16)
+    idx = builder.and_(idx, ir.Constant(idx.type, [0x8F] * 32))
+    halves = []
+    for h in range(2):
+        lanes = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16)))
+        t = builder.shuffle_vector(tab, tab, lanes)
+        i = builder.shuffle_vector(idx, idx, lanes)
+        if TARGET_ARCH in ("aarch64", "arm64"):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16]),
+                                                "llvm.aarch64.neon.tbl1.v16i8")
+            halves.append(builder.call(fn, [t, i]))
+            continue
+        out = ir.Constant(v16, [0] * 16)
+        for j in range(16):
+            k = builder.extract_element(i, ir.Constant(_I32, j))
+            inside = builder.icmp_unsigned("<", k, ir.Constant(ir.IntType(8), 16))
+            byte = builder.extract_element(t, builder.and_(builder.zext(k, _I32), ir.Constant(_I32, 15)))
+            out = builder.insert_element(out, builder.select(inside, byte, ir.Constant(ir.IntType(8), 0)),
+                                         ir.Constant(_I32, j))
+        halves.append(out)
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
 
 
 @intrinsic
@@ -337,11 +375,24 @@ def maddubs(typingctx, u, s):
     """vpmaddubsw: 16 int16 lanes, lane i = u[2i] s[2i] + u[2i+1] s[2i+1] with u's bytes unsigned and
     s's signed, saturated to int16 (the callers keep |sum| <= 32767 by their value ranges)."""
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VW, [_VB, _VB]),
-                                            "llvm.x86.avx2.pmadd.ub.sw")
-        r = builder.call(fn, [builder.bitcast(args[0], _VB), builder.bitcast(args[1], _VB)])
-        return builder.bitcast(r, _VI)
+        u, s = builder.bitcast(args[0], _VB), builder.bitcast(args[1], _VB)
+        if X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VW, [_VB, _VB]),
+                                                "llvm.x86.avx2.pmadd.ub.sw")
+            return builder.bitcast(builder.call(fn, [u, s]), _VI)
+        w32 = ir.VectorType(ir.IntType(16), 32)
+        prod = builder.mul(builder.zext(u, w32), builder.sext(s, w32))     # exact: |u s| <= 32640
+        even, odd = _pairs(builder, prod, 16)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VW, [_VW, _VW]), "llvm.sadd.sat.v16i16")
+        return builder.bitcast(builder.call(fn, [even, odd]), _VI)
     return i32x8(u, s), codegen
+
+
+def _pairs(builder, v, n):
+    """(lanes 0, 2, 4, ... and lanes 1, 3, 5, ...) of a vector of 2n lanes, n lanes each."""
+    even = ir.Constant(ir.VectorType(_I32, n), list(range(0, 2 * n, 2)))
+    odd = ir.Constant(ir.VectorType(_I32, n), list(range(1, 2 * n, 2)))
+    return builder.shuffle_vector(v, v, even), builder.shuffle_vector(v, v, odd)
 
 
 @intrinsic
@@ -377,9 +428,13 @@ def add16(typingctx, a, b):
 def hadd16(typingctx, v):
     """The 16 int16 lanes of v summed in pairs into 8 int32 lanes (vpmaddwd with ones; exact)."""
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VW, _VW]),
-                                            "llvm.x86.avx2.pmadd.wd")
-        return builder.call(fn, [builder.bitcast(args[0], _VW), ir.Constant(_VW, [1] * 16)])
+        v = builder.bitcast(args[0], _VW)
+        if X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VW, _VW]),
+                                                "llvm.x86.avx2.pmadd.wd")
+            return builder.call(fn, [v, ir.Constant(_VW, [1] * 16)])
+        even, odd = _pairs(builder, builder.sext(v, ir.VectorType(_I32, 16)), 8)
+        return builder.add(even, odd)
     return i32x8(v), codegen
 
 
@@ -419,20 +474,26 @@ def itof(typingctx, v):
 def abs8(typingctx, v):
     """|v| of 32 int8 lanes (vpabsb; -128 stays bit pattern 0x80, i.e. 128 read as unsigned)."""
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VB, [_VB, _VB]),
-                                            "llvm.x86.avx2.psign.b")
         b = builder.bitcast(args[0], _VB)
-        return builder.bitcast(builder.call(fn, [b, b]), _VI)
+        return builder.bitcast(_sign8(builder, b, b), _VI)
     return i32x8(v), codegen
+
+
+def _sign8(builder, a, b):
+    """vpsignb on <32 x i8>: a negated (wrapping) where b < 0, 0 where b == 0, a where b > 0."""
+    if X86:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VB, [_VB, _VB]), "llvm.x86.avx2.psign.b")
+        return builder.call(fn, [a, b])
+    zero = ir.Constant(_VB, [0] * 32)
+    kept = builder.select(builder.icmp_signed("<", b, zero), builder.sub(zero, a), a)
+    return builder.select(builder.icmp_signed("==", b, zero), zero, kept)
 
 
 @intrinsic
 def sign8(typingctx, a, b):
     """vpsignb: byte a_i negated where b_i < 0, zeroed where b_i == 0, kept where b_i > 0."""
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VB, [_VB, _VB]),
-                                            "llvm.x86.avx2.psign.b")
-        r = builder.call(fn, [builder.bitcast(args[0], _VB), builder.bitcast(args[1], _VB)])
+        r = _sign8(builder, builder.bitcast(args[0], _VB), builder.bitcast(args[1], _VB))
         return builder.bitcast(r, _VI)
     return i32x8(a, b), codegen
 

