@@ -12,9 +12,11 @@ bounds-checked: callers own the offsets. Integer lanes hold packed fields; `andf
 field and convert it to float in one step (see quant_tiles.py for the field layouts).
 
 Portability. The x86 byte and 16-bit integer instructions (vpshufb, vpmaddubsw, vpmaddwd, vpsignb)
-are called by name on x86-64 only; on other targets (aarch64) the same intrinsics emit their exact
-semantics in generic LLVM IR, which LLVM lowers to that target's vector instructions (NEON: tbl,
-smull / umull, saddlp, ...): the kernels compute the same bits on every CPU. `TARGET_ARCH` is the
+are called by name on x86-64 only; on other targets the same intrinsics emit their exact semantics
+in generic LLVM IR, which LLVM lowers to that target's vector instructions (NEON: smull / umull,
+saddlp, ...), except lut16, which calls NEON tbl by name on aarch64 and selects byte by byte
+elsewhere: the kernels compute the same bits on every CPU. dpbusd has no portable form: its
+callers take it only where the host has VNNI (quant_tiles_q8.HAS_VNNI). `TARGET_ARCH` is the
 architecture Numba compiles for (the process's target triple).
 
 `num_threads` is here because it is an intrinsic of the same kind: it calls the OpenMP layer's

@@ -13,9 +13,9 @@
 #           on it; the benchmarks run on its tiling back to 30 layers (SmolLM2-135M's shapes, types
 #           and bytes), on a random Gemma 3 270M bf16 checkpoint and on bench/synthetic_gguf.py's
 #           Qwen3-1.7B Q4_K_M, all written on the device.
-# Env: TEST_ARGS extra pytest arguments; TEST_TIMEOUT, T_SMOLLM2, T_GEMMA3, T_QWEN3 seconds per stage;
-# BENCH_MODELS (default "smollm2 gemma3 qwen3"); STREAM, HF_STREAM tokens per long stream (ringllm,
-# transformers); REPEATS of each pp/tg figure.
+# Env: TEST_ARGS extra pytest arguments; TEST_TIMEOUT, T_SMOLLM2, T_GEMMA3, T_QWEN3, SANITIZE_TIMEOUT
+# seconds per stage; BENCH_MODELS (default "smollm2 gemma3 qwen3"); STREAM, HF_STREAM tokens per long
+# stream (ringllm, transformers); REPEATS of each pp/tg figure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -40,6 +40,7 @@ if has env; then
       python3 -c "import sys, numpy, numba, torch, transformers, cffi; print(sys.version); print('numpy', numpy.__version__, 'numba', numba.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'cffi', cffi.__version__)"
     } > "$WORK/env.txt" 2>&1
     grep -E "Driver|H100|H200|release|Model name|numpy" "$WORK/env.txt"
+    bundle
 fi
 
 if has build; then

@@ -16,8 +16,8 @@
 #
 # The sysroot, wheels and the emulated Numba cache live in $RINGLLM_AARCH64_CACHE (default
 # ~/.cache/ringllm-aarch64) and are reused while their inputs are unchanged. Skips (exit 0, with the
-# reason) where qemu cannot be had or the machine is not an x86-64 Debian-family host with apt;
-# any test failure under emulation fails the script.
+# reason) where the host is not x86-64, qemu cannot be had, or apt cannot fetch the arm64 packages
+# (DEBS names Debian bookworm's); any test failure under emulation fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD

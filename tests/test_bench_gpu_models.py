@@ -18,8 +18,6 @@ import random_hf_checkpoint as rhc  # noqa: E402
 import synthetic_gguf as sg  # noqa: E402
 import truncated_gguf as tg  # noqa: E402
 
-pytest.importorskip("gguf")
-
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):

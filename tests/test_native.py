@@ -455,10 +455,11 @@ def test_greedy_1000_tokens_match_cpu_per_policy(smollm2, name):
     """The same 1,000 greedy tokens as the CPU engine, the same eviction counts, and the same survivors
     in the first and last layers: exactly for the policies that rank by age (streaming, staged
     streaming); for the scored ones up to one swapped pair per head. Their keys (knorm's key norms,
-    h2o/tova's attention masses, lsh's codes) are float32 sums taken in another order on each device;
-    the policies compare them on a grid so that rounding-level differences tie, but a value within
-    rounding of a grid boundary lands on either side of it, and one victim choice can then differ
-    without any token changing."""
+    h2o/tova's attention masses, lsh's codes) come from float32 sums taken in another order on each
+    device: knorm (1/256 octave) and h2o/tova (1/4096 octave) compare them on a log grid so that
+    rounding-level differences tie, but a value within rounding of a grid boundary lands on either
+    side of it, as an lsh code bit whose dot product is within rounding of 0 does; one victim choice
+    can then differ without any token changing."""
     from ringllm.runtime.engine import CPUEngine
 
     kv = KVConfig(capacity=64, **DEVICE_POLICY_CONFIGS[name])

@@ -1,10 +1,11 @@
 """runtime/simd.py's portable lowering of the x86 byte instructions gives the x86 instructions' bits.
 
 On x86-64 the integer intrinsics call vpshufb / vpmaddubsw / vpmaddwd / vpsignb by name; on other
-targets (aarch64) they emit generic LLVM IR instead. Here both are compiled on the host (simd.X86
-patched off for the second) and run on the same random vectors, edge values included: table
-indices with bit 7 set, products at int16 saturation, -128. On aarch64 (scripts/test_aarch64.sh)
-the kernels that use them run against their oracles (IQ4 matvecs, the q8 suite).
+targets they emit generic LLVM IR instead (lut16: NEON tbl on aarch64, a per-byte select
+elsewhere). Here both are compiled on the host (simd.X86 patched off for the second, so lut16 takes
+its per-byte form) and run on the same random vectors, edge values included: table indices with
+bit 7 set, products at int16 saturation, -128. On aarch64 (scripts/test_aarch64.sh) the kernels
+that use them, tbl included, run against their oracles (IQ4 matvecs, the q8 suite).
 """
 from __future__ import annotations
 
