@@ -21,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-CACHE=${RINGLLM_AARCH64_CACHE:-$HOME/.cache/ringllm-aarch64}
+CACHE=${RINGLLM_AARCH64_CACHE:-${HOME:-/tmp}/.cache/ringllm-aarch64}
 PY=${PYTHON:-python}
 # the suites run under emulation, and the cases left out of them (compiling dominates an emulated
 # run): the 1-thread twins of each kernel case (the kernels are the 2-thread ones), the bitwise
@@ -63,6 +63,9 @@ stamp=$(printf '%s\n%s\n' "$DEBS" "$versions" | sha256sum | cut -c1-16)
 ROOT=$CACHE/$stamp/root SITE=$CACHE/$stamp/site
 mkdir -p "$CACHE"
 
+# one run at a time builds a cache entry: a second waits here, then finds it ready
+exec 9> "$CACHE/.lock"
+command -v flock > /dev/null && flock 9
 if [ ! -e "$CACHE/$stamp/ready" ]; then
     t0=$(date +%s)
     rm -rf "$CACHE/$stamp"
@@ -83,6 +86,7 @@ if [ ! -e "$CACHE/$stamp/ready" ]; then
     touch "$CACHE/$stamp/ready"
     say "sysroot and wheels ready in $(( $(date +%s) - t0 )) s ($CACHE/$stamp)"
 fi
+exec 9>&-
 
 # ringllm as setup.py lays it out: pyengine/ -> ringllm, models/, runtime/ inside it (native/ is not
 # linked: the CPU path never imports it, and its module is built for the host)
