@@ -87,6 +87,13 @@ def _byte_ptr(context, builder, arrty, arr, off, offty, pointee):
     return builder.bitcast(p, pointee.as_pointer())
 
 
+def _call(builder, name, ret, args):
+    """Call the function `name` (an LLVM intrinsic or a C symbol) returning `ret`, declared in the
+    module with the types of `args` on first use."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
 def _splat(builder, scalar, vty):
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_VI, [0] * 8))
@@ -217,10 +224,8 @@ def prefetch(typingctx, buf, off):
     so they should not displace other data from L2/L3; measured equal to prefetcht0); never faults."""
     def codegen(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.IntType(8))
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
-            "llvm.prefetch.p0i8")
-        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 0), ir.Constant(_I32, 1)])
+        _call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [p, ir.Constant(_I32, 0), ir.Constant(_I32, 0),
+                                                            ir.Constant(_I32, 1)])
         return context.get_dummy_value()
     return types.none(buf, off), codegen
 
@@ -229,8 +234,7 @@ def prefetch(typingctx, buf, off):
 def vfma(typingctx, a, b, c):
     """a * b + c, fused (vfmadd)."""
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v8f32")
-        return builder.call(fn, args)
+        return _call(builder, "llvm.fma.v8f32", _VF, list(args))
     return f32x8(a, b, c), codegen
 
 
@@ -238,8 +242,7 @@ def vfma(typingctx, a, b, c):
 def vfnma(typingctx, a, b, c):
     """c - a * b, fused (vfnmadd)."""
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v8f32")
-        return builder.call(fn, [builder.fneg(args[0]), args[1], args[2]])
+        return _call(builder, "llvm.fma.v8f32", _VF, [builder.fneg(args[0]), args[1], args[2]])
     return f32x8(a, b, c), codegen
 
 
@@ -308,9 +311,7 @@ def lut16(typingctx, tab, idx):
         vb = ir.VectorType(ir.IntType(8), 32)
         tab, idx = builder.bitcast(args[0], vb), builder.bitcast(args[1], vb)
         if X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vb, [vb, vb]),
-                                                "llvm.x86.avx2.pshuf.b")
-            return builder.bitcast(builder.call(fn, [tab, idx]), _VI)
+            return builder.bitcast(_call(builder, "llvm.x86.avx2.pshuf.b", vb, [tab, idx]), _VI)
         return builder.bitcast(_lut16_portable(builder, tab, idx), _VI)
     return i32x8(tab, idx), codegen
 
@@ -327,9 +328,7 @@ def _lut16_portable(builder, tab, idx):
         t = builder.shuffle_vector(tab, tab, lanes)
         i = builder.shuffle_vector(idx, idx, lanes)
         if TARGET_ARCH in ("aarch64", "arm64"):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16]),
-                                                "llvm.aarch64.neon.tbl1.v16i8")
-            halves.append(builder.call(fn, [t, i]))
+            halves.append(_call(builder, "llvm.aarch64.neon.tbl1.v16i8", v16, [t, i]))
             continue
         out = ir.Constant(v16, [0] * 16)
         for j in range(16):
@@ -379,14 +378,11 @@ def maddubs(typingctx, u, s):
     def codegen(context, builder, sig, args):
         u, s = builder.bitcast(args[0], _VB), builder.bitcast(args[1], _VB)
         if X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VW, [_VB, _VB]),
-                                                "llvm.x86.avx2.pmadd.ub.sw")
-            return builder.bitcast(builder.call(fn, [u, s]), _VI)
+            return builder.bitcast(_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VW, [u, s]), _VI)
         w32 = ir.VectorType(ir.IntType(16), 32)
         prod = builder.mul(builder.zext(u, w32), builder.sext(s, w32))     # exact: |u s| <= 32640
         even, odd = _pairs(builder, prod, 16)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VW, [_VW, _VW]), "llvm.sadd.sat.v16i16")
-        return builder.bitcast(builder.call(fn, [even, odd]), _VI)
+        return builder.bitcast(_call(builder, "llvm.sadd.sat.v16i16", _VW, [even, odd]), _VI)
     return i32x8(u, s), codegen
 
 
@@ -403,9 +399,7 @@ def dpbusd(typingctx, acc, u, s):
     unsigned bytes with s's signed bytes, exact in int32. Only on CPUs with the instruction
     (quant_tiles_q8.HAS_VNNI): elsewhere LLVM cannot select it."""
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI, _VI, _VI]),
-                                            "llvm.x86.avx512.vpdpbusd.256")
-        return builder.call(fn, list(args))
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _VI, list(args))
     return i32x8(acc, u, s), codegen
 
 
@@ -432,9 +426,7 @@ def hadd16(typingctx, v):
     def codegen(context, builder, sig, args):
         v = builder.bitcast(args[0], _VW)
         if X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VW, _VW]),
-                                                "llvm.x86.avx2.pmadd.wd")
-            return builder.call(fn, [v, ir.Constant(_VW, [1] * 16)])
+            return _call(builder, "llvm.x86.avx2.pmadd.wd", _VI, [v, ir.Constant(_VW, [1] * 16)])
         even, odd = _pairs(builder, builder.sext(v, ir.VectorType(_I32, 16)), 8)
         return builder.add(even, odd)
     return i32x8(v), codegen
@@ -484,8 +476,7 @@ def abs8(typingctx, v):
 def _sign8(builder, a, b):
     """vpsignb on <32 x i8>: a negated (wrapping) where b < 0, 0 where b == 0, a where b > 0."""
     if X86:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VB, [_VB, _VB]), "llvm.x86.avx2.psign.b")
-        return builder.call(fn, [a, b])
+        return _call(builder, "llvm.x86.avx2.psign.b", _VB, [a, b])
     zero = ir.Constant(_VB, [0] * 32)
     kept = builder.select(builder.icmp_signed("<", b, zero), builder.sub(zero, a), a)
     return builder.select(builder.icmp_signed("==", b, zero), zero, kept)
@@ -529,7 +520,6 @@ def num_threads(typingctx):
     _launch_threads()
 
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(cgutils.intp_t, []), "get_num_threads")
-        return builder.call(fn, [])
+        return _call(builder, "get_num_threads", cgutils.intp_t, [])
     return types.intp(), codegen
 
