@@ -15,7 +15,8 @@
 #    under emulation: tests/test_aarch64.py and the architecture-independent suites in SUITES.
 #
 # The sysroot, wheels and the emulated Numba cache live in $RINGLLM_AARCH64_CACHE (default
-# ~/.cache/ringllm-aarch64) and are reused while their inputs are unchanged. Skips (exit 0, with the
+# ~/.cache/ringllm-aarch64) and are reused while their inputs are unchanged; RINGLLM_AARCH64_THREADS
+# (default 2) is the emulated Numba thread count; extra arguments go to the emulated pytest. Skips (exit 0, with the
 # reason) where the host is not x86-64, qemu cannot be had, or apt cannot fetch the arm64 packages
 # (DEBS names Debian bookworm's); any test failure under emulation fails the script.
 set -euo pipefail
