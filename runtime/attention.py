@@ -6,8 +6,8 @@ in float32; the per-slot attention mass (summed over the group) is written when 
 Keys are laid out by the layer's RoPE strategy (runtime/rope.py), and each layout has its kernel:
 
     attend           keys before RoPE ("fused"): each rotated by its slot's logical position as read
-    attend_stored    keys rotated at a reference position (the sequence index, "stored"; or the
-                     position itself, "kshift"): the query is rotated by the slot's offset instead
+    (attend_stored   keys rotated at a reference position, the "stored" and "kshift" layouts: its own
+                     module, runtime/stored_attention.py, splits the slots over the threads)
     attend_rebased   keys rotated at a per-slot base position kept near the slot's ("rebased",
                      policy layers): the query is rotated once per offset in use
     attend_rk        keys before RoPE with rotate_half(k) cached beside them ("rk", EQUIP)
@@ -22,9 +22,9 @@ from numba import njit
 
 from ringllm.runtime.fast_exp import exp_f32
 from ringllm.runtime.kv_codec import encode_row, kv_row
-from ringllm.runtime.kv_row_math import accumulate_row, accumulate_rows4, group_scores, group_scores_row
+from ringllm.runtime.kv_row_math import accumulate_row, accumulate_rows4, group_scores
 from ringllm.runtime.numba_flags import FASTMATH
-from ringllm.runtime.rope_kernels import angles_at, rotate_by_table, rotate_into, rotate_with
+from ringllm.runtime.rope_kernels import rotate_by_table, rotate_into
 
 _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
 
@@ -123,52 +123,6 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
         for j in range(n):
             rotate_into(krot, kv_row(k_l, h, j, krot), pos_l[h, j], cos, sin, rotary_dim)
             group_scores(scores, qrot, krot, h0, group, j)
-        _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap, vb)
-
-
-# ---------------------------------------------------------------------------------------------
-# Stored-rotated keys: rotate once at write, rotate the query by the slot's offset at read
-# ---------------------------------------------------------------------------------------------
-#
-# Keys are stored rotated at their sequence index s_j. RoPE scores depend only on the position
-# difference, so with the query rotated at q_pos + (s_j - p_j) the score equals that of query and
-# key rotated at their logical positions q_pos and p_j. The offset s_j - p_j is 0 in `original`
-# mode and, for streaming in `reindexed` mode, 0 for the sinks and the head's eviction count for
-# every other slot: the query is rotated at most twice per head and no key is rotated at read.
-# Any other slot layout stays exact (the query is re-rotated whenever the offset changes).
-
-
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
-                  softcap, scores, qrot, angles, mass):
-    """attend() for keys stored rotated at their sequence index (see the section comment).
-
-    seq_l (n_kv, cap) i64: sequence index of each slot; inv_freq (rotary_dim/2,) f64; inv_scale =
-    1 / rope_scale. Other arguments as in attend(); qrot (n_head, hd) holds the query rotated at
-    the current offset; angles (2, rotary_dim/2) f32 scratch caches cos/sin of the last offset
-    (shared by every head: one sincos set per distinct offset per call).
-    """
-    n_head, hd = q.shape
-    n_kv = k_l.shape[0]
-    group = n_head // n_kv
-    vb = np.empty((5, hd), np.float32)       # decoded rows of a quantized store: four values, one key
-    no_offset = np.int64(-1) << 62
-    have = no_offset                 # offset whose angles sit in `angles`
-    for h in range(n_kv):
-        n = count_l[h]
-        h0 = h * group
-        cur = no_offset              # offset the group's queries are rotated at
-        for j in range(n):
-            off = seq_l[h, j] - pos_l[h, j]
-            if off != cur:
-                cur = off
-                if off != have:
-                    have = off
-                    angles_at(angles[0], angles[1], q_pos + off, inv_freq, inv_scale)
-                for g in range(group):
-                    rotate_with(qrot[h0 + g], q[h0 + g], angles[0], angles[1], rotary_dim)
-                scale_group(qrot, h0, group, scale)
-            group_scores_row(scores, qrot, k_l, h, j, h0, group, vb[4])
         _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap, vb)
 
 

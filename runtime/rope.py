@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringllm.runtime.attention import attend, attend_rk, attend_stored
+from ringllm.runtime.attention import attend, attend_rk
+from ringllm.runtime.stored_attention import PARALLEL_MIN_SLOTS, attend_stored, attend_stored_parallel, stored_work
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.rope_kernels import REBASE_LIMIT, kv_write_kshift, rk_write, rope_rows_at, rotate_keys_to
 from ringllm.runtime.rope_scaling import base_freqs
@@ -123,12 +124,16 @@ def layer_ropes(spec, n: int) -> list[LayerRope]:
 
 class AttendScratch:
     """The run buffers of one token's attention over a ring layer (engine-owned, reused every step):
-    out (n_head, hd) f32 result, scores (n_head, P) f32 (grown by grow()), krot (hd,) f32,
-    qrot (n_head, hd) f32, angles (2, rotary_dim/2) f32, ktmp (hd + rotary_dim,) f32, qpos (n_kv,) i64."""
+    out (n_head, hd) f32 result, scores (n_head, P) f32 and work (stored_attention.stored_work for P
+    slots) (both grown by grow()), krot (hd,) f32, qrot (n_head, hd) f32, angles (2, rotary_dim/2)
+    f32, ktmp (hd + rotary_dim,) f32, qpos (n_kv,) i64. parallel: the stored layouts' attention may
+    spread a layer's slots over the threads (when it holds at least PARALLEL_MIN_SLOTS)."""
 
-    def __init__(self, n_head: int, n_kv: int, head_dim: int, rotary_dim: int):
+    def __init__(self, n_head: int, n_kv: int, head_dim: int, rotary_dim: int, parallel: bool = True):
+        self.n_kv, self.parallel = n_kv, parallel
         self.out = np.zeros((n_head, head_dim), np.float32)
         self.scores = np.zeros((n_head, 0), np.float32)
+        self.work = stored_work(n_kv, n_head, head_dim, 0)
         self.krot = np.zeros(head_dim, np.float32)
         self.qrot = np.zeros((n_head, head_dim), np.float32)
         self.angles = np.zeros((2, rotary_dim // 2), np.float32)
@@ -140,6 +145,7 @@ class AttendScratch:
         if self.scores.shape[1] >= slots:
             return False
         self.scores = np.zeros((self.scores.shape[0], slots), np.float32)
+        self.work = stored_work(self.n_kv, self.out.shape[0], self.out.shape[1], slots)
         return True
 
 
@@ -180,6 +186,16 @@ def _query_position_grown(store, il: int, rope: LayerRope, seq: int) -> int:
     return qp
 
 
+def _attend_stored(store, il: int, rope: LayerRope, seq_l: np.ndarray, q: np.ndarray, seq: int, scale: np.float32,
+                   softcap: np.float32, mass: np.ndarray, sc: AttendScratch) -> None:
+    """stored_attention.attend_stored over layer il, keys stored rotated at seq_l (n_kv, P); on the
+    threads when the layer holds enough slots to repay a parallel launch (the same bits either way)."""
+    count = store.count[il]
+    kernel = attend_stored_parallel if sc.parallel and count.sum() >= PARALLEL_MIN_SLOTS else attend_stored
+    kernel(sc.out, q, store.k[il], store.v[il], store.pos[il], seq_l, count, store.query_position(il, seq),
+           rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, sc.scores, sc.work, mass)
+
+
 class StoredRope(RopeStrategy):
     """Keys rotated at their sequence index as they are written; the query rotated per offset."""
 
@@ -190,9 +206,7 @@ class StoredRope(RopeStrategy):
         store.write(il, k, v, seq)
 
     def attend(self, store, il, rope, q, seq, scale, softcap, mass, sc):
-        attend_stored(sc.out, q, store.k[il], store.v[il], store.pos[il], store.seq[il], store.count[il],
-                      store.query_position(il, seq), rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, sc.scores,
-                      sc.qrot, sc.angles, mass)
+        _attend_stored(store, il, rope, store.seq[il], q, seq, scale, softcap, mass, sc)
 
 
 class KShiftRope(RopeStrategy):
@@ -207,9 +221,7 @@ class KShiftRope(RopeStrategy):
                         rope.rotary_dim, rope.back, sc.angles, sc.ktmp)
 
     def attend(self, store, il, rope, q, seq, scale, softcap, mass, sc):
-        attend_stored(sc.out, q, store.k[il], store.v[il], store.pos[il], store.pos[il], store.count[il],
-                      store.query_position(il, seq), rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, sc.scores,
-                      sc.qrot, sc.angles, mass)
+        _attend_stored(store, il, rope, store.pos[il], q, seq, scale, softcap, mass, sc)
 
 
 class FusedRope(RopeStrategy):

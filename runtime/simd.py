@@ -30,7 +30,7 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = ["f32x8", "i32x8", "vzero", "vsplat", "vbcast", "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16",
            "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma", "vadd", "vsub", "vmul", "isrl", "andf",
-           "srlf", "vhsum", "num_threads", "ld_u8i", "iand", "lut16", "bc_i32", "maddubs", "add16", "hadd16",
+           "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand", "lut16", "bc_i32", "maddubs", "add16", "hadd16",
            "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane", "f16_round", "izero", "dpbusd", "TARGET_ARCH", "X86"]
 
 
@@ -350,6 +350,27 @@ def vhsum(typingctx, v):
             s = builder.fadd(s, builder.extract_element(args[0], ir.Constant(_I32, k)))
         return s
     return types.float32(v), codegen
+
+
+def _pair_sums(builder, a, b):
+    """Lanes [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] (vhaddps)."""
+    even = builder.shuffle_vector(a, b, ir.Constant(_VI, [0, 2, 8, 10, 4, 6, 12, 14]))
+    odd = builder.shuffle_vector(a, b, ir.Constant(_VI, [1, 3, 9, 11, 5, 7, 13, 15]))
+    return builder.fadd(even, odd)
+
+
+@intrinsic
+def vsum8x8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
+    """f32x8 whose lane r is the sum of the 8 lanes of a_r: eight dot products' partial sums
+    reduced at once (six vhaddps, two vperm2f128, one vaddps instead of eight lane trees)."""
+    def codegen(context, builder, sig, args):
+        t0, t1 = _pair_sums(builder, args[0], args[1]), _pair_sums(builder, args[2], args[3])
+        t2, t3 = _pair_sums(builder, args[4], args[5]), _pair_sums(builder, args[6], args[7])
+        u0, u1 = _pair_sums(builder, t0, t1), _pair_sums(builder, t2, t3)     # [s0..s3 | s0'..s3'] halves
+        lo = builder.shuffle_vector(u0, u1, ir.Constant(_VI, [0, 1, 2, 3, 8, 9, 10, 11]))
+        hi = builder.shuffle_vector(u0, u1, ir.Constant(_VI, [4, 5, 6, 7, 12, 13, 14, 15]))
+        return builder.fadd(lo, hi)
+    return f32x8(*([f32x8] * 8)), codegen
 
 
 # ==================================================================================================

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 from numba.typed import List
 
-from ringllm.runtime.attention import attend_stored
+from ringllm.runtime.stored_attention import attend_stored, stored_work
 from ringllm.runtime.kv_write import kv_write_streaming
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import rope_rows_at
@@ -64,6 +64,7 @@ class StreamArrays:
             sinks = np.array([st.layer_sinks[il] for st in stores], np.int64)
             self.layers.append((*lists, sinks, max(st.k[il].shape[1] for st in stores)))
         self.reindexed = np.array([bool(st.reindexed) for st in stores], np.bool_)
+        self.work = None                    # attend_stored's work scratch per sequence (write_attend_streams)
 
     @staticmethod
     def _key(stores) -> tuple:
@@ -76,9 +77,8 @@ class StreamArrays:
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _write_attend(out, q, k_new, v_new, seqs, ks, vs, seq_ls, pos_ls, count_ls, evicted_ls, sinks, reindexed,
-                  inv_freq, inv_scale, rotary_dim, scale, softcap, cap_max):
+                  inv_freq, inv_scale, rotary_dim, scale, softcap, cap_max, work):
     B, n_head, hd = q.shape
-    half = rotary_dim // 2
     for i in prange(B):
         b = np.int64(i)                 # typed lists index with a signed integer
         tmp = np.empty(hd + rotary_dim, np.float32)
@@ -88,8 +88,7 @@ def _write_attend(out, q, k_new, v_new, seqs, ks, vs, seq_ls, pos_ls, count_ls, 
                            sinks[b], reindexed[b])
         q_pos = count_l[0] - 1 if reindexed[b] else seqs[b]
         attend_stored(out[b], q[b], ks[b], vs[b], pos_ls[b], seq_ls[b], count_l, q_pos, inv_freq, inv_scale,
-                      rotary_dim, scale, softcap, np.empty((n_head, cap_max), np.float32),
-                      np.empty((n_head, hd), np.float32), np.empty((2, half), np.float32),
+                      rotary_dim, scale, softcap, np.empty((n_head, cap_max), np.float32), work[i],
                       np.zeros((0, 0), np.float32))
 
 
@@ -99,5 +98,9 @@ def write_attend_streams(arrays: StreamArrays, il: int, rope, out: np.ndarray, q
     layer il of store b and out[b] (n_head, hd) = its attention (q (B, n_head, hd) before RoPE), for
     every b at once. streams_fit(arrays.stores, il) must hold."""
     k, v, seq, pos, count, evicted, sinks, cap_max = arrays.layers[il]
+    B, n_head, hd = q.shape
+    shape = (B, *stored_work(k[0].shape[0], n_head, hd, cap_max).shape)
+    if arrays.work is None or arrays.work.shape[0] < B or arrays.work.shape[1] < shape[1]:     # units grow with cap_max
+        arrays.work = np.zeros(shape, np.float32)
     _write_attend(out, q, k_new, v_new, seqs, k, v, seq, pos, count, evicted, sinks, arrays.reindexed,
-                  rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, cap_max)
+                  rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, cap_max, arrays.work)

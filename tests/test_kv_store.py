@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringllm.runtime.attention import attend, attend_stored
+from ringllm.runtime.attention import attend
+from ringllm.runtime.stored_attention import attend_stored, stored_work
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.model_spec import ModelSpec
@@ -47,7 +48,6 @@ def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_
     mass = np.zeros((nkv, capacity), np.float32)
     out = np.zeros((nh, hd), np.float32)
     inv_freq, ktmp = table.inv_freq, np.zeros(hd + spec.rotary_dim, np.float32)
-    angles = np.zeros((2, spec.rotary_dim // 2), np.float32)
     for t in range(30):
         q = rng.standard_normal((nh, hd)).astype(np.float32)
         k = rng.standard_normal((nkv, hd)).astype(np.float32)
@@ -60,7 +60,8 @@ def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_
         qp = store.query_position(0, t)
         if rope == "stored":
             attend_stored(out, q, store.k[0], store.v[0], store.pos[0], store.seq[0], store.count[0], qp, inv_freq,
-                          1.0, spec.rotary_dim, np.float32(spec.attn_scale), np.float32(0.0), scores, qrot, angles, mass)
+                          1.0, spec.rotary_dim, np.float32(spec.attn_scale), np.float32(0.0), scores,
+                          stored_work(nkv, nh, hd, capacity), mass)
         else:
             table.ensure(max(qp, int(store.pos[0].max())) + 1)
             attend(out, q, store.k[0], store.v[0], store.pos[0], store.count[0], np.full(nkv, qp), table.cos, table.sin,

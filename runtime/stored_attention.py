@@ -1,0 +1,279 @@
+"""Attention of one token over a ring layer whose keys are stored rotated ("stored" / "kshift"
+layouts, runtime/rope.py), split into units of slots so that both cores work on one token.
+
+Keys are stored rotated at their sequence index s_j. RoPE scores depend only on the position
+difference, so with the query rotated at q_pos + (s_j - p_j) the score equals that of query and key
+rotated at their logical positions q_pos and p_j. The offset s_j - p_j is 0 in `original` mode and,
+for streaming in `reindexed` mode, 0 for the sinks and the head's eviction count for every other
+slot; the kshift layout passes pos as seq (offsets 0). Any other slot layout stays exact: the
+query is re-rotated whenever the offset changes.
+
+Split softmax (flash-decoding). The occupied slots of each kv head are cut into units of
+UNIT_SLOTS consecutive slots. A unit computes, for each query head g of its group, the scores of
+its slots, their maximum m, the exponentials e_j = exp(s_j - m) (fast_exp.exp_f32: never subnormal,
+which would slow every operation that reads them), l = sum e_j and the weighted value sum
+o = sum e_j v_j. The merge takes M = max m_u over the head's units and gives
+
+    out = (sum_u o_u exp(m_u - M)) / (sum_u l_u exp(m_u - M)),
+
+and the per-slot mass e_j exp(m_u - M) / Z summed over the group when a caller asks for it. The
+units depend only on the slot counts, never on the thread count: attend_stored (units in turn) and
+attend_stored_parallel (units over the threads) give the same bits, and so does a batched step that
+runs attend_stored per sequence (stream_attention.py).
+
+Work scratch (stored_work): (3, n_units, max(n_head, 11), hd) f32, three row blocks per unit u:
+
+    work[0, u, h0 + g]    query head h0 + g rotated at the unit's current offset, times scale
+    work[1, u, h0 + g]    the unit's weighted value sum o for query head h0 + g
+    work[2, u, 0:8]       eight rows of a quantized store, decoded (kv_tile_math.rows8)
+    work[2, u, 8]         cos (first rotary_dim/2) and sin (next rotary_dim/2) of that offset
+    work[2, u, 9]         m (first group entries) and l (next group entries)
+    work[2, u, 10]        one decoded row (the slots past the last full eight)
+
+Only the unit's group rows of blocks 0 and 1 are written (pages of the rest are never touched): the
+query and sum rows keep the query head's index, so the row kernels (kv_row_math, kv_tile_math) address scores,
+queries and sums alike and every row they read is a contiguous C row.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ringllm.runtime.attention import cap_scores
+from ringllm.runtime.fast_exp import exp_f32
+from ringllm.runtime.kv_row_math import accumulate_row, group_scores_row
+from ringllm.runtime.kv_tile_math import PREFETCH_AHEAD, axpy8, dot8, prefetch_rows, rows8
+from ringllm.runtime.numba_flags import FASTMATH
+from ringllm.runtime.rope_kernels import angles_at, rotate_with
+
+__all__ = ["UNIT_SLOTS", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored", "attend_stored_parallel"]
+
+UNIT_SLOTS = 256                 # slots per unit: a unit's scores (group x 256 f32) and rows stay in L1/L2
+PARALLEL_MIN_SLOTS = 1024        # below this many occupied slots (all kv heads) a layer runs on one thread
+_F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
+_ANG, _ML, _ROW, _MISC_ROWS = 8, 9, 10, 11       # rows of a unit's misc block (module docstring)
+
+
+def stored_work(n_kv: int, n_head: int, head_dim: int, slots: int) -> np.ndarray:
+    """Work scratch for attend_stored over layers of at most `slots` slots per kv head (module docstring)."""
+    if 2 * (n_head // n_kv) > head_dim:
+        raise ValueError(f"attend_stored keeps 2 x {n_head // n_kv} per-head sums in a row of {head_dim}")
+    n_units = n_kv * max(1, -(-slots // UNIT_SLOTS))
+    return np.zeros((3, n_units, max(n_head, _MISC_ROWS), head_dim), np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _units(count_l):
+    """Units of the occupied slots: (first (n_kv + 1,): the first unit of each kv head, uh: each unit's
+    kv head, uj: its first slot); a unit ends UNIT_SLOTS later or at the head's count."""
+    n_kv = count_l.shape[0]
+    first = np.zeros(n_kv + 1, np.int64)
+    for h in range(n_kv):
+        first[h + 1] = first[h] + (count_l[h] + UNIT_SLOTS - 1) // UNIT_SLOTS
+    uh = np.empty(first[n_kv], np.int64)
+    uj = np.empty(first[n_kv], np.int64)
+    for h in range(n_kv):
+        for u in range(first[h], first[h + 1]):
+            uh[u] = h
+            uj[u] = (u - first[h]) * UNIT_SLOTS
+    return first, uh, uj
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _rotate_group(qw, ang, q, h0, group, rotary_dim, scale):
+    """qw[h0:h0 + group] = the group's queries rotated by the angles ang (cos | sin), times scale."""
+    half = rotary_dim // 2
+    for g in range(group):
+        rotate_with(qw[h0 + g], q[h0 + g], ang[:half], ang[half:rotary_dim], rotary_dim)
+        r = qw[h0 + g]
+        for d in range(r.shape[0]):
+            r[d] *= scale
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc):
+    """scores[h0 + g, ja:jb] = qw[h0 + g] . key j (any KV type): eight keys at a time (kv_tile_math),
+    the rest one by one (kv_row_math)."""
+    hd = qw.shape[1]
+    tile = misc[:8].reshape(-1)
+    j = ja
+    if hd % 8 == 0:
+        while j + 8 <= jb:
+            if j + PREFETCH_AHEAD + 8 <= jb:
+                prefetch_rows(k_l, h, j + PREFETCH_AHEAD, 8)
+            rows, base = rows8(k_l, h, j, tile)
+            for g in range(group):
+                dot8(scores[h0 + g], j, qw[h0 + g], rows, base, hd)
+            j += 8
+    while j < jb:
+        group_scores_row(scores, qw, k_l, h, j, h0, group, misc[_ROW])
+        j += 1
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc):
+    """ow[h0 + g] = sum over j in [j0, j1) of scores[h0 + g, j] * value j (any KV type), eight rows at
+    a time (kv_tile_math), the rest one by one (kv_row_math)."""
+    hd = ow.shape[1]
+    for g in range(group):
+        o = ow[h0 + g]
+        for d in range(hd):
+            o[d] = 0.0
+    tile = misc[:8].reshape(-1)
+    j = j0
+    if hd % 8 == 0:
+        while j + 8 <= j1:
+            if j + PREFETCH_AHEAD + 8 <= j1:
+                prefetch_rows(v_l, h, j + PREFETCH_AHEAD, 8)
+            rows, base = rows8(v_l, h, j, tile)
+            for g in range(group):
+                axpy8(ow[h0 + g], scores[h0 + g], j, rows, base, hd)
+            j += 8
+    while j < j1:
+        accumulate_row(ow, scores, v_l, h, j, h0, group, misc[_ROW:_ROW + 1])
+        j += 1
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _exp_span(sc, n, softcap, ml, g, group):
+    """sc[:n] (scores) -> exp(score - m), soft-capped first when softcap > 0; ml[g] = m, ml[group + g] = sum.
+    (Loops from 0: an index that may be negative costs Numba's wraparound select and the vector code.)"""
+    cap_scores(sc, n, softcap)
+    m = sc[0]
+    for j in range(1, n):
+        m = max(m, sc[j])
+    total = np.float32(0.0)
+    for j in range(n):                 # never subnormal: exp_f32 clamps its argument at -87.3
+        e = exp_f32(sc[j] - m)
+        sc[j] = e
+        total += e
+    ml[g] = m
+    ml[group + g] = total
+
+
+@njit(cache=True, nogil=True)
+def _unit(u, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores, work,
+          uh, uj, count_l, group, off0):
+    """Unit u: scores, per-head maximum and exponential sum, and weighted value sums into work[:, u]
+    (module docstring). off0: the offset work[0, u]'s queries are rotated at on entry. The slots
+    are scored in spans of one offset; the queries are re-rotated between spans."""
+    h = uh[u]
+    j0 = uj[u]
+    j1 = min(j0 + UNIT_SLOTS, count_l[h])
+    h0 = h * group
+    qw, misc = work[0, u], work[2, u]
+    ang = misc[_ANG]
+    half = rotary_dim // 2
+    cur = off0
+    ja = j0
+    while ja < j1:
+        jb = ja
+        while jb < j1 and seq_l[h, jb] - pos_l[h, jb] == cur:
+            jb += 1
+        _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc)
+        if jb < j1:
+            cur = seq_l[h, jb] - pos_l[h, jb]
+            angles_at(ang[:half], ang[half:rotary_dim], q_pos + cur, inv_freq, inv_scale)
+            _rotate_group(qw, ang, q, h0, group, rotary_dim, scale)
+        ja = jb
+    for g in range(group):
+        _exp_span(scores[h0 + g, j0:j1], j1 - j0, softcap, misc[_ML], g, group)
+    _weighted_values(work[1, u], scores, v_l, h, j0, j1, h0, group, misc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prologue(q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, uh, uj, group, offs):
+    """Rotate each unit's queries at the offset of its first slot (offs[u] = that offset). The angles
+    of one offset are computed once and copied to the units that share it."""
+    half = rotary_dim // 2
+    have = -1                           # unit whose angles row holds the last computed offset
+    for u in range(uh.shape[0]):
+        h, j = uh[u], uj[u]
+        off = seq_l[h, j] - pos_l[h, j]
+        offs[u] = off
+        ang = work[2, u, _ANG]
+        if have >= 0 and offs[have] == off:
+            ang[:rotary_dim] = work[2, have, _ANG, :rotary_dim]
+        else:
+            angles_at(ang[:half], ang[half:rotary_dim], q_pos + off, inv_freq, inv_scale)
+            have = u
+        _rotate_group(work[0, u], ang, q, h * group, group, rotary_dim, scale)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _merge(out, scores, work, first, uj, count_l, group, mass):
+    """out[h0 + g] = the merged attention of each head's units; mass[h, :count] when it has rows."""
+    n_kv = count_l.shape[0]
+    hd = out.shape[1]
+    for h in range(n_kv):
+        h0 = h * group
+        u0, u1 = first[h], first[h + 1]
+        for g in range(group):
+            o = out[h0 + g]
+            for d in range(hd):
+                o[d] = 0.0
+            if u1 == u0:
+                continue
+            big = work[2, u0, _ML, g]
+            for u in range(u0 + 1, u1):
+                big = max(big, work[2, u, _ML, g])
+            z = np.float32(0.0)
+            for u in range(u0, u1):
+                w = exp_f32(work[2, u, _ML, g] - big)
+                z += work[2, u, _ML, group + g] * w
+                work[2, u, _ML, g] = w        # the unit's factor exp(m_u - M), for the mass below
+                ou = work[1, u, h0 + g]
+                for d in range(hd):
+                    o[d] += w * ou[d]
+            inv = np.float32(1.0) / z
+            for d in range(hd):
+                o[d] *= inv
+            if mass.shape[0] > 0:
+                for u in range(u0, u1):
+                    f = work[2, u, _ML, g] * inv
+                    j1 = min(uj[u] + UNIT_SLOTS, count_l[h])
+                    for j in range(uj[u], j1):
+                        w = scores[h0 + g, j] * f
+                        w = w if w >= _F32_TINY else np.float32(0.0)
+                        if g == 0:
+                            mass[h, j] = w
+                        else:
+                            mass[h, j] += w
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
+                  softcap, scores, work, mass):
+    """Attention of one token over the occupied slots of one layer, keys stored rotated (module docstring).
+
+    out (n_head, hd) f32: result.         q (n_head, hd) f32: queries before RoPE.
+    k_l, v_l (n_kv, cap, width) in the store's KV types (kv_types.py); pos_l, seq_l (n_kv, cap) i64:
+        logical position and sequence index of each slot; count_l (n_kv,) i64: occupied slots.
+    q_pos: the query's logical position; inv_freq (rotary_dim/2,) f64, inv_scale = 1 / rope_scale.
+    scale: score multiplier; softcap: attention soft-cap (0 = none, softcap * tanh(s / softcap)).
+    scores (n_head, >= cap) f32 scratch; work: stored_work(...) for at least cap slots.
+    mass (n_kv, cap) f32: per-slot attention mass summed over the group's query heads, written
+        when mass.shape[0] > 0, else untouched.
+    """
+    group = q.shape[0] // k_l.shape[0]
+    first, uh, uj = _units(count_l)
+    offs = np.empty(uh.shape[0], np.int64)
+    _prologue(q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, uh, uj, group, offs)
+    for u in range(uh.shape[0]):
+        _unit(u, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores, work,
+              uh, uj, count_l, group, offs[u])
+    _merge(out, scores, work, first, uj, count_l, group, mass)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+def attend_stored_parallel(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
+                           softcap, scores, work, mass):
+    """attend_stored with the units spread over the threads: the same bits for any thread count."""
+    group = q.shape[0] // k_l.shape[0]
+    first, uh, uj = _units(count_l)
+    offs = np.empty(uh.shape[0], np.int64)
+    _prologue(q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, uh, uj, group, offs)
+    for u in prange(uh.shape[0]):
+        _unit(np.int64(u), q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores, work,
+              uh, uj, count_l, group, offs[u])
+    _merge(out, scores, work, first, uj, count_l, group, mass)
