@@ -21,14 +21,16 @@ units depend only on the slot counts, never on the thread count: attend_stored (
 attend_stored_parallel (units over the threads) give the same bits, and so does a batched step that
 runs attend_stored per sequence (stream_attention.py).
 
-Work scratch (stored_work): (3, n_units, max(n_head, 11), hd) f32, three row blocks per unit u:
+Work scratch (stored_work): (3, n_units, max(n_head, 12), hd) f32, three row blocks per unit u:
 
     work[0, u, h0 + g]    query head h0 + g rotated at the unit's current offset, times scale
     work[1, u, h0 + g]    the unit's weighted value sum o for query head h0 + g
     work[2, u, 0:8]       eight rows of a quantized store, decoded (kv_tile_math.rows8)
-    work[2, u, 8]         cos (first rotary_dim/2) and sin (next rotary_dim/2) of that offset
+    work[2, u, 8]         cos (first rotary_dim/2) and sin (next rotary_dim/2) of the offset of its
+                          first slot (later units with that offset copy them)
     work[2, u, 9]         m (first group entries) and l (next group entries)
     work[2, u, 10]        one decoded row (the slots past the last full eight)
+    work[2, u, 11]        the angles of an offset met later inside the unit
 
 Only the unit's group rows of blocks 0 and 1 are written (pages of the rest are never touched): the
 query and sum rows keep the query head's index, so the row kernels (kv_row_math, kv_tile_math) address scores,
@@ -51,7 +53,7 @@ __all__ = ["UNIT_SLOTS", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored", "
 UNIT_SLOTS = 256                 # slots per unit: a unit's scores (group x 256 f32) and rows stay in L1/L2
 PARALLEL_MIN_SLOTS = 1024        # below this many occupied slots (all kv heads) a layer runs on one thread
 _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
-_ANG, _ML, _ROW, _MISC_ROWS = 8, 9, 10, 11       # rows of a unit's misc block (module docstring)
+_ANG, _ML, _ROW, _ANG_IN, _MISC_ROWS = 8, 9, 10, 11, 12     # rows of a unit's misc block (module docstring)
 
 
 def stored_work(n_kv: int, n_head: int, head_dim: int, slots: int) -> np.ndarray:
@@ -60,23 +62,6 @@ def stored_work(n_kv: int, n_head: int, head_dim: int, slots: int) -> np.ndarray
         raise ValueError(f"attend_stored keeps 2 x {n_head // n_kv} per-head sums in a row of {head_dim}")
     n_units = n_kv * max(1, -(-slots // UNIT_SLOTS))
     return np.zeros((3, n_units, max(n_head, _MISC_ROWS), head_dim), np.float32)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _units(count_l):
-    """Units of the occupied slots: (first (n_kv + 1,): the first unit of each kv head, uh: each unit's
-    kv head, uj: its first slot); a unit ends UNIT_SLOTS later or at the head's count."""
-    n_kv = count_l.shape[0]
-    first = np.zeros(n_kv + 1, np.int64)
-    for h in range(n_kv):
-        first[h + 1] = first[h] + (count_l[h] + UNIT_SLOTS - 1) // UNIT_SLOTS
-    uh = np.empty(first[n_kv], np.int64)
-    uj = np.empty(first[n_kv], np.int64)
-    for h in range(n_kv):
-        for u in range(first[h], first[h + 1]):
-            uh[u] = h
-            uj[u] = (u - first[h]) * UNIT_SLOTS
-    return first, uh, uj
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
@@ -93,7 +78,7 @@ def _rotate_group(qw, ang, q, h0, group, rotary_dim, scale):
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc):
     """scores[h0 + g, ja:jb] = qw[h0 + g] . key j (any KV type): eight keys at a time (kv_tile_math),
-    the rest one by one (kv_row_math)."""
+    the rest one by one (kv_row_math); the keys PREFETCH_AHEAD slots on are hinted."""
     hd = qw.shape[1]
     tile = misc[:8].reshape(-1)
     j = ja
@@ -152,17 +137,15 @@ def _exp_span(sc, n, softcap, ml, g, group):
 
 
 @njit(cache=True, nogil=True)
-def _unit(u, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores, work,
-          uh, uj, count_l, group, off0):
-    """Unit u: scores, per-head maximum and exponential sum, and weighted value sums into work[:, u]
-    (module docstring). off0: the offset work[0, u]'s queries are rotated at on entry. The slots
-    are scored in spans of one offset; the queries are re-rotated between spans."""
-    h = uh[u]
-    j0 = uj[u]
+def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores,
+          work, count_l, group, off0):
+    """Unit u (kv head h, slots from j0): scores, per-head maximum and exponential sum, and weighted
+    value sums into work[:, u] (module docstring). off0: the offset work[0, u]'s queries are rotated
+    at on entry. The slots are scored in spans of one offset; the queries are re-rotated between spans."""
     j1 = min(j0 + UNIT_SLOTS, count_l[h])
     h0 = h * group
     qw, misc = work[0, u], work[2, u]
-    ang = misc[_ANG]
+    ang = misc[_ANG_IN]
     half = rotary_dim // 2
     cur = off0
     ja = j0
@@ -182,32 +165,31 @@ def _unit(u, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, 
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prologue(q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, uh, uj, group, offs):
-    """Rotate each unit's queries at the offset of its first slot (offs[u] = that offset). The angles
-    of one offset are computed once and copied to the units that share it."""
+def _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group):
+    """Rotate unit u's queries at the offset of its first slot j0; returns (that offset, the unit
+    whose angles row now holds it). The angles of an offset are computed once (the unit `have`
+    holds those of have_off) and copied to later units that share it."""
     half = rotary_dim // 2
-    have = -1                           # unit whose angles row holds the last computed offset
-    for u in range(uh.shape[0]):
-        h, j = uh[u], uj[u]
-        off = seq_l[h, j] - pos_l[h, j]
-        offs[u] = off
-        ang = work[2, u, _ANG]
-        if have >= 0 and offs[have] == off:
-            ang[:rotary_dim] = work[2, have, _ANG, :rotary_dim]
-        else:
-            angles_at(ang[:half], ang[half:rotary_dim], q_pos + off, inv_freq, inv_scale)
-            have = u
-        _rotate_group(work[0, u], ang, q, h * group, group, rotary_dim, scale)
+    off = seq_l[h, j0] - pos_l[h, j0]
+    ang = work[2, u, _ANG]
+    if have >= 0 and have_off == off:
+        ang[:rotary_dim] = work[2, have, _ANG, :rotary_dim]
+    else:
+        angles_at(ang[:half], ang[half:rotary_dim], q_pos + off, inv_freq, inv_scale)
+        have = u
+    _rotate_group(work[0, u], ang, q, h * group, group, rotary_dim, scale)
+    return off, have
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _merge(out, scores, work, first, uj, count_l, group, mass):
+def _merge(out, scores, work, count_l, group, mass):
     """out[h0 + g] = the merged attention of each head's units; mass[h, :count] when it has rows."""
     n_kv = count_l.shape[0]
     hd = out.shape[1]
+    u1 = 0
     for h in range(n_kv):
         h0 = h * group
-        u0, u1 = first[h], first[h + 1]
+        u0, u1 = u1, u1 + (count_l[h] + UNIT_SLOTS - 1) // UNIT_SLOTS
         for g in range(group):
             o = out[h0 + g]
             for d in range(hd):
@@ -231,8 +213,8 @@ def _merge(out, scores, work, first, uj, count_l, group, mass):
             if mass.shape[0] > 0:
                 for u in range(u0, u1):
                     f = work[2, u, _ML, g] * inv
-                    j1 = min(uj[u] + UNIT_SLOTS, count_l[h])
-                    for j in range(uj[u], j1):
+                    ja = (u - u0) * UNIT_SLOTS
+                    for j in range(ja, min(ja + UNIT_SLOTS, count_l[h])):
                         w = scores[h0 + g, j] * f
                         w = w if w >= _F32_TINY else np.float32(0.0)
                         if g == 0:
@@ -256,13 +238,16 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
         when mass.shape[0] > 0, else untouched.
     """
     group = q.shape[0] // k_l.shape[0]
-    first, uh, uj = _units(count_l)
-    offs = np.empty(uh.shape[0], np.int64)
-    _prologue(q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, uh, uj, group, offs)
-    for u in range(uh.shape[0]):
-        _unit(u, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores, work,
-              uh, uj, count_l, group, offs[u])
-    _merge(out, scores, work, first, uj, count_l, group, mass)
+    u, have, have_off = 0, -1, np.int64(0)
+    for h in range(k_l.shape[0]):                  # nothing allocated: a batched step calls this per sequence
+        for j0 in range(0, count_l[h], UNIT_SLOTS):
+            off, have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim,
+                                    scale, work, group)
+            have_off = off
+            _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores,
+                  work, count_l, group, off)
+            u += 1
+    _merge(out, scores, work, count_l, group, mass)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
@@ -270,10 +255,22 @@ def attend_stored_parallel(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_f
                            softcap, scores, work, mass):
     """attend_stored with the units spread over the threads: the same bits for any thread count."""
     group = q.shape[0] // k_l.shape[0]
-    first, uh, uj = _units(count_l)
-    offs = np.empty(uh.shape[0], np.int64)
-    _prologue(q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, uh, uj, group, offs)
-    for u in prange(uh.shape[0]):
-        _unit(np.int64(u), q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores, work,
-              uh, uj, count_l, group, offs[u])
-    _merge(out, scores, work, first, uj, count_l, group, mass)
+    n_units = 0
+    for h in range(k_l.shape[0]):
+        n_units += (count_l[h] + UNIT_SLOTS - 1) // UNIT_SLOTS
+    uh = np.empty(n_units, np.int64)
+    uj = np.empty(n_units, np.int64)
+    offs = np.empty(n_units, np.int64)
+    u, have, have_off = 0, -1, np.int64(0)
+    for h in range(k_l.shape[0]):
+        for j0 in range(0, count_l[h], UNIT_SLOTS):
+            uh[u], uj[u] = h, j0
+            offs[u], have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale,
+                                        rotary_dim, scale, work, group)
+            have_off = offs[u]
+            u += 1
+    for i in prange(n_units):
+        u = np.int64(i)
+        _unit(u, uh[u], uj[u], q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap,
+              scores, work, count_l, group, offs[u])
+    _merge(out, scores, work, count_l, group, mass)

@@ -29,6 +29,8 @@ from ringllm.runtime.rope_kernels import rope_rows_at
 
 __all__ = ["StreamArrays", "streams_fit", "write_attend_streams"]
 
+_NO_MASS = np.zeros((0, 0), np.float32)       # attend_stored's mass argument when no mass is wanted
+
 
 def streams_fit(stores, il: int) -> bool:
     """True when layer il of every store can go through write_attend_streams (the typed lists hold
@@ -64,7 +66,15 @@ class StreamArrays:
             sinks = np.array([st.layer_sinks[il] for st in stores], np.int64)
             self.layers.append((*lists, sinks, max(st.k[il].shape[1] for st in stores)))
         self.reindexed = np.array([bool(st.reindexed) for st in stores], np.bool_)
-        self.work = None                    # attend_stored's work scratch per sequence (write_attend_streams)
+        self.scores = self.ktmp = self.work = None      # per-sequence scratch (scratch())
+
+    def scratch(self, B: int, n_kv: int, n_head: int, hd: int, rotary_dim: int, cap: int) -> None:
+        """Make scores (B, n_head, >= cap), ktmp (B, hd + rotary_dim) and work (B, stored_work for >= cap
+        slots) f32 hold a step of B sequences (allocated once, grown with the layers' capacity)."""
+        if self.scores is None or self.scores.shape[0] < B or self.scores.shape[2] < cap:
+            self.scores = np.zeros((B, n_head, cap), np.float32)
+            self.ktmp = np.zeros((B, hd + rotary_dim), np.float32)
+            self.work = np.zeros((B, *stored_work(n_kv, n_head, hd, cap).shape), np.float32)
 
     @staticmethod
     def _key(stores) -> tuple:
@@ -77,19 +87,17 @@ class StreamArrays:
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _write_attend(out, q, k_new, v_new, seqs, ks, vs, seq_ls, pos_ls, count_ls, evicted_ls, sinks, reindexed,
-                  inv_freq, inv_scale, rotary_dim, scale, softcap, cap_max, work):
-    B, n_head, hd = q.shape
-    for i in prange(B):
+                  inv_freq, inv_scale, rotary_dim, scale, softcap, scores, ktmp, work, no_mass):
+    B = q.shape[0]
+    for i in prange(B):                 # nothing allocated in here: the threads would wait on the allocator
         b = np.int64(i)                 # typed lists index with a signed integer
-        tmp = np.empty(hd + rotary_dim, np.float32)
-        rope_rows_at(k_new[b], seqs[b], inv_freq, inv_scale, rotary_dim, tmp)
+        rope_rows_at(k_new[b], seqs[b], inv_freq, inv_scale, rotary_dim, ktmp[b])
         count_l = count_ls[b]
         kv_write_streaming(ks[b], vs[b], seq_ls[b], pos_ls[b], count_l, evicted_ls[b], k_new[b], v_new[b], seqs[b],
                            sinks[b], reindexed[b])
         q_pos = count_l[0] - 1 if reindexed[b] else seqs[b]
         attend_stored(out[b], q[b], ks[b], vs[b], pos_ls[b], seq_ls[b], count_l, q_pos, inv_freq, inv_scale,
-                      rotary_dim, scale, softcap, np.empty((n_head, cap_max), np.float32), work[i],
-                      np.zeros((0, 0), np.float32))
+                      rotary_dim, scale, softcap, scores[b], work[b], no_mass)
 
 
 def write_attend_streams(arrays: StreamArrays, il: int, rope, out: np.ndarray, q: np.ndarray, k_new: np.ndarray,
@@ -99,8 +107,7 @@ def write_attend_streams(arrays: StreamArrays, il: int, rope, out: np.ndarray, q
     every b at once. streams_fit(arrays.stores, il) must hold."""
     k, v, seq, pos, count, evicted, sinks, cap_max = arrays.layers[il]
     B, n_head, hd = q.shape
-    shape = (B, *stored_work(k[0].shape[0], n_head, hd, cap_max).shape)
-    if arrays.work is None or arrays.work.shape[0] < B or arrays.work.shape[1] < shape[1]:     # units grow with cap_max
-        arrays.work = np.zeros(shape, np.float32)
+    arrays.scratch(B, k[0].shape[0], n_head, hd, rope.rotary_dim, cap_max)
     _write_attend(out, q, k_new, v_new, seqs, k, v, seq, pos, count, evicted, sinks, arrays.reindexed,
-                  rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, cap_max, arrays.work)
+                  rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, arrays.scores, arrays.ktmp, arrays.work,
+                  _NO_MASS)

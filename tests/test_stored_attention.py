@@ -45,7 +45,7 @@ def _oracle(q, k, v, pos, seq, count, q_pos, inv_freq, rotary_dim, scale, softca
     return out, mass
 
 
-def _case(kv_type, hd, n_kv=2, group=3, cap=3 * UNIT_SLOTS + 37, seed=0, reindexed=False):
+def _case(kv_type, hd, n_kv=2, group=3, cap=3 * UNIT_SLOTS + 37, seed=0, layout="original"):
     rng = np.random.default_rng(seed)
     n_head = n_kv * group
     vals_k = rng.standard_normal((n_kv, cap, hd)).astype(np.float32)
@@ -54,23 +54,25 @@ def _case(kv_type, hd, n_kv=2, group=3, cap=3 * UNIT_SLOTS + 37, seed=0, reindex
     count = np.array([cap, cap - UNIT_SLOTS - 5][:n_kv], np.int64)      # heads of different lengths
     seq = np.tile(np.arange(cap, dtype=np.int64) + 900, (n_kv, 1))
     pos = seq.copy()
-    if reindexed:       # sinks at offset 0, the rest shifted by each head's eviction count
+    if layout == "reindexed":       # sinks at offset 0, the rest shifted by each head's eviction count
         for h in range(n_kv):
             pos[h, 4:] -= 300 + 17 * h
+    elif layout == "alternating":   # offsets 0 and 7 in runs of 100 slots: they change inside units, and
+        pos -= 7 * ((np.arange(cap) // 100) % 2)            # a unit starts at an offset an earlier one left
     q = rng.standard_normal((n_head, hd)).astype(np.float32)
     return q, k, v, pos, seq, count
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("hd", [64, 32])
-@pytest.mark.parametrize("reindexed", [False, True])
-def test_matches_oracle_and_parallel_gives_the_same_bits(kv_type, hd, reindexed):
-    q, k, v, pos, seq, count = _case(kv_type, hd, reindexed=reindexed)
+@pytest.mark.parametrize("layout", ["original", "reindexed", "alternating"])
+def test_matches_oracle_and_parallel_gives_the_same_bits(kv_type, hd, layout):
+    q, k, v, pos, seq, count = _case(kv_type, hd, layout=layout)
     n_head = q.shape[0]
     n_kv, cap = k.shape[:2]
     rotary_dim = hd - 16 if hd == 64 else hd          # a partial rotary dim as well as a full one
     inv_freq = 1.0 / 10000.0 ** (np.arange(0, rotary_dim, 2) / rotary_dim)
-    q_pos = np.int64(seq[0, count[0] - 1] if not reindexed else pos[0, count[0] - 1])
+    q_pos = np.int64(pos[0, count[0] - 1])
     scale, softcap = np.float32(hd ** -0.5), np.float32(0.0)
     outs = []
     for fn in (attend_stored, attend_stored_parallel):
@@ -90,7 +92,7 @@ def test_matches_oracle_and_parallel_gives_the_same_bits(kv_type, hd, reindexed)
 
 def test_head_dim_without_eight_lane_chunks_and_softcap():
     hd = 40                                     # not a multiple of 8: the one-key-at-a-time kernels
-    q, k, v, pos, seq, count = _case("f32", hd, n_kv=1, group=2, cap=UNIT_SLOTS + 11, reindexed=True)
+    q, k, v, pos, seq, count = _case("f32", hd, n_kv=1, group=2, cap=UNIT_SLOTS + 11, layout="reindexed")
     n_head, cap = q.shape[0], k.shape[1]
     inv_freq = 1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)
     q_pos = np.int64(pos[0, count[0] - 1])
