@@ -2,6 +2,7 @@
 
     python bench/soak.py                         # the full run: 1,000,000 tokens, capacity 512 (about an hour+)
     python bench/soak.py --tokens 4000 --capacity 64 --reload-every 1000 --name soak_short
+    python bench/soak.py --legs parallel         # the two runs (below) at once, one core each
 
 One ChatSession of the bundled SmolLM2 (greedy, ignore_eos) gets user turns of `--turn-chars`
 characters of Pride and Prejudice (a few hundred tokens) and answers of `--answer-tokens` tokens, so
@@ -22,10 +23,12 @@ a Python int and the text of every turn).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -83,6 +86,15 @@ def run_soak(llm, tokens: int, capacity: int, policy: str, reload_every: int | N
             "kv": session.kv_stats()}
 
 
+def _plain_leg(threads: int, kw: dict, folder: str) -> dict:
+    """The run without reloads, in a process of its own (--legs parallel)."""
+    import ringllm
+
+    os.makedirs(folder, exist_ok=True)
+    llm = ringllm.LLM(None, n_threads=threads, progress=False)
+    return run_soak(llm, reload_every=None, folder=folder, **kw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=1_000_000)
@@ -95,22 +107,35 @@ def main() -> None:
     ap.add_argument("--history-tokens", type=int, default=4096,
                     help="tokens of history the session keeps (0: the whole transcript)")
     ap.add_argument("--name", default="soak")
+    ap.add_argument("--legs", choices=("serial", "parallel"), default="serial",
+                    help="parallel: the run without reloads goes in a second process at the same time (one "
+                         "core each with -t 1: half the wall time, each leg's latency measured beside the other)")
     args = ap.parse_args()
     import ringllm
-    llm = ringllm.LLM(None, n_threads=args.threads, progress=False)
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         kw = dict(tokens=args.tokens, capacity=args.capacity, policy=args.policy, turn_chars=args.turn_chars,
-                  answer_tokens=args.answer_tokens, folder=folder, history_tokens=args.history_tokens or None)
-        reloaded = run_soak(llm, reload_every=args.reload_every, **kw)
-        plain = run_soak(llm, reload_every=None, **kw)
+                  answer_tokens=args.answer_tokens, history_tokens=args.history_tokens or None)
+        if args.legs == "parallel":
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                plain_leg = pool.submit(_plain_leg, args.threads, kw, os.path.join(folder, "plain"))
+                llm = ringllm.LLM(None, n_threads=args.threads, progress=False)
+                reloaded = run_soak(llm, reload_every=args.reload_every, folder=folder, **kw)
+                plain = plain_leg.result()
+        else:
+            llm = ringllm.LLM(None, n_threads=args.threads, progress=False)
+            reloaded = run_soak(llm, reload_every=args.reload_every, folder=folder, **kw)
+            plain = run_soak(llm, reload_every=None, folder=folder, **kw)
     same = reloaded["answers"] == plain["answers"]
     s = reloaded["samples"]
     payload = {"machine": machine(), "args": vars(args), "same_answers_with_and_without_reloads": same,
                "samples": s, "segments": reloaded["segments"], "tokens_fed": reloaded["tokens_fed"],
-               "kv": reloaded["kv"]}
+               "kv": reloaded["kv"], "wall_s": time.perf_counter() - t_start}
     md = [f"# Soak: {reloaded['tokens_fed']} tokens, SmolLM2, {args.policy} capacity {args.capacity}",
           "", f"`python bench/soak.py {' '.join(sys.argv[1:])}`", "",
           f"Answers identical with and without a save/load every {args.reload_every} tokens: **{same}**", "",
+          f"Wall time {payload['wall_s'] / 60:.1f} min (legs {args.legs}, {args.threads} thread(s) each); machine "
+          f"{payload['machine']}", "",
           "| tokens fed | RSS MB | open fds |", "|---|---|---|"]
     md += [f"| {t} | {r:.1f} | {f} |" for t, r, f in s]
     md += ["", "| segment | turns | p50 ms/token | p99 ms/token |", "|---|---|---|---|"]

@@ -81,6 +81,11 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], repeat_penalty: 
     return logits
 
 
+def _penalizes(p) -> bool:
+    """Whether apply_penalties would change a logit under params p (with a history to penalize)."""
+    return (p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and p.penalty_last_n != 0
+
+
 def greedy(logits: np.ndarray) -> int:
     """The argmax (the lowest id among equal maxima)."""
     return int(np.argmax(logits))
@@ -258,6 +263,8 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         p, c = self.params, self.constraint
+        if p.greedy and c is None and not p.logit_bias and not _penalizes(p):
+            return greedy(np.asarray(logits).reshape(-1))      # nothing changes a logit: the argmax as it is
         x = np.array(logits, dtype=np.float64).reshape(-1)   # a copy: the engine's buffer stays as is
         apply_logit_bias(x, p.logit_bias)
         if c is not None:

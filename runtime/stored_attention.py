@@ -32,9 +32,9 @@ Work scratch (stored_work): (3, n_units, max(n_head, 12), hd) f32, three row blo
     work[2, u, 10]        one decoded row (the slots past the last full eight)
     work[2, u, 11]        the angles of an offset met later inside the unit
 
-Only the unit's group rows of blocks 0 and 1 are written (pages of the rest are never touched): the
-query and sum rows keep the query head's index, so the row kernels (kv_row_math, kv_tile_math) address scores,
-queries and sums alike and every row they read is a contiguous C row.
+Only the unit's group rows of blocks 0 and 1 are used: the query and sum rows keep the query head's
+index, so the row kernels (kv_row_math, kv_tile_math) address scores, queries and sums alike and
+every row they read is a contiguous C row.
 """
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ class StreamArrays:
 def _write_attend(out, q, k_new, v_new, seqs, ks, vs, seq_ls, pos_ls, count_ls, evicted_ls, sinks, reindexed,
                   inv_freq, inv_scale, rotary_dim, scale, softcap, scores, ktmp, work, no_mass):
     B = q.shape[0]
-    for i in prange(B):                 # nothing allocated in here: the threads would wait on the allocator
+    for i in prange(B):                 # scratch comes from the caller: nothing is allocated per sequence
         b = np.int64(i)                 # typed lists index with a signed integer
         rope_rows_at(k_new[b], seqs[b], inv_freq, inv_scale, rotary_dim, ktmp[b])
         count_l = count_ls[b]
@@ -109,5 +109,5 @@ def write_attend_streams(arrays: StreamArrays, il: int, rope, out: np.ndarray, q
     B, n_head, hd = q.shape
     arrays.scratch(B, k[0].shape[0], n_head, hd, rope.rotary_dim, cap_max)
     _write_attend(out, q, k_new, v_new, seqs, k, v, seq, pos, count, evicted, sinks, arrays.reindexed,
-                  rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, arrays.scores, arrays.ktmp, arrays.work,
-                  _NO_MASS)
+                  rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, arrays.scores, arrays.ktmp,
+                  arrays.work, _NO_MASS)

@@ -138,6 +138,23 @@ def test_greedy_sampler_ignores_the_generator_and_applies_penalties():
     assert s.state() == state
 
 
+def test_plain_greedy_reads_the_engine_logits_as_they_are():
+    # no bias, penalty or grammar: the argmax of the float32 row itself, the token the chain's float64
+    # copy gives (ties and all), the row untouched and the generator unused
+    rng = np.random.default_rng(3)
+    s = Sampler(SamplingParams(temperature=0.0), seed=1)
+    state = s.state()
+    for _ in range(20):
+        x = rng.integers(-3, 4, size=257).astype(np.float32)          # many ties at the maximum
+        before = x.copy()
+        assert s.sample(x, history=[int(np.argmax(x))]) == greedy(x.astype(np.float64))
+        np.testing.assert_array_equal(x, before)
+    assert s.state() == state
+    # a penalty with no window to read (penalty_last_n 0) changes nothing either
+    s = Sampler(SamplingParams(temperature=0.0, repeat_penalty=4.0, penalty_last_n=0))
+    assert s.sample(f64(1.0, 3.0, 2.0), history=[1]) == 1
+
+
 def test_same_seed_same_tokens_and_state_round_trip():
     rng = np.random.default_rng(0)
     steps = [rng.normal(size=64) for _ in range(50)]
