@@ -12,7 +12,8 @@ conversation runs a second time without reloads; the answers of the two runs mus
 tokens (a save/load changes nothing). Sampled at each reload point: RSS, open file descriptors;
 per-token latency (turn time / tokens the turn fed) per segment.
 
-Writes bench/results/<name>.{json,md} (crash-safe, bench/common.py). Not run by CI in this form;
+Writes bench/results/<name>.{json,md} (crash-safe, bench/common.py), and <name>_partial.{json,md} with
+the samples so far at each reload (removed when the run completes). Not run by CI in this form;
 tests/test_soak.py runs the short form.
 
 The session keeps the last `--history-tokens` tokens of its history and the messages its chat
@@ -33,7 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, write_results  # noqa: E402
+from common import RESULTS, machine, write_results  # noqa: E402
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "prideprejudice.txt")
 
@@ -48,9 +49,10 @@ def open_files() -> int:
 
 
 def run_soak(llm, tokens: int, capacity: int, policy: str, reload_every: int | None, turn_chars: int,
-             answer_tokens: int, folder: str, history_tokens: int | None = 4096) -> dict:
+             answer_tokens: int, folder: str, history_tokens: int | None = 4096, on_sample=None) -> dict:
     """One soak run; reload_every None: never saved. Returns answers (token lists per turn),
-    samples [(tokens fed, rss MB, open fds)], and per-segment latencies (seconds per token fed)."""
+    samples [(tokens fed, rss MB, open fds)], and per-segment latencies (seconds per token fed).
+    on_sample(samples): called after each reload's sample (a long run's progress, kept on disk)."""
     import ringllm
     from ringllm.session import ChatSession
 
@@ -79,6 +81,8 @@ def run_soak(llm, tokens: int, capacity: int, policy: str, reload_every: int | N
             samples.append((fed, rss_mb(), open_files()))
             next_reload += reload_every
             seg += 1
+            if on_sample is not None:
+                on_sample(samples)
     samples.append((fed, rss_mb(), open_files()))
     segments = [{"segment": s, "p50_ms": float(np.percentile(v, 50) * 1e3), "p99_ms": float(np.percentile(v, 99) * 1e3),
                  "turns": len(v)} for s, v in sorted(lat.items())]
@@ -113,6 +117,12 @@ def main() -> None:
     args = ap.parse_args()
     import ringllm
     t_start = time.perf_counter()
+    partial = args.name + "_partial"
+
+    def progress(samples):       # the samples so far, so that a run cut short still leaves them
+        write_results(partial, {"args": vars(args), "samples": samples, "minutes": (time.perf_counter() - t_start) / 60},
+                      "| tokens fed | RSS MB | open fds |\n|---|---|---|\n"
+                      + "".join(f"| {t} | {r:.1f} | {f} |\n" for t, r, f in samples))
     with tempfile.TemporaryDirectory() as folder:
         kw = dict(tokens=args.tokens, capacity=args.capacity, policy=args.policy, turn_chars=args.turn_chars,
                   answer_tokens=args.answer_tokens, history_tokens=args.history_tokens or None)
@@ -120,11 +130,11 @@ def main() -> None:
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 plain_leg = pool.submit(_plain_leg, args.threads, kw, os.path.join(folder, "plain"))
                 llm = ringllm.LLM(None, n_threads=args.threads, progress=False)
-                reloaded = run_soak(llm, reload_every=args.reload_every, folder=folder, **kw)
+                reloaded = run_soak(llm, reload_every=args.reload_every, folder=folder, on_sample=progress, **kw)
                 plain = plain_leg.result()
         else:
             llm = ringllm.LLM(None, n_threads=args.threads, progress=False)
-            reloaded = run_soak(llm, reload_every=args.reload_every, folder=folder, **kw)
+            reloaded = run_soak(llm, reload_every=args.reload_every, folder=folder, on_sample=progress, **kw)
             plain = run_soak(llm, reload_every=None, folder=folder, **kw)
     same = reloaded["answers"] == plain["answers"]
     s = reloaded["samples"]
@@ -141,6 +151,9 @@ def main() -> None:
     md += ["", "| segment | turns | p50 ms/token | p99 ms/token |", "|---|---|---|---|"]
     md += [f"| {g['segment']} | {g['turns']} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} |" for g in reloaded["segments"]]
     write_results(args.name, payload, "\n".join(md) + "\n")
+    for ext in (".json", ".md"):
+        if os.path.exists(os.path.join(RESULTS, partial + ext)):
+            os.remove(os.path.join(RESULTS, partial + ext))
     print("\n".join(md))
     sys.exit(0 if same else 1)
 
