@@ -62,14 +62,17 @@ def apply_logit_bias(logits: np.ndarray, bias: dict[int, float] | None) -> np.nd
     return logits
 
 
+def penalizes(repeat_penalty: float, frequency_penalty: float, presence_penalty: float, last_n: int) -> bool:
+    """Whether apply_penalties with these settings changes a logit (given a history to penalize)."""
+    return (repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0) and last_n != 0
+
+
 def apply_penalties(logits: np.ndarray, history: Sequence[int], repeat_penalty: float = 1.0,
                     frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                     last_n: int = 64) -> np.ndarray:
     """Repetition (llama.cpp: divide a positive logit, multiply a negative one), frequency and
     presence penalties (OpenAI: subtract f * count + p) over the last `last_n` history tokens."""
-    if repeat_penalty == 1.0 and frequency_penalty == 0.0 and presence_penalty == 0.0:
-        return logits
-    if last_n == 0 or len(history) == 0:
+    if not penalizes(repeat_penalty, frequency_penalty, presence_penalty, last_n) or len(history) == 0:
         return logits
     window = history if last_n < 0 else history[-last_n:]
     ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
@@ -79,11 +82,6 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], repeat_penalty: 
     vals = vals - frequency_penalty * counts - presence_penalty * (counts > 0)
     logits[ids] = vals
     return logits
-
-
-def _penalizes(p) -> bool:
-    """Whether apply_penalties would change a logit under params p (with a history to penalize)."""
-    return (p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and p.penalty_last_n != 0
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -263,7 +261,8 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         p, c = self.params, self.constraint
-        if p.greedy and c is None and not p.logit_bias and not _penalizes(p):
+        if p.greedy and c is None and not p.logit_bias and not penalizes(p.repeat_penalty, p.frequency_penalty,
+                                                                          p.presence_penalty, p.penalty_last_n):
             return greedy(np.asarray(logits).reshape(-1))      # nothing changes a logit: the argmax as it is
         x = np.array(logits, dtype=np.float64).reshape(-1)   # a copy: the engine's buffer stays as is
         apply_logit_bias(x, p.logit_bias)

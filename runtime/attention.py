@@ -30,8 +30,9 @@ _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def softmax_inplace(sc, n):
-    """sc[:n] (f32) -> its softmax, in place (max-subtracted, float32)."""
+def exp_shifted(sc, n):
+    """sc[:n] (f32) -> exp(sc - m), in place, m = max(sc[:n]); returns (m, sum of the exponentials).
+    Never subnormal: exp_f32 clamps its argument at -87.3."""
     m = sc[0]
     for j in range(1, n):
         m = max(m, sc[j])
@@ -40,6 +41,13 @@ def softmax_inplace(sc, n):
         e = exp_f32(sc[j] - m)
         sc[j] = e
         total += e
+    return m, total
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def softmax_inplace(sc, n):
+    """sc[:n] (f32) -> its softmax, in place (max-subtracted, float32)."""
+    _, total = exp_shifted(sc, n)
     inv = np.float32(1.0) / total
     for j in range(n):
         w = sc[j] * inv

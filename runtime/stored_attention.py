@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ringllm.runtime.attention import cap_scores
+from ringllm.runtime.attention import cap_scores, exp_shifted, scale_group
 from ringllm.runtime.fast_exp import exp_f32
 from ringllm.runtime.kv_row_math import accumulate_row, group_scores_row
 from ringllm.runtime.kv_tile_math import PREFETCH_AHEAD, axpy8, dot8, prefetch_rows, rows8
@@ -70,9 +70,7 @@ def _rotate_group(qw, ang, q, h0, group, rotary_dim, scale):
     half = rotary_dim // 2
     for g in range(group):
         rotate_with(qw[h0 + g], q[h0 + g], ang[:half], ang[half:rotary_dim], rotary_dim)
-        r = qw[h0 + g]
-        for d in range(r.shape[0]):
-            r[d] *= scale
+    scale_group(qw, h0, group, scale)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -124,14 +122,7 @@ def _exp_span(sc, n, softcap, ml, g, group):
     """sc[:n] (scores) -> exp(score - m), soft-capped first when softcap > 0; ml[g] = m, ml[group + g] = sum.
     (Loops from 0: an index that may be negative costs Numba's wraparound select and the vector code.)"""
     cap_scores(sc, n, softcap)
-    m = sc[0]
-    for j in range(1, n):
-        m = max(m, sc[j])
-    total = np.float32(0.0)
-    for j in range(n):                 # never subnormal: exp_f32 clamps its argument at -87.3
-        e = exp_f32(sc[j] - m)
-        sc[j] = e
-        total += e
+    m, total = exp_shifted(sc, n)
     ml[g] = m
     ml[group + g] = total
 
