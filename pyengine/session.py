@@ -45,6 +45,7 @@ from ringllm.decoder import Decoder, check_max_tokens
 from ringllm.generation import Completion, Generation, Record
 from ringllm.runtime.atomic_file import atomic_open
 from ringllm.runtime.errors import ConfigError, RingLLMError
+from ringllm.runtime.host_memory import trim_heap
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.sampling import Sampler, SamplingParams, StopMatcher
 
@@ -384,7 +385,19 @@ class ChatSession:
         exists; errors are SessionFileError. The session keeps the KVConfig it was saved with, KV
         types (k_type, v_type) included, unless kv_types = (k_type, v_type) asks for others: its
         store is then converted (KVStore.convert_types: each row decoded and encoded again) and its
-        KVConfig says so; an unknown type, or one the backend lacks, is a ConfigError."""
+        KVConfig says so; an unknown type, or one the backend lacks, is a ConfigError.
+
+        The file's arrays pass through decompressed temporaries as large as the store; glibc keeps
+        the heap they were freed into, so each load gives that memory back (host_memory.trim_heap):
+        without it a process that loads a session holds a second store's worth of RSS from then on."""
+        try:
+            return cls._load(llm, path, kv_types)
+        finally:
+            trim_heap()
+
+    @classmethod
+    def _load(cls, llm, path: str | os.PathLike, kv_types: tuple[str, str] | None) -> "ChatSession":
+        """load() without the heap trim."""
         if kv_types is not None:                           # checked before the file is read
             replace(llm.kv, k_type=kv_types[0], v_type=kv_types[1]).check_types_fit(llm.spec.head_dim)
         path = os.fspath(path)

@@ -29,7 +29,7 @@ from ringllm.runtime.chunk_attention import MIN_PAIRS, chunk_fits, chunk_pays, w
 from ringllm.runtime.stream_attention import StreamArrays, streams_fit, write_attend_streams
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.host_memory import release_array_pages
+from ringllm.runtime.host_memory import release_array_pages, release_row_pages
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_codec import round_trip
 from ringllm.runtime.kv_store import KVStore
@@ -404,8 +404,11 @@ class CPUEngine:
         return self._head(b, T)
 
     def _embed(self, b: _Buffers, ids: np.ndarray) -> None:
-        """b.x (T, n_embd) = the token embeddings of ids (T,) (times the model's embedding scale)."""
+        """b.x (T, n_embd) = the token embeddings of ids (T,) (times the model's embedding scale). The
+        rows' file pages leave the RSS again (host_memory.release_row_pages): the RSS stays flat however
+        many distinct tokens a long run meets."""
         b.x[:] = dequantize_rows(self.embd.data, self.embd.qtype, self.spec.n_embd, ids)
+        release_row_pages(self.embd.data, ids)
         if self.spec.embed_scale != 1.0:
             b.x *= np.float32(self.spec.embed_scale)
 

@@ -24,7 +24,8 @@ nothing until its pages are written; it is unmapped when the array is collected.
 Loading leaves two things resident that the process no longer needs: the model file's pages, once
 the engine has repacked the weights into its own buffers (`release_array_pages` drops one tensor's
 as soon as it is packed, `release_file_pages` a whole mapping), and the heap memory the repacking's
-temporaries were freed into (`trim_heap`).
+temporaries were freed into (`trim_heap`). Running adds one: the rows an embedding lookup reads
+from the file (`release_row_pages` drops them again after each lookup).
 """
 from __future__ import annotations
 
@@ -107,6 +108,42 @@ def release_array_pages(arrays) -> int:
                 total += hi - lo
         except (OSError, ValueError):       # a closed mapping, or a kernel that refuses: nothing to release
             pass
+    return total
+
+
+FAULT_AROUND_BYTES = 1 << 16    # Linux's default fault_around_bytes: what one read fault of a file mapping maps
+
+
+def release_row_pages(a: np.ndarray, rows) -> int:
+    """release_array_pages for some rows of `a` only: the pages an embedding lookup has just read
+    from the model file. a: 2-D C-contiguous view of a read-only np.memmap (anything else: nothing is
+    done); rows: the row indices read. Without this the lookup's pages stay in the RSS after
+    release_file_pages dropped the file: one page per distinct token ever seen, so a long run's RSS
+    creeps up with its vocabulary until the whole table is resident. Dropped here, a row costs one
+    minor fault from the page cache the next time it is read. The kernel's fault-around maps the
+    whole aligned FAULT_AROUND_BYTES window of a faulting page (the pages of it in the page cache),
+    so that window is what is dropped, not just the row's own pages. Returns the bytes advised."""
+    if not hasattr(mmap, "MADV_DONTNEED") or a.ndim != 2 or not a.flags.c_contiguous or not a.size:
+        return 0
+    m = _file_mapping(a)
+    if m is None:
+        return 0
+    span, rb = max(mmap.PAGESIZE, FAULT_AROUND_BYTES), a.nbytes // a.shape[0]
+    start = a.ctypes.data - np.frombuffer(m, np.uint8).ctypes.data
+    first = np.unique(np.asarray(rows, np.int64)) * rb + start
+    lo, hi = first // span * span, -(-(first + rb) // span) * span
+    total, i = 0, 0
+    while i < len(lo):                  # runs of touching page ranges: one madvise each
+        j = i
+        while j + 1 < len(lo) and lo[j + 1] <= hi[j]:
+            j += 1
+        a0, a1 = int(lo[i]), min(len(m), int(hi[j]))
+        try:
+            m.madvise(mmap.MADV_DONTNEED, a0, a1 - a0)
+            total += a1 - a0
+        except (OSError, ValueError):   # a closed mapping, or a kernel that refuses: nothing to release
+            return total
+        i = j + 1
     return total
 
 

@@ -23,7 +23,8 @@ def test_soak_short(smollm2_path, tmp_path):
     reloaded = run_soak(llm, reload_every=1000, **kw)
     plain = run_soak(llm, reload_every=None, **kw)
     assert reloaded["tokens_fed"] >= 3000 and len(reloaded["samples"]) >= 4
-    assert reloaded["answers"] == plain["answers"]
+    assert len(reloaded["answer_digests"]) >= 3
+    assert reloaded["answer_digests"] == plain["answer_digests"]
     after_reloads = reloaded["samples"][1:]
     assert len({fds for _, _, fds in after_reloads}) == 1, after_reloads
     first, last = after_reloads[0][1], after_reloads[-1][1]

@@ -1,0 +1,90 @@
+"""What a long run keeps resident: the embedding rows it read from the model file are dropped again
+(host_memory.release_row_pages), and loading a session leaves no second store's worth of freed heap
+behind (ChatSession.load trims the heap). RSS is read from /proc (Linux); elsewhere these skip."""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+import ringllm
+from ringllm.runtime.host_memory import FAULT_AROUND_BYTES, release_row_pages, trim_heap
+from ringllm.session import ChatSession
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_DONTNEED"),
+                                reason="needs Linux's /proc/self/smaps and madvise")
+
+
+def _mapping_rss_kb(address: int) -> int:
+    """Resident kB of the mapping of this process that contains `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+def _anon_rss_mb() -> float:
+    """Resident MB of anonymous memory: the heap's (RssAnon) and the KV stores' own mappings (RssShmem:
+    host_memory.lazy_zeros maps them shared)."""
+    with open("/proc/self/status") as fh:
+        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in fh if line.startswith(("RssAnon", "RssShmem")))}
+    return (kb["RssAnon"] + kb["RssShmem"]) / 1024
+
+
+def test_release_row_pages_drops_the_rows_fault_around_windows_and_the_data_reads_back(tmp_path):
+    rows, row_bytes = 512, 4096 + 96           # rows straddle pages and windows
+    data = np.random.default_rng(0).integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+    path = tmp_path / "table.bin"
+    data.tofile(path)
+    table = np.memmap(path, np.uint8, mode="r", shape=(rows, row_bytes))
+    picked = np.array([3, 4, 200, 511, 200])
+    assert np.array_equal(table[picked], data[picked])          # faults the rows (and their windows) in
+    before = _mapping_rss_kb(table.ctypes.data)
+    assert before >= 16
+    released = release_row_pages(table, picked)
+    windows = {(int(r) * row_bytes + o) // FAULT_AROUND_BYTES for r in picked for o in (0, row_bytes - 1)}
+    assert released == sum(min(table.nbytes, (w + 1) * FAULT_AROUND_BYTES) - w * FAULT_AROUND_BYTES for w in windows)
+    assert _mapping_rss_kb(table.ctypes.data) == 0
+    assert np.array_equal(table[picked], data[picked])          # read back from the page cache
+
+
+def test_release_row_pages_leaves_arrays_that_are_not_file_mappings_alone():
+    a = np.ones((64, 4096), np.uint8)
+    assert release_row_pages(a, [1, 2]) == 0
+    assert release_row_pages(a[:, ::2], [1]) == 0
+    assert a.all()
+
+
+def test_embedding_lookups_keep_no_table_pages_resident(smollm2_path):
+    llm = ringllm.LLM(smollm2_path, n_threads=1, progress=False)
+    engine = llm.engine
+    embd = engine.embd.data
+    ids = np.arange(0, embd.shape[0], 97)                       # 500 distinct tokens over the whole table
+    for part in np.array_split(ids, 10):
+        engine._embed(engine.buf.view(len(part)), part)
+    assert _mapping_rss_kb(embd.ctypes.data) * 1024 <= 2 * FAULT_AROUND_BYTES
+    out = llm.complete("The quick brown fox jumps over the lazy dog", max_tokens=4, temperature=0.0)
+    assert out.text and _mapping_rss_kb(embd.ctypes.data) * 1024 <= 2 * FAULT_AROUND_BYTES
+
+
+def test_loading_a_session_holds_one_store_not_the_file_temporaries_as_well(smollm2_path, tmp_path):
+    llm = ringllm.LLM(smollm2_path, n_threads=1, progress=False)
+    session = llm.chat_session(kv=ringllm.KVConfig(capacity=512, policy="streaming"), seed=0)
+    session.send("Tell me about the weather in spring, in a few sentences. " * 60, stream=False, max_tokens=8,
+                 temperature=0.0, ignore_eos=True)
+    store_mb = session.kv_stats()["bytes"] / 2 ** 20
+    path = session.save(tmp_path / "a.session")
+    trim_heap()                                   # no free heap left for the load to reuse
+    before = _anon_rss_mb()
+    loaded = ChatSession.load(llm, path)          # both stores alive now
+    grown = _anon_rss_mb() - before
+    assert grown <= store_mb * 1.25 + 4, (grown, store_mb)
+    assert loaded.n_fed == session.n_fed
