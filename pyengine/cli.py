@@ -19,7 +19,8 @@ KV options: --kv-policy (any of KVConfig's policies), --kv-capacity C, --kv-sink
 --kv-ada-floor, --kv-gvote-p, --kv-gvote-samples, --kv-rkv-lambda, --kv-seed, --kv-update.
 Prompt compression after prefill: --kv-compress PRESS (snapkv, pyramidkv, adakv, gvote, tova, knorm,
 streaming, random) with --kv-compress-budget B or --kv-compress-ratio R (gvote: neither),
---kv-compress-window W, --kv-compress-pool K, --kv-max-prompt N.
+--kv-compress-window W, --kv-compress-pool K, --kv-max-prompt N, --kv-compress-overflow error|stream
+(a prompt past N: an error, or streamed through --kv-policy streaming uncompressed).
 Sampling: --temp (0 = greedy, the default), --top-k, --top-p, --min-p, --repeat-penalty,
 --frequency-penalty, --presence-penalty, --seed, --stop (repeatable), --ignore-eos.
 `--engine reference` runs the NumPy reference engine (the oracle; slow); `--engine cuda` the GPU backend.
@@ -40,7 +41,7 @@ from dataclasses import fields
 
 from ringllm.backends import make_engine
 from ringllm.runtime.errors import ConfigError, RingLLMError
-from ringllm.runtime.kv_config import POLICIES, POSITION_MODES, PRESSES, UPDATE_MODES, KVConfig
+from ringllm.runtime.kv_config import COMPRESS_OVERFLOW, POLICIES, POSITION_MODES, PRESSES, UPDATE_MODES, KVConfig
 from ringllm.runtime.kv_types import KV_TYPES
 from ringllm.sampling import SamplingParams
 
@@ -568,6 +569,10 @@ def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
             g.add_argument(f"--cache-type-{which}", opt, dest="kv_" + f.name, choices=KV_TYPES, default=None,
                            help=f"how the KV store holds {'keys' if which == 'k' else 'values'}: f32 (default), "
                                 "f16, q8_0 or q4_0 (llama.cpp's blocks of 32, quantized once as written)")
+        elif f.name == "compress_overflow":
+            g.add_argument(opt, dest="kv_compress_overflow", choices=COMPRESS_OVERFLOW, default=None,
+                           help="a prompt too long to compress (past --kv-max-prompt): error (default) or stream "
+                                "it through the decode-time policy (--kv-policy streaming)")
         elif f.name == "compress":
             g.add_argument(opt, dest="kv_compress", choices=PRESSES, default=None,
                            help="compress the prompt after prefill with this press (with --kv-compress-budget B or "

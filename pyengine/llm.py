@@ -355,6 +355,8 @@ class LLM:
         sampler = self._sampler(params, seed)
         kv = kv or self.kv
         compress = None
+        if kv.compress is not None and store is None and self.streams_prompt(len(ids), kv):
+            kv = kv.decode_config(kv.capacity)      # too long to compress: through the decode-time policy
         if kv.compress is not None:          # prefill whole, press, release (runtime/compress.py)
             if store is not None:
                 raise ConfigError("a compressing KVConfig prefills the whole prompt into a store of its own; it "
@@ -388,7 +390,8 @@ class LLM:
     def check_prompt(self, n: int, kv: KVConfig, held: int = 0) -> None:
         """ConfigError before anything runs when a compressing call cannot take an n-token prompt:
         past KVConfig.max_prompt (default the model's context), past the context with what the
-        store holds (`held`), or on a backend without compression."""
+        store holds (`held`), or on a backend without compression. (Past those limits a KVConfig with
+        compress_overflow "stream" does not call this: streams_prompt.)"""
         if self.backend not in ("cpu", "reference"):
             raise ConfigError(f"prompt compression runs on the cpu and reference backends, not {self.backend!r}")
         limit = kv.max_prompt or self.n_ctx
@@ -398,6 +401,14 @@ class LLM:
         if held + n > self.n_ctx:
             raise ConfigError(f"{held + n} tokens (held and new) exceed the model's context {self.n_ctx}: a "
                               "compressing prefill holds the whole prompt first")
+
+    def streams_prompt(self, n: int, kv: KVConfig, held: int = 0) -> bool:
+        """True when an n-token prompt (after `held` tokens a store holds) is past what a compressing
+        call takes (check_prompt) and KVConfig.compress_overflow is "stream": it then goes through the
+        decode-time policy uncompressed instead of failing."""
+        if kv.compress is None or kv.compress_overflow != "stream":
+            return False
+        return n > (kv.max_prompt or self.n_ctx) or held + n > self.n_ctx
 
     def compress_prefill(self, ids: Sequence[int], kv: KVConfig, room: int, prior=None):
         """Prefill ids after `prior` (a store, or None: a fresh one) and compress them with kv's press

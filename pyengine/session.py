@@ -214,10 +214,7 @@ class ChatSession:
             delta = self._turn_delta(user)
             ids = list(self.pending) + llm.tokenizer.encode(delta, add_bos=False, parse_special=True)
             store = self.store
-        if self.kv.compress is None:
-            check_room(store, llm.spec, len(ids))
-        else:
-            llm.check_prompt(len(ids), self.kv, self._held())
+        store = self._check_turn(ids, store)
 
         def commit(gen: Record) -> None:
             self.messages = self.messages + [user, {"role": "assistant", "content": gen.text}]
@@ -244,10 +241,7 @@ class ChatSession:
         if constraint is not None and other["ignore_eos"]:
             raise ConfigError("ignore_eos cannot be combined with the answer's constraint")
         ids = list(self.pending)
-        if self.kv.compress is None:
-            check_room(self.store, self.llm.spec, len(ids))
-        else:
-            self.llm.check_prompt(len(ids), self.kv, self._held())
+        self._check_turn(ids, self.store)
 
         def commit(gen: Record) -> None:
             last = dict(self.messages[-1])
@@ -262,10 +256,26 @@ class ChatSession:
             return 0
         return int(self.store.n_seen) - int(getattr(self.store, "released", 0))
 
-    def _compressor(self, store, max_tokens):
-        """With KVConfig.compress: the Decoder's compress callable for a turn after `store` (each turn's
-        new tokens are pressed on their own; the earlier turns stay as they were kept), else None."""
-        if self.kv.compress is None:
+    def _check_turn(self, ids: list[int], store):
+        """The store a turn of `ids` is prefilled into (`store`; for a first turn too long to compress,
+        with compress_overflow "stream", a new store of the decode-time policy), after the checks that
+        raise ConfigError before anything runs."""
+        llm, kv = self.llm, self.kv
+        if kv.compress is not None and llm.streams_prompt(len(ids), kv, self._held()):
+            if store is None:                # it streams through the decode-time policy (KVConfig)
+                store = llm.engine.new_store(kv.decode_config(kv.capacity))
+        elif kv.compress is not None:
+            llm.check_prompt(len(ids), kv, self._held())
+            return store
+        check_room(store, llm.spec, len(ids))
+        return store
+
+    def _compressor(self, store, ids: list[int], max_tokens):
+        """With KVConfig.compress: the Decoder's compress callable for a turn of `ids` after `store`
+        (each turn's new tokens are pressed on their own; the earlier turns stay as they were kept),
+        else None; None too for a turn that streams through the decode-time policy instead
+        (KVConfig.compress_overflow)."""
+        if self.kv.compress is None or self.llm.streams_prompt(len(ids), self.kv, self._held()):
             return None
         llm, kv = self.llm, self.kv
         held = self._held()
@@ -289,7 +299,7 @@ class ChatSession:
         gen.constraint = constraint
 
         dec = Decoder(llm, gen, store, ids, self.tokens + ids, sampler, other["max_tokens"], stopper,
-                      other["ignore_eos"], compress=self._compressor(store, other["max_tokens"]))
+                      other["ignore_eos"], compress=self._compressor(store, ids, other["max_tokens"]))
 
         def body():
             with llm.engine_lock():

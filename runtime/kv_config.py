@@ -32,6 +32,8 @@ UPDATE_MODES = ("inplace", "shift")
 # compressed store can continue with (the ring policies: their slots need no per-token policy state)
 PRESSES = ("snapkv", "pyramidkv", "adakv", "gvote", "tova", "knorm", "streaming", "random")
 COMPRESS_DECODE_POLICIES = ("full", "streaming")
+# what a compressing call does with a prompt longer than it takes (KVConfig.compress_overflow)
+COMPRESS_OVERFLOW = ("error", "stream")
 
 
 @dataclass
@@ -80,7 +82,11 @@ class KVConfig:
     compress_pool: average-pooling kernel over neighbouring tokens of snapkv/pyramidkv/adakv scores
         (odd, >= 1; kvpress's 5).
     max_prompt: longest prompt a compressing call prefills (None: the model's context); a longer one
-        is a ConfigError at the call.
+        is a ConfigError at the call, unless compress_overflow says otherwise.
+    compress_overflow: what a prompt (or chat turn) too long to compress does: "error" (a ConfigError at
+        the call, the default) or "stream" (it goes through the decode-time policy uncompressed, token
+        by token as any prompt of a streaming store does: the store stays at its capacity, and what it
+        evicts is the policy's choice, not the press's). "stream" needs policy streaming.
     """
 
     capacity: int | None = None
@@ -108,6 +114,7 @@ class KVConfig:
     compress_window: int = 64
     compress_pool: int = 5
     max_prompt: int | None = None
+    compress_overflow: str = "error"
     k_type: str = "f32"
     v_type: str = "f32"
 
@@ -161,9 +168,13 @@ class KVConfig:
     def _validate_compress(self, need) -> None:
         """The prompt-compression fields (class docstring): a press by name, its budget, the decode-time
         policies a compressed store supports."""
+        need(self.compress_overflow in COMPRESS_OVERFLOW,
+             f"compress_overflow {self.compress_overflow!r} unknown; valid: {', '.join(COMPRESS_OVERFLOW)}")
         if self.compress is None:
             for name in ("compress_budget", "compress_ratio", "max_prompt"):
                 need(getattr(self, name) is None, f"{name} needs a press: set compress to one of {', '.join(PRESSES)}")
+            need(self.compress_overflow == "error", "compress_overflow needs a press: set compress to one of "
+                 f"{', '.join(PRESSES)}")
             return
         need(self.compress in PRESSES, f"compress {self.compress!r} unknown; valid: {', '.join(PRESSES)}")
         need(self.policy in COMPRESS_DECODE_POLICIES and not self.staged,
@@ -171,6 +182,9 @@ class KVConfig:
              f"eviction); got policy {self.policy!r}: the other policies keep per-token state the press does not "
              "have for the kept tokens")
         need(self.update == "inplace", "compress needs update 'inplace'")
+        need(self.compress_overflow == "error" or self.policy == "streaming",
+             "compress_overflow 'stream' sends a prompt too long to compress through the decode-time policy, "
+             f"which must evict: policy 'streaming', not {self.policy!r}")
         budget, ratio = self.compress_budget, self.compress_ratio
         if self.compress == "gvote":
             need(budget is None and ratio is None, "gvote chooses its own budget: give neither compress_budget nor "
@@ -190,7 +204,7 @@ class KVConfig:
         """The KVConfig of the store a compressed prompt decodes in: this one's decode-time policy at
         `capacity` slots (the kept tokens plus the room), without the compression fields."""
         return replace(self, capacity=capacity, compress=None, compress_budget=None, compress_ratio=None,
-                       max_prompt=None)
+                       max_prompt=None, compress_overflow="error")
 
     # -----------------------------------------------------------------------------------------
 

@@ -209,6 +209,9 @@ def test_budget_over_the_prompt_keeps_everything(tiny):
     (dict(compress="snapkv", compress_ratio=0.5, policy="h2o", capacity=64), "decodes under policy full or streaming"),
     (dict(max_prompt=100), "needs a press"),
     (dict(compress_ratio=0.5), "needs a press"),
+    (dict(compress_overflow="stream", policy="streaming", capacity=64), "compress_overflow needs a press"),
+    (dict(compress="snapkv", compress_ratio=0.5, compress_overflow="stream"), "which must evict: policy 'streaming'"),
+    (dict(compress="snapkv", compress_ratio=0.5, compress_overflow="truncate"), "compress_overflow 'truncate' unknown"),
 ])
 def test_bad_configs_are_refused(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -269,6 +272,44 @@ def test_chat_session_compresses_each_turn_and_saves(smol, tmp_path):
     a = s.send("Thanks.", max_tokens=4, stream=False).tokens
     b = loaded.send("Thanks.", max_tokens=4, stream=False).tokens
     assert a == b
+
+
+OVERFLOW_KV = dict(policy="streaming", capacity=96, compress="snapkv", compress_ratio=0.3, compress_window=16,
+                   max_prompt=200)
+
+
+def test_over_long_prompt_streams_through_the_decode_policy_on_request(smollm2_path):
+    """compress_overflow "stream": a prompt past max_prompt runs as it would with no press at all (the
+    same store, the same tokens as plain streaming), a prompt within it is still pressed."""
+    llm = ringllm.LLM(smollm2_path, n_threads=1, progress=False,
+                      kv=KVConfig(compress_overflow="stream", **OVERFLOW_KV))
+    plain = ringllm.LLM(smollm2_path, n_threads=1, progress=False, kv=KVConfig(policy="streaming", capacity=96))
+    long_prompt = story(400) + "\nAnswer:"
+    out = llm.complete(long_prompt, max_tokens=6, ignore_eos=True)
+    assert out.prompt_tokens > 200
+    st = llm.kv_stats()
+    assert "press" not in st and st["capacity"] == 96 and st["length"] == 96 and st["evicted_total"] > 0
+    assert out.tokens == plain.complete(long_prompt, max_tokens=6, ignore_eos=True).tokens
+    llm.complete(story(100) + "\nAnswer:", max_tokens=2)
+    assert llm.kv_stats()["press"] == "snapkv"
+    with pytest.raises(ConfigError, match="more than max_prompt 200"):
+        ringllm.LLM(smollm2_path, n_threads=1, progress=False, kv=KVConfig(**OVERFLOW_KV)).complete(long_prompt)
+
+
+def test_chat_turn_too_long_to_compress_streams_and_the_next_is_pressed(smollm2_path, tmp_path):
+    llm = ringllm.LLM(smollm2_path, n_threads=1, progress=False,
+                      kv=KVConfig(compress_overflow="stream", **OVERFLOW_KV))
+    s = llm.chat_session()
+    s.send(story(400) + "\nWho is speaking?", max_tokens=4, stream=False)
+    first = s.kv_stats()
+    assert "press" not in first and first["length"] <= 96
+    s.send("And then? " + story(60), max_tokens=4, stream=False)
+    second = s.kv_stats()
+    assert second["press"] == "snapkv" and second["tokens_seen"] == len(s.tokens)
+    s.send(story(300)[-1500:] + " Go on.", max_tokens=4, stream=False)      # long again: streams
+    loaded = type(s).load(llm, s.save(tmp_path / "o.session"))
+    assert s.send("Thanks.", max_tokens=4, stream=False).tokens == loaded.send("Thanks.", max_tokens=4,
+                                                                              stream=False).tokens
 
 
 def test_cli_generate_with_compression(smollm2_path):

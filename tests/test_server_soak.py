@@ -1,0 +1,28 @@
+"""Short form of bench/server_soak.py: a real `ringllm serve` on the bundled SmolLM2 takes 6,000
+tokens of streamed greedy chat from 8 clients, 30% of whose requests hang up mid-stream. The server
+is up at the end, every request that stayed got its whole answer (finish_reason, usage, [DONE],
+max_tokens tokens), and RSS after the first tenth of the tokens grows by no more than the prompt
+cache's budget plus 10% (the full-length run in bench/results/server_soak.md checks flatness)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from server_soak import soak_server  # noqa: E402
+
+CACHE_MB = 16
+
+
+def test_server_soak_short(smollm2_path):
+    args = argparse.Namespace(model=smollm2_path, tokens=6000, clients=8, disconnect=0.3, max_tokens="8,32",
+                              cache_mb=CACHE_MB, max_batch=8, sample_s=1.0, settle=0.1, seed=0, name="unused")
+    res = soak_server(args)
+    print({k: v for k, v in res.items() if k != "rss_samples"})
+    assert res["health_at_end"] == 200
+    assert res["tokens"] >= 6000
+    assert res["incomplete"] == 0, res["incomplete_kinds"]
+    assert res["completed"] >= 10 and res["disconnects"] >= 3
+    assert res["rss_last_mib"] <= res["rss_settled_mib"] * 1.10 + CACHE_MB, res["rss_samples"]
+    assert res["rss_max_mib"] <= res["rss_settled_mib"] * 1.25 + CACHE_MB, res["rss_samples"]
