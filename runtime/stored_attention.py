@@ -164,7 +164,9 @@ def _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_
     off = seq_l[h, j0] - pos_l[h, j0]
     ang = work[2, u, _ANG]
     if have >= 0 and have_off == off:
-        ang[:rotary_dim] = work[2, have, _ANG, :rotary_dim]
+        src = work[2, have, _ANG]
+        for i in range(rotary_dim):            # a loop, not a slice copy: no shape check to compile
+            ang[i] = src[i]
     else:
         angles_at(ang[:half], ang[half:rotary_dim], q_pos + off, inv_freq, inv_scale)
         have = u
@@ -229,7 +231,8 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
         when mass.shape[0] > 0, else untouched.
     """
     group = q.shape[0] // k_l.shape[0]
-    u, have, have_off = 0, -1, np.int64(0)
+    # int64 from the start: a counter starting as a literal 0 makes Numba compile _unit twice
+    u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
     for h in range(k_l.shape[0]):                  # nothing allocated: a batched step calls this per sequence
         for j0 in range(0, count_l[h], UNIT_SLOTS):
             off, have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim,
@@ -252,7 +255,7 @@ def attend_stored_parallel(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_f
     uh = np.empty(n_units, np.int64)
     uj = np.empty(n_units, np.int64)
     offs = np.empty(n_units, np.int64)
-    u, have, have_off = 0, -1, np.int64(0)
+    u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
     for h in range(k_l.shape[0]):
         for j0 in range(0, count_l[h], UNIT_SLOTS):
             uh[u], uj[u] = h, j0
