@@ -561,6 +561,16 @@ def test_unsafe_template_stopped_while_running(template):
         render_chat(template, [{"role": "user", "content": "x"}])
 
 
+def test_string_doubling_through_tilde_is_stopped_by_its_size_not_the_clock():
+    """The atheris long run's find (tests/fuzz/corpus/chat_template/crash-memory-tilde-doubling): `~`
+    joined str() of a namespace holding the last string, doubling it each loop, 1.7 GB before the 2 s
+    bound stopped it. `~` is bounded like `+` now."""
+    doubling = "{% set ns = namespace(s='xx') %}{% for i in range(65) %}{% set ns.s = ns,s ~ ns.s %}{% endfor %}"
+    with pytest.raises(ConfigError, match=r"concatenation \(~\) longer than"):
+        render_chat(doubling, [{"role": "user", "content": "x"}])
+    assert render_chat("{{ 'a' ~ 1 ~ none ~ messages[0].content }}", [{"role": "user", "content": "x"}]) == "a1Nonex"
+
+
 def test_bad_templates():
     with pytest.raises(ConfigError, match="not valid Jinja"):
         render_chat("{% for m in messages %}", [{"role": "user", "content": "x"}])

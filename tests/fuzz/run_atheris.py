@@ -2,6 +2,7 @@
 
     python tests/fuzz/run_atheris.py gguf -max_total_time=600 /tmp/gguf-new tests/fuzz/corpus/gguf
     python tests/fuzz/run_atheris.py chat_template -runs=1000 -timeout=10 tests/fuzz/corpus/chat_template
+    python tests/fuzz/run_atheris.py gguf -merge=1 tests/fuzz/corpus/gguf /tmp/gguf-new    # keep what adds coverage
 
 The functions of the modules the target exercises (MODULES) are instrumented, so libFuzzer
 sees their branch coverage; the Numba kernels are not (their bytecode must stay as written). Give a scratch folder first and the committed corpus second: libFuzzer writes new inputs
@@ -56,7 +57,11 @@ def _instrument_module(mod) -> None:
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    name, argv = sys.argv[1], [sys.argv[0]] + sys.argv[2:]
+    # argv[0] is what libFuzzer's -merge=1 and -fork=N run again through the shell (its words joined
+    # by spaces): this interpreter, this file and the target, so those modes work without an
+    # executable script
+    name = sys.argv[1]
+    argv = [f"{sys.executable} {os.path.abspath(__file__)} {name}"] + sys.argv[2:]
     if "jinja2" in MODULES[name]:
         with atheris.instrument_imports(include=["jinja2"]):     # whole package, before ringllm imports it
             import jinja2  # noqa: F401
