@@ -13,9 +13,11 @@ streamed tokens only) have gone through; the requests in flight then finish.
 
 Checked and reported:
   - the server stays up: /health answers 200 at the end, and the server process is still running;
-  - every client that stays gets a complete answer: its stream ends with a finish_reason, a usage
-    chunk and `data: [DONE]`, and with ignore_eos it has exactly max_tokens completion tokens, each
-    streamed as a chunk (any other ending is counted as incomplete, with its kind);
+  - every client that stays gets a complete answer: its stream ends with finish_reason "length", a
+    usage chunk and `data: [DONE]`, and with ignore_eos usage counts exactly max_tokens completion
+    tokens, streamed in 1 to max_tokens content chunks (fewer chunks than tokens is allowed: a
+    token that ends inside a UTF-8 character is sent with the next, and a lagging stream gets its
+    tokens coalesced; such answers are counted); any other ending is counted as incomplete, by kind;
   - memory stays flat: the server's RSS (process_resident_memory_bytes from /metrics, every
     --sample-s seconds) against the tokens through so far; "flat" compares the last sample with the
     first one taken after --settle of the tokens (the prompt cache fills up to its --cache-mb budget
@@ -47,6 +49,7 @@ class Soak:
     def __init__(self, goal: int):
         self.goal, self.tokens = goal, 0
         self.completed = self.disconnects = 0
+        self.merged = 0       # complete answers with fewer chunks than tokens (held-back UTF-8 bytes, coalescing)
         self.incomplete: dict[str, int] = {}
         self.rss: list[tuple[float, int, float, float]] = []      # (seconds, tokens, RSS MiB, cache MiB)
 
@@ -89,10 +92,13 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, hang_up_a
         return
     if not done or finish is None or usage is None:
         soak.fail("stream ended early" if not done else "no finish_reason or usage")
-    elif usage["completion_tokens"] != body["max_tokens"] or chunks != body["max_tokens"]:
-        soak.fail("short answer")
+    elif usage["completion_tokens"] != body["max_tokens"] or finish != "length":
+        soak.fail(f"{usage['completion_tokens']} of {body['max_tokens']} tokens, finish_reason {finish}")
+    elif not 1 <= chunks <= body["max_tokens"]:
+        soak.fail(f"{chunks} content chunks for {body['max_tokens']} tokens")
     else:
         soak.completed += 1
+        soak.merged += chunks < body["max_tokens"]
     if usage:
         soak.tokens += usage["prompt_tokens"] + usage["completion_tokens"]
 
@@ -147,11 +153,14 @@ def soak_server(args) -> dict:
         health = httpx.get(url + "/health", timeout=30).status_code
     settled = [s for s in soak.rss if s[1] >= args.settle * args.tokens] or soak.rss[-1:]
     first, last = settled[0], soak.rss[-1]
+    halves = settled[:len(settled) // 2] or settled, settled[len(settled) // 2:]
     return {"machine": machine(), "args": vars(args), "wall_s": round(time.perf_counter() - t0, 1),
             "tokens": soak.tokens, "completed": soak.completed, "disconnects": soak.disconnects,
             "incomplete": sum(soak.incomplete.values()), "incomplete_kinds": soak.incomplete,
             "health_at_end": health, "rss_settled_mib": round(first[2], 1), "rss_last_mib": round(last[2], 1),
             "rss_max_mib": round(max(s[2] for s in soak.rss), 1),
+            "rss_max_settled_halves_mib": [round(max(s[2] for s in h), 1) for h in halves],
+            "complete_with_merged_chunks": soak.merged,
             "rss_growth": round(last[2] / first[2] - 1, 4),
             "rss_samples": [(t, n, round(r, 1), round(c, 1)) for t, n, r, c in soak.rss]}
 
@@ -193,11 +202,13 @@ def main() -> int:
           f"8-400 tokens); {args.disconnect:.0%} of them hang up mid-stream. Server --max-batch {args.max_batch}, "
           f"--cache-mb {args.cache_mb}; the clients share the server's cores.\n",
           "| server up at the end | complete answers | incomplete answers | hung up | RSS settled -> last (MiB) | "
-          "growth | RSS max (MiB) |", "|---|---|---|---|---|---|---|",
+          "RSS max, first / second half after settling (MiB) |", "|---|---|---|---|---|---|",
           f"| {res['health_at_end'] == 200} | {res['completed']} | {res['incomplete']} {res['incomplete_kinds'] or ''} | "
-          f"{res['disconnects']} | {res['rss_settled_mib']} -> {res['rss_last_mib']} | {res['rss_growth']:+.2%} | "
-          f"{res['rss_max_mib']} |",
-          f"\nSettled: the first sample after {args.settle:.0%} of the tokens.\n",
+          f"{res['disconnects']} | {res['rss_settled_mib']} -> {res['rss_last_mib']} | "
+          f"{' / '.join(str(v) for v in res['rss_max_settled_halves_mib'])} |",
+          f"\nSettled: the samples after {args.settle:.0%} of the tokens (the prompt cache fills to its budget "
+          "first). The last sample is taken when every client is done, the others while 8 streams run. "
+          f"{res['complete_with_merged_chunks']} complete answers came in fewer chunks than tokens.\n",
           f"![RSS against tokens]({args.name}.png)\n"]
     write_results(args.name, {"command": cmdline, **res}, "\n".join(md))
     plot(res, os.path.join(RESULTS, args.name + ".png"))
