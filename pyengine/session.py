@@ -261,12 +261,12 @@ class ChatSession:
         with compress_overflow "stream", a new store of the decode-time policy), after the checks that
         raise ConfigError before anything runs."""
         llm, kv = self.llm, self.kv
-        if kv.compress is not None and llm.streams_prompt(len(ids), kv, self._held()):
-            if store is None:                # it streams through the decode-time policy (KVConfig)
+        if kv.compress is not None:
+            if not llm.streams_prompt(len(ids), kv, self._held()):
+                llm.check_prompt(len(ids), kv, self._held())
+                return store
+            if store is None:                # streams through the decode-time policy (KVConfig)
                 store = llm.engine.new_store(kv.decode_config(kv.capacity))
-        elif kv.compress is not None:
-            llm.check_prompt(len(ids), kv, self._held())
-            return store
         check_room(store, llm.spec, len(ids))
         return store
 

@@ -100,15 +100,27 @@ def release_array_pages(arrays) -> int:
         m = _file_mapping(a) if isinstance(a, np.ndarray) and a.flags.c_contiguous and a.size else None
         if m is None:
             continue
-        try:
-            start = a.ctypes.data - np.frombuffer(m, np.uint8).ctypes.data   # byte offset in the mapping
-            lo, hi = start // page * page, min(len(m), -(-(start + a.nbytes) // page) * page)
-            if 0 <= lo < hi:
-                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-                total += hi - lo
-        except (OSError, ValueError):       # a closed mapping, or a kernel that refuses: nothing to release
-            pass
+        start = _offset_in(m, a)
+        total += _drop(m, start // page * page, -(-(start + a.nbytes) // page) * page)
     return total
+
+
+def _offset_in(m: mmap.mmap, a: np.ndarray) -> int:
+    """Byte offset of array a's first element in mapping m."""
+    return a.ctypes.data - np.frombuffer(m, np.uint8).ctypes.data
+
+
+def _drop(m: mmap.mmap, lo: int, hi: int) -> int:
+    """MADV_DONTNEED on bytes [lo, min(hi, len(m))) of m (page-aligned lo); returns the bytes advised,
+    0 for an empty range, a closed mapping or a kernel that refuses."""
+    hi = min(len(m), hi)
+    if not 0 <= lo < hi:
+        return 0
+    try:
+        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (OSError, ValueError):
+        return 0
+    return hi - lo
 
 
 FAULT_AROUND_BYTES = 1 << 16    # Linux's default fault_around_bytes: what one read fault of a file mapping maps
@@ -129,20 +141,14 @@ def release_row_pages(a: np.ndarray, rows) -> int:
     if m is None:
         return 0
     span, rb = max(mmap.PAGESIZE, FAULT_AROUND_BYTES), a.nbytes // a.shape[0]
-    start = a.ctypes.data - np.frombuffer(m, np.uint8).ctypes.data
-    first = np.unique(np.asarray(rows, np.int64)) * rb + start
+    first = np.unique(np.asarray(rows, np.int64)) * rb + _offset_in(m, a)
     lo, hi = first // span * span, -(-(first + rb) // span) * span
     total, i = 0, 0
     while i < len(lo):                  # runs of touching page ranges: one madvise each
         j = i
         while j + 1 < len(lo) and lo[j + 1] <= hi[j]:
             j += 1
-        a0, a1 = int(lo[i]), min(len(m), int(hi[j]))
-        try:
-            m.madvise(mmap.MADV_DONTNEED, a0, a1 - a0)
-            total += a1 - a0
-        except (OSError, ValueError):   # a closed mapping, or a kernel that refuses: nothing to release
-            return total
+        total += _drop(m, int(lo[i]), int(hi[j]))
         i = j + 1
     return total
 
