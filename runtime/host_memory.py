@@ -123,7 +123,25 @@ def _drop(m: mmap.mmap, lo: int, hi: int) -> int:
     return hi - lo
 
 
-FAULT_AROUND_BYTES = 1 << 16    # Linux's default fault_around_bytes: what one read fault of a file mapping maps
+def _page_table_span() -> int:
+    """Bytes of address space one last-level page table maps (the kernel's PMD_SIZE: 2 MiB with 4 KiB
+    pages), from /sys where the kernel has transparent huge pages, else worked out: a page table is one
+    page of 8-byte entries."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return mmap.PAGESIZE * (mmap.PAGESIZE // 8)
+
+
+# The most one read fault of a file mapping maps: the aligned span of address space one page table
+# covers, around the faulting address. Fault-around maps the page cache's pages of an aligned
+# fault_around_bytes window (64 KiB by default, tunable up to this span); kernels with large folios
+# in the page cache (xfs, tmpfs, ext4 since 6.16) map the whole folio a fault lands in (measured on
+# Linux 6.18, ext4: 256 KiB and 2 MiB for one fault in a file that had been written or read() into
+# the cache); a PMD-mapped huge page is this span. Each of these stops at the page table, so no
+# fault maps a page outside this span.
+FAULT_SPAN_BYTES = max(mmap.PAGESIZE, _page_table_span())
 
 
 def release_row_pages(a: np.ndarray, rows) -> int:
@@ -132,25 +150,26 @@ def release_row_pages(a: np.ndarray, rows) -> int:
     done); rows: the row indices read. Without this the lookup's pages stay in the RSS after
     release_file_pages dropped the file: one page per distinct token ever seen, so a long run's RSS
     creeps up with its vocabulary until the whole table is resident. Dropped here, a row costs one
-    minor fault from the page cache the next time it is read. The kernel's fault-around maps the
-    whole aligned FAULT_AROUND_BYTES window of a faulting page (the pages of it in the page cache),
-    so that window is what is dropped, not just the row's own pages. Returns the bytes advised."""
+    minor fault from the page cache the next time it is read. A fault maps more than the row's own
+    pages (a fault-around window or a whole large folio, depending on the kernel and on how the file
+    came into the page cache), but never outside the aligned FAULT_SPAN_BYTES of address space
+    around the row, so that span, clipped to the mapping, is what is dropped (a page table's walk in
+    the kernel, about as cheap as dropping 64 KiB). Returns the bytes advised."""
     if not hasattr(mmap, "MADV_DONTNEED") or a.ndim != 2 or not a.flags.c_contiguous or not a.size:
         return 0
     m = _file_mapping(a)
     if m is None:
         return 0
-    span, rb = max(mmap.PAGESIZE, FAULT_AROUND_BYTES), a.nbytes // a.shape[0]
-    first = np.unique(np.asarray(rows, np.int64)) * rb + _offset_in(m, a)
-    lo, hi = first // span * span, -(-(first + rb) // span) * span
-    total, i = 0, 0
-    while i < len(lo):                  # runs of touching page ranges: one madvise each
-        j = i
-        while j + 1 < len(lo) and lo[j + 1] <= hi[j]:
-            j += 1
-        total += _drop(m, int(lo[i]), int(hi[j]))
-        i = j + 1
-    return total
+    span, rb, start = FAULT_SPAN_BYTES, a.nbytes // a.shape[0], a.ctypes.data
+    base = start - _offset_in(m, a)             # the mapping's first byte
+    runs = []                                   # [lo, hi): addresses of runs of touching spans, one madvise each
+    for r in sorted(set(np.asarray(rows, np.int64).ravel().tolist())):
+        lo, hi = (start + r * rb) // span * span, -(-(start + (r + 1) * rb) // span) * span
+        if runs and lo <= runs[-1][1]:
+            runs[-1][1] = hi
+        else:
+            runs.append([lo, hi])
+    return sum(_drop(m, max(0, lo - base), hi - base) for lo, hi in runs)
 
 
 def trim_heap() -> bool:
