@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from common import llama_cpp_last_logits, machine, write_results  # noqa: E402
 
-POLICIES = ("streaming", "h2o", "tova", "knorm", "lsh")
+POLICIES = ("streaming", "h2o", "tova", "knorm", "lsh", "scissorhands", "random")   # the device policies
 
 
 def decode_bytes(m) -> int:
@@ -86,12 +86,12 @@ def bench_gpu(m, n_tg: int, pps: list[int], repeats: int) -> dict:
     return out
 
 
-def bench_stream(m, n_tokens: int, capacity: int) -> dict:
+def bench_stream(m, n_tokens: int, capacity: int, policies=POLICIES) -> dict:
     from ringllm.native import CUDAEngine
 
     eng = CUDAEngine(m.spec, m.tensors, cuda_graph=True)
     out = {}
-    for policy in POLICIES:
+    for policy in policies:
         print(f"stream {policy} capacity {capacity}: {n_tokens} tokens", flush=True)
         st = eng.new_store(capacity=capacity, policy=policy)
         eng.prefill([1, 2, 3, 4], st)
@@ -106,6 +106,31 @@ def bench_stream(m, n_tokens: int, capacity: int) -> dict:
                        "first_p99_ms": float(np.percentile(first, 99)), "last_p50_ms": float(np.median(last)),
                        "last_p99_ms": float(np.percentile(last, 99)), "evicted": st.stats()["evicted_total"]}
     return out
+
+
+def copy_bandwidth_gb_s(n_bytes: int = 2 << 30, repeats: int = 10) -> float | None:
+    """The card's achievable bandwidth: a device-to-device copy of n_bytes through PyTorch, bytes read
+    plus bytes written over the median time (None without a CUDA build of torch)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 2:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n_bytes / float(np.median(times)) / 1e9
 
 
 def bench_cpu(m, n_tg: int) -> float:
@@ -172,6 +197,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream", type=int, default=50000, help="tokens per long-stream run (0 = skip)")
     ap.add_argument("--capacities", default="512,4096", help="store capacities of the long streams")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="policies of the long streams, comma-separated")
     ap.add_argument("--hf-stream", type=int, default=2000,
                     help="tokens of transformers' shift-and-append stream per capacity (0 = skip transformers)")
     ap.add_argument("--name", default="gpu_speed")
@@ -201,6 +227,8 @@ def main(argv=None) -> None:
     res = {"model": name, "gpu": gpu_name, "gpu_memory_gb": int(total[0]) / 1e9, "build": native.build_info(),
            "machine": machine(), "command": " ".join(sys.argv), "decode_bytes": decode_bytes(m), "tg": args.tg,
            "pp": pps}
+    res["copy_gb_s"] = copy_bandwidth_gb_s()
+    report("copy_gb_s", res["copy_gb_s"])
     res["gpu_engine"] = bench_gpu(m, args.tg, pps, args.repeats)
     report("gpu_engine", res["gpu_engine"])
     capacities = [int(c) for c in args.capacities.split(",")]
@@ -210,7 +238,7 @@ def main(argv=None) -> None:
     if args.stream:
         res["stream"] = {}
         for c in capacities:
-            res["stream"][str(c)] = bench_stream(m, args.stream, c)
+            res["stream"][str(c)] = bench_stream(m, args.stream, c, args.policies.split(","))
             report(f"stream {c}", res["stream"][str(c)])
     if not args.no_cpu:
         res["cpu_tg"] = bench_cpu(m, min(args.tg, 64))
@@ -222,6 +250,10 @@ def main(argv=None) -> None:
              "| mode | " + " | ".join(f"pp{n} tok/s" for n in pps) +
              " | tg tok/s (logits to host) | tg tok/s (token on device) | GB/s of weights (device tg) |",
              "|---|" + "---|" * len(pps) + "---|---|---|"]
+    if res["copy_gb_s"]:
+        lines[6:6] = [f"bandwidth limit: a device-to-device copy moves {res['copy_gb_s']:.0f} GB/s (read + write); "
+                      f"{res['decode_bytes'] / 1e6:.1f} MB of weights per token caps decode at "
+                      f"{res['copy_gb_s'] / gb:.0f} tok/s", ""]
     for mode, r in res["gpu_engine"].items():
         lines.append(f"| {mode} | " + " | ".join(f"{r['pp'][str(n)]:.0f}" for n in pps) +
                      f" | {r['tg_host_argmax']:.0f} | {r['tg_device_pick']:.0f} | {r['tg_device_pick'] * gb:.1f} |")

@@ -35,6 +35,8 @@ _LAYER_ROLES = {"attn_norm.weight": 4, "attn_norm.bias": 5, "attn_q.weight": 6, 
                 "ffn_norm.bias": 18, "ffn_gate.weight": 19, "ffn_gate.bias": 20, "ffn_up.weight": 21,
                 "ffn_up.bias": 22, "ffn_down.weight": 23, "ffn_down.bias": 24, "post_ffw_norm.weight": 25}
 _MATRIX_ROLES = {0, 1, 6, 8, 10, 12, 19, 21, 23}
+# prefill modes of the C API (rl_model_params.prefill_mode: RL_PREFILL_CHUNK, RL_PREFILL_TOKEN)
+_PREFILL_MODES = {"chunk": 1, "token": 2}
 
 
 # ==================================================================================================
@@ -66,8 +68,6 @@ class CUDAStore:
         if kv.policy not in DEVICE_POLICIES:
             raise ConfigError(f"policy {kv.policy!r} is not available on the cuda backend; available: "
                               f"{', '.join(DEVICE_POLICIES)} (use backend='cpu' for the others)")
-        if kv.update != "inplace":
-            raise ConfigError("update 'shift' (the shift-and-append benchmark baseline) exists on the CPU only")
         capacity, sinks = kv.capacity, kv.sinks
         if kv.policy == "full":
             if capacity is not None and not 1 <= capacity <= spec.n_ctx:
@@ -107,6 +107,8 @@ class CUDAStore:
         p.policy = DEVICE_POLICIES[kv.policy]
         p.reindexed = int(self.reindexed)
         p.recent, p.lazy, p.slack, p.max_drop, p.lsh_bits = self.recent, kv.lazy, kv.slack, kv.max_drop, kv.lsh_bits
+        p.history, p.seed = kv.history, kv.seed % 2 ** 64     # np.uint64(seed) on the CPU: two's complement
+        p.shift = int(kv.update == "shift")
         for name, a in arrays.items():
             setattr(p, name, c_ptr(ffi, "int *", a))
         p.lsh_proj = c_ptr(ffi, "float *", proj)
@@ -185,13 +187,22 @@ class CUDAEngine:
         n_batch: rows per prefill chunk (matrix-matrix kernels).
         device: CUDA device index.
         cuda_graph: replay decode steps (decode()) as a captured CUDA graph.
+        fused: fewer launches per layer (q/k/v in one matmul, the FFN activation, biases and residual
+            adds in the matmuls' epilogues); False runs one launch per operation, for comparison.
+            Logits are bit-identical either way.
+        prefill_mode: "chunk": a prefill chunk that fills a ring layer (full, streaming without
+            staging, a sliding window that fits) without evicting is written and attended in two
+            launches per layer (native/src/prefill.cu); "token": token by token everywhere (decode
+            semantics), for comparison; None (default): "chunk" unless the environment has
+            RINGLLM_CUDA_PREFILL=token (read when the engine is built). The modes differ only in the
+            order of float32 sums; decode steps and policy layers are token by token in both.
 
     Raises DeviceError when there is no usable GPU/driver or the library was built without CUDA,
     ConfigError on bad options or tensors (before anything is uploaded).
     """
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, QTensor], n_threads: int | None = None, n_batch: int = 64,
-                 device: int = 0, cuda_graph: bool = False):
+                 device: int = 0, cuda_graph: bool = False, fused: bool = True, prefill_mode: str | None = None):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ConfigError(f"n_threads must be a positive integer, got {n_threads!r}")
         if not isinstance(n_batch, int) or n_batch < 1:
@@ -200,6 +211,9 @@ class CUDAEngine:
             raise ConfigError(f"device must be a CUDA device index >= 0, got {device!r}")
         if not isinstance(spec, ModelSpec):
             raise ConfigError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+        if prefill_mode is not None and (not isinstance(prefill_mode, str) or prefill_mode not in _PREFILL_MODES):
+            raise ConfigError(f"prefill_mode must be one of {', '.join(map(repr, _PREFILL_MODES))} or None, "
+                              f"got {prefill_mode!r}")
         _refuse_features(spec)
         uploads = self._plan(spec, tensors)   # every check before the first device call
         self.spec, self.n_batch, self.device = spec, n_batch, device
@@ -212,6 +226,9 @@ class CUDAEngine:
         p.parallel_residual, p.tied_output = int(spec.parallel_residual), int(spec.tied_output)
         p.norm_eps, p.embed_scale, p.attn_scale = spec.norm_eps, spec.embed_scale, spec.attn_scale
         p.final_logit_softcap, p.n_batch, p.device = spec.final_logit_softcap, n_batch, device
+        if prefill_mode is not None:      # else 0: RL_PREFILL_DEFAULT
+            p.prefill_mode = _PREFILL_MODES[prefill_mode]
+        self.prefill_mode = prefill_mode
         out = ffi.new("rl_model **")
         check_status(lib.rl_model_init(out, p), "rl_model_init")
         self._model = ffi.gc(out[0], lib.rl_model_free)
@@ -229,6 +246,8 @@ class CUDAEngine:
         check_status(lib.rl_model_ready(self._model), "rl_model_ready")
         check_status(lib.rl_model_set_graph(self._model, int(bool(cuda_graph))), "rl_model_set_graph")
         self.cuda_graph = bool(cuda_graph)
+        check_status(lib.rl_model_set_fused(self._model, int(bool(fused))), "rl_model_set_fused")
+        self.fused = bool(fused)
         self._logits1 = np.zeros(spec.n_vocab, np.float32)
         self._tok = ffi.new("int32_t *")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringllm.native.cuda_lib import (ACTIVATIONS, DEVICE_KV_TYPES, NORM_KINDS, as_f32, as_i32, c_ptr, check_sampling,
-                                     check_status, ffi_lib, matrix_blocks)
+from ringllm.native.cuda_lib import (ACTIVATIONS, ATTEND_PATHS, DEVICE_KV_TYPES, NORM_KINDS, as_f32, as_i32, c_ptr,
+                                     check_sampling, check_status, ffi_lib, matrix_blocks)
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_types import STORE_DTYPE, check_kv_type, row_width
 from ringllm.runtime.qtensor import QTensor
@@ -115,13 +115,15 @@ class kernels:
 
     @staticmethod
     def attend(q, k, v, pos, count, q_pos: int, rotary_dim: int, rope_base: float = 10000.0,
-               rope_scale: float = 1.0, attn_scale: float | None = None, device: int = 0):
+               rope_scale: float = 1.0, attn_scale: float | None = None, path: str = "auto", device: int = 0):
         """One query's attention over a layer's slots (runtime/attention.py attend):
         q (n_head, hd) float32; k, v (n_kv, P, width) rows of a KV type of the device, keys before
         RoPE: float32 (width hd), or f16 / q8_0 rows as runtime/kv_codec.encode gives them (uint16,
         width hd / int8, width hd / 32 * 34; the type follows the dtype, k and v may differ);
-        pos (n_kv, P), count (n_kv,) ints. Returns out (n_head, hd) and the softmax weights
-        (n_head, P) (zero past count)."""
+        pos (n_kv, P), count (n_kv,) ints. path: "auto" (the forward pass's choice: split-K when
+        P > ATTEND_SPLIT_MIN_P), "single" (one block per query head) or "split" (split-K over the
+        slots, then a merge; any P). Returns out (n_head, hd) and the softmax weights (n_head, P)
+        (zero past count)."""
         if not all(isinstance(a, np.ndarray) for a in (q, k, v, pos, count)):
             raise ConfigError("q, k, v, pos, count must be numpy arrays")
         if q.ndim != 2 or k.ndim != 3:
@@ -138,6 +140,8 @@ class kernels:
             raise ConfigError(f"count must be in [1, {P}]")
         if rotary_dim % 2 or not 0 <= rotary_dim <= hd:
             raise ConfigError(f"rotary_dim must be even and <= {hd}")
+        if path not in ATTEND_PATHS:
+            raise ConfigError(f"path must be one of {', '.join(ATTEND_PATHS)}, got {path!r}")
         scale = hd ** -0.5 if attn_scale is None else attn_scale
         out = np.empty((n_head, hd), np.float32)
         w = np.zeros((n_head, P), np.float32)
@@ -146,7 +150,8 @@ class kernels:
                                           c_ptr(ffi, "void *", v), DEVICE_KV_TYPES[k_type], DEVICE_KV_TYPES[v_type],
                                           c_ptr(ffi, "int32_t *", pos), c_ptr(ffi, "int32_t *", count), n_head, n_kv,
                                           P, hd, rotary_dim, float(rope_base), float(rope_scale), float(scale),
-                                          int(q_pos), c_ptr(ffi, "float *", out), c_ptr(ffi, "float *", w)),
+                                          int(q_pos), ATTEND_PATHS[path], c_ptr(ffi, "float *", out),
+                                          c_ptr(ffi, "float *", w)),
                      "rl_kernel_attend")
         return out, w
 

@@ -26,10 +26,11 @@ from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_types import SUPPORTED_TYPES, GGMLType, row_bytes
 
-__all__ = ["ACTIVATIONS", "DEVICE_KV_TYPES", "DEVICE_POLICIES", "HEADER", "HERE", "NORM_KINDS", "RL_ERR_ARG",
-           "RL_ERR_CUDA", "RL_ERR_NO_CUDA", "RL_ERR_NO_DEVICE", "RL_ERR_OOM", "RL_ERR_STATE", "RL_OK", "DeviceError",
-           "as_f32", "as_i32", "available", "build_info", "c_ptr", "check_sampling", "check_status", "device_count",
-           "ffi_lib", "has_cuda", "library_path", "matrix_blocks", "uniform_draw"]
+__all__ = ["ACTIVATIONS", "ATTEND_PATHS", "ATTEND_SPLIT_MIN_P", "DEVICE_KV_TYPES", "DEVICE_POLICIES", "HEADER",
+           "HERE", "NORM_KINDS", "RL_ERR_ARG", "RL_ERR_CUDA", "RL_ERR_NO_CUDA", "RL_ERR_NO_DEVICE", "RL_ERR_OOM",
+           "RL_ERR_STATE", "RL_OK", "DeviceError", "as_f32", "as_i32", "available", "build_info", "c_ptr",
+           "check_sampling", "check_status", "device_count", "ffi_lib", "has_cuda", "library_path", "matrix_blocks",
+           "uniform_draw"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = os.path.join(HERE, "include", "ringllm_cuda.h")
@@ -37,12 +38,16 @@ HEADER = os.path.join(HERE, "include", "ringllm_cuda.h")
 # Status codes (include/ringllm_cuda.h)
 RL_OK, RL_ERR_NO_CUDA, RL_ERR_NO_DEVICE, RL_ERR_CUDA, RL_ERR_ARG, RL_ERR_OOM, RL_ERR_STATE = range(7)
 
-DEVICE_POLICIES = {"full": 0, "streaming": 1, "h2o": 2, "tova": 3, "knorm": 4, "lsh": 5}
+DEVICE_POLICIES = {"full": 0, "streaming": 1, "h2o": 2, "tova": 3, "knorm": 4, "lsh": 5, "scissorhands": 6, "random": 7}
 # KV store element types the device holds (KVConfig k_type / v_type, runtime/kv_types.py) -> their
 # GGML codes, rl_store_params k_type / v_type (RL_TYPE_F32, RL_TYPE_F16, RL_TYPE_Q8_0)
 DEVICE_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 NORM_KINDS = {"rms": 0, "layer": 1}
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+# Paths of the attention step (rl_kernel_attend's path: RL_ATTEND_AUTO, _SINGLE, _SPLIT); "auto" is
+# split-K for stores of more than ATTEND_SPLIT_MIN_P slots (RL_ATTEND_SPLIT_MIN_P), as the forward pass
+ATTEND_PATHS = {"auto": 0, "single": 1, "split": 2}
+ATTEND_SPLIT_MIN_P = 256
 
 
 class DeviceError(RingLLMError):

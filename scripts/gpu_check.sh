@@ -6,10 +6,10 @@
 #   bash scripts/gpu_check.sh [STAGE...]     STAGE: env build test bench sanitize (default: env build test bench)
 #
 # Expects (carried by the caller, ignored by git):
-#   .whl/   wheels of the Python packages the device image lacks (gguf, cffi, pycparser), installed
+#   .whl/   wheels of the Python packages the device image lacks (gguf, cffi, pycparser, llguidance), installed
 #           into /tmp/site with --no-index (the device has no network);
-#   .dev/smollm2-135m-10layers.gguf   bench/truncated_gguf.py's cut of the bundled SmolLM2 (its first
-#           10 of 30 layers: the whole file does not fit the 64 MiB transfer). The parity tests run
+#   .dev/smollm2-135m-8layers.gguf   bench/truncated_gguf.py's cut of the bundled SmolLM2 (its first
+#           8 of 30 layers: the whole file does not fit the 64 MiB transfer). The parity tests run
 #           on it; the benchmarks run on its tiling back to 30 layers (SmolLM2-135M's shapes, types
 #           and bytes), on a random Gemma 3 270M bf16 checkpoint and on bench/synthetic_gguf.py's
 #           Qwen3-1.7B Q4_K_M, all written on the device.
@@ -23,7 +23,7 @@ WORK=/tmp/gpu_work
 mkdir -p "$OUT" "$WORK" /tmp/models
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba_cache
 STAGES=${*:-env build test bench}
-SMOL=$PWD/.dev/smollm2-135m-10layers.gguf
+SMOL=$PWD/.dev/smollm2-135m-8layers.gguf
 
 stage() { echo "=== $1 $(date +%T)"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -75,7 +75,7 @@ if has bench; then
     stage bench
     for name in ${BENCH_MODELS:-smollm2 gemma3 qwen3}; do
         case $name in
-            smollm2) python3 bench/truncated_gguf.py "$SMOL" 10 /tmp/models/smollm2-135m-tiled30.gguf --tile 30 \
+            smollm2) python3 bench/truncated_gguf.py "$SMOL" 8 /tmp/models/smollm2-135m-tiled30.gguf --tile 30 \
                          && bench_one smollm2 /tmp/models/smollm2-135m-tiled30.gguf "${T_SMOLLM2:-200}" "${HF_STREAM:-1000}" ;;
             gemma3) python3 bench/random_hf_checkpoint.py gemma3-270m /tmp/models/gemma3-270m-random > /dev/null 2>&1 \
                          && bench_one gemma3 /tmp/models/gemma3-270m-random "${T_GEMMA3:-200}" "${HF_STREAM:-1000}" ;;

@@ -11,8 +11,9 @@ On every machine (CI included):
     kv_types.row_bytes.
 
 With a GPU (marker `gpu`, skipped otherwise):
-  * the attention kernel over f16 / q8_0 rows (K and V types mixed) against runtime/attention.attend
-    over the decoded rows (normalized MSE < 1e-10, as the f32 kernel);
+  * the attention kernels (single-block and split-K) over f16 / q8_0 rows (K and V types mixed)
+    against runtime/attention.attend over the decoded rows (normalized MSE < 1e-10, as the f32
+    kernel), at 40 slots and past the split threshold (1,000 and 4,096 slots);
   * layer 0 of a typed device store (its keys and values do not depend on the store) holds exactly
     kv_codec.encode of the f32 device store's rows, through ring writes and policy-layer slot moves;
     knorm scores the key as the store holds it;
@@ -49,8 +50,8 @@ from ringllm.runtime.kv_types import KV_TYPES, STORE_DTYPE, row_bytes, row_width
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.quant_types import GGMLType
 
+from test_native import LARGE_STORES, check_attend_against_cpu, tiny_tensors
 from test_native import tiny_spec as native_tiny_spec
-from test_native import tiny_tensors
 
 NATIVE_DIR = os.path.dirname(native.__file__)
 HAS_GPU = native.device_count() > 0
@@ -142,7 +143,7 @@ def test_c_api_refuses_other_kv_types_before_any_device():
 
     def call(k_type, v_type):
         return lib.rl_kernel_attend(0, q, k, k, k_type, v_type, pos, count, n_head, n_kv, P, hd, hd, 10000.0, 1.0,
-                                    0.1, 0, out, w)
+                                    0.1, 0, lib.RL_ATTEND_AUTO, out, w)
 
     assert call(lib.RL_TYPE_Q4_0, lib.RL_TYPE_F32) == lib.RL_ERR_ARG
     msg = ffi.string(lib.rl_last_error()).decode()
@@ -255,34 +256,26 @@ def test_device_row_codec_is_kv_codec_bit_for_bit(host_codec, name):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["auto", "split"])
 @pytest.mark.parametrize("k_type,v_type", TYPE_PAIRS)
 @pytest.mark.parametrize("rotary_dim", [64, 16])
-def test_attention_over_typed_rows_against_cpu_kernel(k_type, v_type, rotary_dim):
-    """The kernel decodes the rows kv_codec encodes: the CPU attend over the decoded values is the oracle."""
-    from ringllm.runtime.attention import attend
-    from ringllm.runtime.rope import RopeTable
+def test_attention_over_typed_rows_against_cpu_kernel(k_type, v_type, rotary_dim, path):
+    """The kernel decodes the rows kv_codec encodes: the CPU attend over the decoded values is the oracle
+    (40 slots: "auto" is the single-block kernel, "split" forces split-K)."""
+    check_attend_against_cpu(9, 3, 64, rotary_dim, 40, [40, 17, 1], path, seed=rotary_dim, k_type=k_type,
+                             v_type=v_type)
 
-    rng = np.random.default_rng(rotary_dim)
-    n_head, n_kv, P, hd = 9, 3, 40, 64
-    count = np.array([40, 17, 1], np.int64)
-    q = rng.standard_normal((n_head, hd)).astype(np.float32)
-    k_rows = kv_codec.encode(rng.standard_normal((n_kv, P, hd)).astype(np.float32), k_type)
-    v_rows = kv_codec.encode(rng.standard_normal((n_kv, P, hd)).astype(np.float32), v_type)
-    k, v = kv_codec.decode(k_rows, hd), kv_codec.decode(v_rows, hd)
-    pos = np.stack([rng.permutation(P) + 1000 for _ in range(n_kv)]).astype(np.int64)
-    q_pos, scale = 1100, np.float32(hd ** -0.5)
-    table = RopeTable(rotary_dim, 10000.0, 2.0, n=1200)
-    out = np.zeros((n_head, hd), np.float32)
-    scores = np.zeros((n_head, P), np.float32)
-    mass = np.zeros((n_kv, P), np.float32)
-    attend(out, q, k, v, pos, count, np.full(n_kv, q_pos, np.int64), table.cos, table.sin, rotary_dim, scale,
-           np.float32(0.0), scores, np.zeros(hd, np.float32), np.zeros((n_head, hd), np.float32), mass)
-    got, w = kernels.attend(q, k_rows, v_rows, pos, count, q_pos, rotary_dim, rope_base=10000.0, rope_scale=2.0)
-    assert nmse(got, out) < 1e-10
-    group = n_head // n_kv
-    for h in range(n_kv):
-        n = count[h]
-        np.testing.assert_allclose(w[h * group:(h + 1) * group, :n].sum(0), mass[h, :n], rtol=0, atol=1e-5)
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["single", "split"])
+@pytest.mark.parametrize("k_type,v_type", TYPE_PAIRS)
+@pytest.mark.parametrize("shape", ["smollm2_1000", "gemma3_4096"])
+def test_attention_over_typed_rows_large_stores_against_cpu_kernel(shape, k_type, v_type, path):
+    """Both attention kernels over f16 / q8_0 rows past the split threshold (test_native.LARGE_STORES)."""
+    n_head, n_kv, hd, rotary_dim, P, count = LARGE_STORES[shape]
+    check_attend_against_cpu(n_head, n_kv, hd, rotary_dim, P, count, path, seed=P + n_head, k_type=k_type,
+                             v_type=v_type)
 
 
 # ==================================================================================================

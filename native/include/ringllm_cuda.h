@@ -88,6 +88,8 @@
 #define RL_POLICY_TOVA 3       /* lowest attention of the latest query, mean over all query heads */
 #define RL_POLICY_KNORM 4      /* largest L2 norm of the pre-RoPE key (1/256-octave log grid) */
 #define RL_POLICY_LSH 5        /* largest Hamming distance of SimHash codes, query vs key */
+#define RL_POLICY_SCISSORHANDS 6  /* most steps unimportant (weight below 1/n) over the history window */
+#define RL_POLICY_RANDOM 7     /* lowest splitmix64 draw of (seed, layer, kv head, new token, token) */
 
 /* ---------------------------------------------------------------------------------------------
  * Library and devices
@@ -117,6 +119,17 @@ int rl_device_info(int device, char *name, int name_len, int64_t *total_mem);
 
 typedef struct rl_model rl_model;
 
+/* Prefill modes (rl_model_params.prefill_mode): how rl_forward takes a chunk of T > 1 tokens.
+ * Chunk: on a ring layer where no token of the chunk evicts (tokens fed before it + T <= the
+ * layer's C_l), the chunk's K/V rows are written in one launch and its T queries attend causally
+ * (token t over the slots of tokens 0..t) in one more; the outputs differ from token by token only
+ * in the order of float32 sums. Policy layers, a chunk that crosses C_l and single tokens
+ * (rl_decode) always go token by token (write with eviction, attend, observe). */
+#define RL_PREFILL_DEFAULT 0   /* chunk, unless the environment has RINGLLM_CUDA_PREFILL=token (read by
+                                  rl_model_init, for comparisons) */
+#define RL_PREFILL_CHUNK 1
+#define RL_PREFILL_TOKEN 2     /* every layer token by token */
+
 typedef struct {
     int n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
     int rotary_dim;           /* even, <= head_dim: RoPE (rotate-half) over the first rotary_dim dims */
@@ -131,10 +144,12 @@ typedef struct {
     float embed_scale, attn_scale, final_logit_softcap;  /* softcap 0 = none */
     int n_batch;              /* rows per prefill chunk, >= 1 */
     int device;               /* CUDA device index */
+    int prefill_mode;         /* RL_PREFILL_* (0 in a zeroed struct: the default) */
 } rl_model_params;
 
 /* Allocate a model on p->device (weights are added next). *out = NULL on failure.
- * RL_ERR_NO_DEVICE: no device/driver (message has the CUDA text); RL_ERR_ARG: inconsistent sizes. */
+ * RL_ERR_NO_DEVICE: no device/driver (message has the CUDA text); RL_ERR_ARG: inconsistent sizes,
+ * an unknown prefill_mode. */
 int rl_model_init(rl_model **out, const rl_model_params *p);
 
 /* Release everything the model owns on the device. NULL is a no-op (RL_OK). Stores made for the
@@ -166,6 +181,13 @@ int rl_model_weight_bytes(rl_model *m, int64_t *out);
  * launches (default). Capture failures fall back to plain launches silently. */
 int rl_model_set_graph(rl_model *m, int enable);
 
+/* 1 (default): fused launches: q, k, v in one grouped matmul; FFN gate and up in one with the
+ * activation in its epilogue; biases, and the residual adds of the attention output and FFN down
+ * projections (no sandwich norm, no parallel residual), in the matmuls' epilogues. 0: one launch
+ * per operation. Both run the same float operations in the same order: outputs are bit-identical.
+ * RL_ERR_STATE once stores of the model exist (set it before rl_store_init). */
+int rl_model_set_fused(rl_model *m, int enable);
+
 /* ---------------------------------------------------------------------------------------------
  * KV store of one sequence (DESIGN.md "KV store contract"), on the model's device
  * ------------------------------------------------------------------------------------------- */
@@ -178,6 +200,10 @@ typedef struct {
     int recent;               /* newest held tokens protected from score-based eviction */
     int lazy, slack, max_drop;  /* staged eviction R, sigma, delta (KVConfig.keep_after) */
     int lsh_bits;             /* SimHash bits c, 1..64 (RL_POLICY_LSH) */
+    int history;              /* steps of the history window, 1..64 (RL_POLICY_SCISSORHANDS) */
+    uint64_t seed;            /* seed of the draws (RL_POLICY_RANDOM) */
+    int shift;                /* 1: the shift-and-append baseline (KVConfig update "shift": slots kept in
+                                 sequence order, survivors copied down over the victims); 0: in place */
     /* per layer (n_layer entries each): */
     const int *layer_capacity;  /* C_l: tokens kept after pruning, the new token included */
     const int *layer_physical;  /* P_l >= C_l: slots allocated (more than C_l with staging) */
@@ -221,7 +247,8 @@ int rl_store_bytes(rl_store *s, int64_t *out);
  * ------------------------------------------------------------------------------------------- */
 
 /* Feed n token ids (int32, each in [0, n_vocab)) through the store, in chunks of n_batch rows;
- * token by token inside a chunk for the KV writes, evictions and attention (decode semantics).
+ * token by token inside a chunk for the KV writes, evictions and attention (decode semantics),
+ * except on the ring layers a chunk fills without evicting (rl_model_params.prefill_mode).
  * logits: NULL (kept on the device only), or (n, n_vocab) float32 when all_logits = 1, or
  * (n_vocab,) float32 of the last token when all_logits = 0. The last token's logits stay on the
  * device for rl_pick. RL_ERR_ARG: n < 1 or an id out of range (checked before any launch). */
@@ -266,11 +293,23 @@ int rl_kernel_embed(int device, int qtype, int64_t n_rows, int64_t n_cols, const
  * q (n_head, hd) float32 before RoPE; k, v (n_kv, P) rows of types k_type, v_type (as
  * rl_store_params: RL_TYPE_F32, RL_TYPE_F16, RL_TYPE_Q8_0), keys before RoPE; pos (n_kv, P) int32
  * logical positions; count (n_kv,) int32 occupied slots (each >= 1, <= P); q_pos the query's
- * position. out (n_head, hd); weights (n_head, P) float32 softmax weights (columns past count
- * untouched). RL_ERR_ARG (before any device call) on another type. */
+ * position; path one of RL_ATTEND_* below. out (n_head, hd); weights (n_head, P) float32 softmax
+ * weights (columns past count untouched). RL_ERR_ARG (before any device call) on another type, an
+ * unknown path, or RL_ATTEND_SPLIT where the split-K kernel cannot run (hd > 256, more than 40 KiB
+ * of shared memory for group * (hd + 64) floats with group = n_head / n_kv, or P > 65535 * 64). */
 int rl_kernel_attend(int device, const float *q, const void *k, const void *v, int k_type, int v_type,
                      const int32_t *pos, const int32_t *count, int n_head, int n_kv, int P, int hd, int rotary_dim,
-                     double rope_base, double rope_scale, float attn_scale, int q_pos, float *out, float *weights);
+                     double rope_base, double rope_scale, float attn_scale, int q_pos, int path, float *out,
+                     float *weights);
+
+/* Paths of the attention step. The forward pass uses RL_ATTEND_AUTO: split-K (flash-decoding: a
+ * block per kv head and 64 consecutive slots for all the group's query heads, then a merge per
+ * query head) for layers with more than RL_ATTEND_SPLIT_MIN_P slots, else one block per query
+ * head walking all its slots (the kernel of the small-store parity tests). */
+#define RL_ATTEND_AUTO 0
+#define RL_ATTEND_SINGLE 1
+#define RL_ATTEND_SPLIT 2
+#define RL_ATTEND_SPLIT_MIN_P 256
 
 /* rl_pick over a host logits row (n,) float32. */
 int rl_kernel_pick(int device, const float *logits, int n, float temperature, int top_k, float top_p, float u,

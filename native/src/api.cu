@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <vector>
@@ -166,6 +167,10 @@ struct rl_model {
     int32_t *ids = nullptr, *token = nullptr;
     const float *last_logits = nullptr;   // row of `logits` holding the last token's, after a forward
     int use_graph = 0;
+    int prefill_chunk = 1;   // chunk mode of the prefill on ring layers (layer(), prefill.cu)
+    float *pf_part = nullptr;   // (pf_part_floats,) chunk mode's split-attention partial sums, or NULL
+    int64_t pf_part_floats = 0;
+    int fused = 1;   // grouped / epilogue-fused launches (rl_model_set_fused)
     int n_stores = 0;
 
     size_t idx(int role, int il) const { return (size_t)(is_global_role(role) ? p.n_layer : il) * RL_N_ROLES + role; }
@@ -203,6 +208,7 @@ extern "C" int rl_model_free(rl_model *m) {
     for (float **b : bufs) dev_free(*b);
     dev_free(m->ids);
     dev_free(m->token);
+    dev_free(m->pf_part);
     if (m->stream) cudaStreamDestroy(m->stream);
     delete m;
     return RL_OK;
@@ -224,6 +230,9 @@ extern "C" int rl_model_init(rl_model **out, const rl_model_params *p) {
         return rl_fail(RL_ERR_ARG, "rl_model_init: unknown norm kind %d", p->norm_kind);
     if (p->act < RL_ACT_SILU || p->act > RL_ACT_GELU_TANH)
         return rl_fail(RL_ERR_ARG, "rl_model_init: unknown activation %d", p->act);
+    if (p->prefill_mode < RL_PREFILL_DEFAULT || p->prefill_mode > RL_PREFILL_TOKEN)
+        return rl_fail(RL_ERR_ARG, "rl_model_init: unknown prefill_mode %d (0 default, 1 chunk, 2 token)",
+                       p->prefill_mode);
     RL_TRY(use_device(p->device));
     rl_model *m = new rl_model();
     m->p = *p;
@@ -232,6 +241,10 @@ extern "C" int rl_model_init(rl_model **out, const rl_model_params *p) {
     m->vecs.assign(n_slots, nullptr);
     m->rope_base.assign(p->n_layer, 10000.0);
     m->rope_scale.assign(p->n_layer, 1.0);
+    // the environment is read here, once: RINGLLM_CUDA_PREFILL=token turns the default to token by token
+    const char *env_prefill = getenv("RINGLLM_CUDA_PREFILL");
+    m->prefill_chunk = p->prefill_mode == RL_PREFILL_CHUNK ||
+                       (p->prefill_mode == RL_PREFILL_DEFAULT && !(env_prefill && !strcmp(env_prefill, "token")));
     const int64_t B = p->n_batch, e = p->n_embd, nq = (int64_t)p->n_head * p->head_dim,
                   nkv = (int64_t)p->n_head_kv * p->head_dim;
     int st = RL_OK;
@@ -245,6 +258,10 @@ extern "C" int rl_model_init(rl_model **out, const rl_model_params *p) {
         if (st == RL_OK) st = dev_alloc(b.b, b.n, "cudaMalloc (run buffers)");
     if (st == RL_OK) st = dev_alloc(&m->ids, B, "cudaMalloc (ids)");
     if (st == RL_OK) st = dev_alloc(&m->token, 1, "cudaMalloc (token)");
+    if (m->prefill_chunk && p->n_batch > 1)   // none when every chunk goes token by token
+        m->pf_part_floats = prefill_scratch_floats(p->n_batch, p->n_head, p->head_dim);
+    if (st == RL_OK && m->pf_part_floats)
+        st = dev_alloc(&m->pf_part, m->pf_part_floats, "cudaMalloc (prefill scratch)");
     if (st == RL_OK) st = dev_alloc(&m->d_inv_freq, (int64_t)p->n_layer * (p->rotary_dim / 2 + 1), "cudaMalloc (rope)");
     if (st != RL_OK) {
         rl_model_free(m);
@@ -398,6 +415,15 @@ extern "C" int rl_model_set_graph(rl_model *m, int enable) {
     return RL_OK;
 }
 
+extern "C" int rl_model_set_fused(rl_model *m, int enable) {
+    if (!m) return rl_fail(RL_ERR_ARG, "rl_model_set_fused: NULL model");
+    if (m->n_stores > 0)   // their captured decode graphs hold the launches of the other path
+        return rl_fail(RL_ERR_STATE, "rl_model_set_fused: %d store(s) of this model exist; set it before making stores",
+                       m->n_stores);
+    m->fused = enable ? 1 : 0;
+    return RL_OK;
+}
+
 // ==============================================================================================
 // Store
 // ==============================================================================================
@@ -410,6 +436,7 @@ struct rl_store {
     std::vector<LayerStore> layers;
     float *proj = nullptr;       // (n_layer, lsh_bits, hd) or null
     float *weights = nullptr;    // (n_head, max P) softmax weights of the last attention step
+    float *att_part = nullptr;   // split-K attention scratch: attend_scratch_floats(n_head, hd, max P)
     int64_t *n_seen = nullptr;   // device counter of tokens fed
     int64_t n_seen_host = 0;
     int max_p = 0;
@@ -420,10 +447,11 @@ struct rl_store {
 static void store_release(rl_store *s) {
     for (auto &L : s->layers) {
         dev_free(L.k); dev_free(L.v); dev_free(L.seq); dev_free(L.rank); dev_free(L.score); dev_free(L.aux);
-        dev_free(L.count); dev_free(L.evicted); dev_free(L.victims); dev_free(L.taken);
+        dev_free(L.count); dev_free(L.evicted); dev_free(L.victims); dev_free(L.taken); dev_free(L.scratch);
     }
     dev_free(s->proj);
     dev_free(s->weights);
+    dev_free(s->att_part);
     dev_free(s->n_seen);
     if (s->graph) cudaGraphExecDestroy(s->graph);
     s->graph = nullptr;
@@ -450,6 +478,7 @@ extern "C" int rl_store_reset(rl_store *s) {
         RL_CK(cudaMemsetAsync(L.rank, 0, slots * sizeof(int32_t), s->m->stream));
         RL_CK(cudaMemsetAsync(L.score, 0, slots * sizeof(double), s->m->stream));
         RL_CK(cudaMemsetAsync(L.aux, 0, slots * sizeof(uint64_t), s->m->stream));
+        RL_CK(cudaMemsetAsync(L.taken, 0, slots, s->m->stream));   // compact_ordered reads every flag below count
         RL_CK(cudaMemsetAsync(L.k, 0, slots * s->k_row, s->m->stream));
         RL_CK(cudaMemsetAsync(L.v, 0, slots * s->v_row, s->m->stream));
         RL_CK(cudaMemsetAsync(L.count, 0, p.n_head_kv * sizeof(int32_t), s->m->stream));
@@ -467,8 +496,10 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
     const rl_model_params &p = m->p;
     if (!sp->layer_capacity || !sp->layer_physical || !sp->layer_sinks || !sp->layer_ring)
         return rl_fail(RL_ERR_ARG, "rl_store_init: per-layer arrays must not be NULL");
-    if (sp->policy < RL_POLICY_FULL || sp->policy > RL_POLICY_LSH)
+    if (sp->policy < RL_POLICY_FULL || sp->policy > RL_POLICY_RANDOM)
         return rl_fail(RL_ERR_ARG, "rl_store_init: unknown policy %d", sp->policy);
+    if (sp->policy == RL_POLICY_SCISSORHANDS && (sp->history < 1 || sp->history > 64))
+        return rl_fail(RL_ERR_ARG, "rl_store_init: scissorhands needs history in 1..64, got %d", sp->history);
     if (sp->recent < 0 || sp->lazy < 0 || sp->slack < 0 || sp->max_drop < 0)
         return rl_fail(RL_ERR_ARG, "rl_store_init: recent, lazy, slack, max_drop must be >= 0");
     if (sp->policy == RL_POLICY_LSH && (!sp->lsh_proj || sp->lsh_bits < 1 || sp->lsh_bits > 64))
@@ -487,7 +518,7 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
     rl_store *s = new rl_store();
     s->m = m;
     s->pol = StorePolicy{sp->policy, sp->reindexed ? 1 : 0, sp->recent, sp->lazy, sp->slack, sp->max_drop,
-                         sp->lsh_bits};
+                         sp->lsh_bits, sp->history, sp->seed, sp->shift ? 1 : 0};
     s->k_type = sp->k_type;
     s->v_type = sp->v_type;
     s->k_row = kv_row_bytes(sp->k_type, p.head_dim);
@@ -502,6 +533,7 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         L.P = sp->layer_physical[il];
         L.sinks = sp->layer_sinks[il];
         L.ring = sp->layer_ring[il] ? 1 : 0;
+        L.il = il;
         L.k_type = s->k_type;
         L.v_type = s->v_type;
         s->max_p = L.P > s->max_p ? L.P : s->max_p;
@@ -517,8 +549,13 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         if (st == RL_OK) st = dev_alloc(&L.evicted, nkv, what);
         if (st == RL_OK) st = dev_alloc(&L.victims, slots, what);
         if (st == RL_OK) st = dev_alloc(&L.taken, slots, what);
+        if (st == RL_OK && s->pol.shift)   // compact_ordered's staging (kernels.cu)
+            st = dev_alloc(&L.scratch, nkv * shift_scratch_bytes(L.P, s->k_row, s->v_row), "cudaMalloc (shift scratch)");
     }
     if (st == RL_OK) st = dev_alloc(&s->weights, (int64_t)p.n_head * s->max_p, "cudaMalloc (attention weights)");
+    if (st == RL_OK)
+        st = dev_alloc(&s->att_part, attend_scratch_floats(p.n_head, p.head_dim, s->max_p),
+                       "cudaMalloc (attention scratch)");
     if (st == RL_OK) st = dev_alloc(&s->n_seen, 1, "cudaMalloc (counter)");
     if (st == RL_OK && sp->policy == RL_POLICY_LSH) {
         const int64_t n = (int64_t)p.n_layer * sp->lsh_bits * hd;
@@ -599,10 +636,23 @@ extern "C" int rl_store_bytes(rl_store *s, int64_t *out) {
 // The forward pass (runtime/engine.py _chunk / _layer / _ffn)
 // ==============================================================================================
 
-static void linear(rl_model *m, float *out, int role, int il, const float *x, int T) {
+// Matrix `role` of layer il and its bias (the bias role follows its matrix role) writing out.
+static MatmulPart part_of(rl_model *m, float *out, int role, int il) {
     const Matrix &w = m->mat(role, il);
+    return MatmulPart{out, w.d, m->vec(role + 1, il), w.row_bytes, (int)w.rows, w.qtype};
+}
+
+// out (T, rows) = x (T, cols) @ W.T + b. add (fused path only): out += that instead, the residual
+// add in the matmul's epilogue. Fused, a bias is added in the epilogue too (no launch of its own).
+static void linear(rl_model *m, float *out, int role, int il, const float *x, int T, bool add = false) {
+    const Matrix &w = m->mat(role, il);
+    const float *b = m->vec(role + 1, il);
+    if (m->fused && (b || add)) {
+        const MatmulPart part = part_of(m, out, role, il);
+        launch_matmul_group(&part, 1, add ? MM_EPI_ADD : MM_EPI_STORE, 0, x, w.cols, T, m->stream);
+        return;
+    }
     launch_matmul(out, w.d, x, w.qtype, w.rows, w.cols, w.row_bytes, T, m->stream);
-    const float *b = m->vec(role + 1, il);   // the bias role follows its matrix role
     if (b) launch_add_bias(out, b, T, (int)w.rows, m->stream);
 }
 
@@ -612,8 +662,18 @@ static void norm(rl_model *m, float *out, const float *x, int role, int il, int 
                 p.norm_kind, T, p.n_embd, p.norm_eps, m->stream);
 }
 
-static void ffn(rl_model *m, int il, int T) {   // h2 = ffn(h)
+// h2 = ffn(h); add (fused path only): x += ffn(h) instead, the residual add in the down projection.
+static void ffn(rl_model *m, int il, int T, bool add = false) {
     const rl_model_params &p = m->p;
+    if (m->fused) {   // up (and gate) in one launch, biases and the activation in its epilogue
+        MatmulPart parts[2];
+        int n = 0;
+        if (p.gated_ffn) parts[n++] = part_of(m, m->ffa, RL_FFN_GATE, il);   // ffa = act(gate) * up
+        parts[n++] = part_of(m, m->ffb, RL_FFN_UP, il);                      // else ffb = act(up)
+        launch_matmul_group(parts, n, MM_EPI_ACT, p.act, m->h, p.n_embd, T, m->stream);
+        linear(m, add ? m->x : m->h2, RL_FFN_DOWN, il, parts[0].out, T, add);
+        return;
+    }
     linear(m, m->ffb, RL_FFN_UP, il, m->h, T);
     if (p.gated_ffn) {
         linear(m, m->ffa, RL_FFN_GATE, il, m->h, T);
@@ -625,15 +685,22 @@ static void ffn(rl_model *m, int il, int T) {   // h2 = ffn(h)
     }
 }
 
-static void layer(rl_model *m, rl_store *s, int il, int T) {
+// n_before: tokens fed through the store before this chunk (the host's count: chunk mode's condition)
+static void layer(rl_model *m, rl_store *s, int il, int T, int64_t n_before) {
     const rl_model_params &p = m->p;
     const int nh = p.n_head, nkv = p.n_head_kv, hd = p.head_dim;
     const int64_t e = p.n_embd, nq = (int64_t)nh * hd, nk = (int64_t)nkv * hd;
     cudaStream_t st = m->stream;
     norm(m, m->h, m->x, RL_ATTN_NORM, il, T);
-    linear(m, m->q, RL_ATTN_Q, il, m->h, T);
-    linear(m, m->k, RL_ATTN_K, il, m->h, T);
-    linear(m, m->v, RL_ATTN_V, il, m->h, T);
+    if (m->fused) {   // q, k, v in one launch (they share h), biases in its epilogue
+        const MatmulPart qkv[3] = {part_of(m, m->q, RL_ATTN_Q, il), part_of(m, m->k, RL_ATTN_K, il),
+                                   part_of(m, m->v, RL_ATTN_V, il)};
+        launch_matmul_group(qkv, 3, MM_EPI_STORE, 0, m->h, e, T, st);
+    } else {
+        linear(m, m->q, RL_ATTN_Q, il, m->h, T);
+        linear(m, m->k, RL_ATTN_K, il, m->h, T);
+        linear(m, m->v, RL_ATTN_V, il, m->h, T);
+    }
     if (p.qk_norm) {
         launch_norm(m->q, m->q, m->vec(RL_ATTN_Q_NORM, il), nullptr, RL_NORM_RMS, T * nh, hd, p.norm_eps, st);
         launch_norm(m->k, m->k, m->vec(RL_ATTN_K_NORM, il), nullptr, RL_NORM_RMS, T * nkv, hd, p.norm_eps, st);
@@ -643,13 +710,31 @@ static void layer(rl_model *m, rl_store *s, int il, int T) {
     const bool policy_layer = !L.ring;
     const double *inv_freq = m->d_inv_freq + (int64_t)il * (p.rotary_dim / 2 + 1);
     const int32_t *pos = s->pol.reindexed ? L.rank : L.seq;
-    for (int t = 0; t < T; t++) {   // decode semantics: write (evicting first), attend, observe
+    // Chunk mode (prefill.cu): on a ring layer where no token of the chunk evicts (n_before + T <= C:
+    // it never evicted, token s sits in slot s at position s), the chunk is written in one launch and
+    // attended causally in one more. Policy layers, a chunk that crosses C, decode steps (T = 1,
+    // captured once in a CUDA graph) and positions past the RoPE table (over 32k) go token by token.
+    const bool chunk_mode = m->prefill_chunk && T > 1 && L.ring && n_before + T <= L.C &&
+                            n_before + T <= ROPE_TABLE_POSITIONS && prefill_fits(hd);
+    if (chunk_mode) {
+        launch_kv_append(L, m->k, m->v, (int)n_before, T, nkv, hd, st);
+        launch_prefill_attend(m->att, m->pf_part, m->pf_part_floats, m->q, L.k, L.v, L.k_type, L.v_type,
+                              (int)n_before, T, nh, nkv, L.P, hd, p.rotary_dim, m->rope_tab[il], p.attn_scale, st);
+    }
+    for (int t = 0; !chunk_mode && t < T; t++) {   // decode semantics: write (evicting first), attend, observe
         launch_kv_write(L, s->pol, m->k + t * nk, m->v + t * nk, m->q + t * nq, proj, s->n_seen, t, nkv, nh, hd, st);
-        launch_attend(m->att + t * nq, s->weights, m->q + t * nq, L.k, L.v, L.k_type, L.v_type, pos, L.count,
-                      s->n_seen, t, s->pol.reindexed ? RL_QPOS_COUNT : RL_QPOS_SEQ, nh, nkv, L.P, hd, p.rotary_dim,
-                      m->rope_scale[il], inv_freq, m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale, st);
-        if (policy_layer && (s->pol.policy == RL_POLICY_H2O || s->pol.policy == RL_POLICY_TOVA))
-            launch_observe(L, s->pol.policy, s->weights, nh, nkv, st);
+        launch_attend(m->att + t * nq, s->weights, s->att_part, m->q + t * nq, L.k, L.v, L.k_type, L.v_type, pos,
+                      L.count, s->n_seen, t, s->pol.reindexed ? RL_QPOS_COUNT : RL_QPOS_SEQ, nh, nkv, L.P, hd,
+                      p.rotary_dim, m->rope_scale[il], inv_freq, m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale,
+                      RL_ATTEND_AUTO, st);
+        if (policy_layer) launch_observe(L, s->pol, s->weights, nh, nkv, st);
+    }
+    if (m->fused && !p.sandwich_norm && !p.parallel_residual) {
+        // x += out(att); x += ffn(ffn_norm(x)): both residual adds in the projections' epilogues
+        linear(m, m->x, RL_ATTN_OUT, il, m->att, T, true);
+        norm(m, m->h, m->x, RL_FFN_NORM, il, T);
+        ffn(m, il, T, true);
+        return;
     }
     linear(m, m->a, RL_ATTN_OUT, il, m->att, T);
     if (p.sandwich_norm)
@@ -670,12 +755,13 @@ static void layer(rl_model *m, rl_store *s, int il, int T) {
 }
 
 // One chunk of T <= n_batch ids already in m->ids. want: 0 no logits, 1 last row only (into
-// logits row 0), 2 every row. Launches only (no host synchronization): capturable in a graph.
-static void chunk(rl_model *m, rl_store *s, int T, int want) {
+// logits row 0), 2 every row; n_before: tokens fed through the store before it. Launches only (no host
+// synchronization): capturable in a graph.
+static void chunk(rl_model *m, rl_store *s, int T, int want, int64_t n_before) {
     const rl_model_params &p = m->p;
     const Matrix &embd = m->mat(RL_TOKEN_EMBD, 0);
     launch_embed(m->x, embd.d, m->ids, embd.qtype, embd.cols, embd.row_bytes, T, p.embed_scale, m->stream);
-    for (int il = 0; il < p.n_layer; il++) layer(m, s, il, T);
+    for (int il = 0; il < p.n_layer; il++) layer(m, s, il, T, n_before);
     launch_advance(s->n_seen, T, m->stream);
     if (!want) return;
     const int rows = want == 2 ? T : 1;
@@ -707,7 +793,7 @@ extern "C" int rl_forward(rl_model *m, rl_store *s, const int32_t *ids, int n, f
         const bool last = start + T == n;
         RL_CK(cudaMemcpyAsync(m->ids, ids + start, T * sizeof(int32_t), cudaMemcpyHostToDevice, m->stream));
         const int want = all_logits && logits ? 2 : (last ? 1 : 0);
-        chunk(m, s, T, want);
+        chunk(m, s, T, want, s->n_seen_host + start);
         RL_LAUNCHED("forward");
         if (want == 2)
             RL_CK(cudaMemcpyAsync(logits + (int64_t)start * p.n_vocab, m->logits, (size_t)T * p.n_vocab * sizeof(float),
@@ -744,7 +830,7 @@ extern "C" int rl_pick(rl_model *m, float temperature, int top_k, float top_p, f
 
 // The decode body: one token already in m->ids[0], logits of it, next token into m->token.
 static void decode_body(rl_model *m, rl_store *s) {
-    chunk(m, s, 1, 1);
+    chunk(m, s, 1, 1, s->n_seen_host);   // T = 1: token by token, whatever n_before (graph replays)
     launch_pick(m->token, m->last_logits, m->p.n_vocab, m->pick_params, m->stream);
 }
 
@@ -890,19 +976,24 @@ extern "C" int rl_kernel_embed(int device, int qtype, int64_t n_rows, int64_t n_
 extern "C" int rl_kernel_attend(int device, const float *q, const void *k, const void *v, int k_type, int v_type,
                                 const int32_t *pos, const int32_t *count, int n_head, int n_kv, int P, int hd,
                                 int rotary_dim, double rope_base, double rope_scale, float attn_scale, int q_pos,
-                                float *out, float *weights) {
+                                int path, float *out, float *weights) {
     if (!q || !k || !v || !pos || !count || !out || !weights || n_kv < 1 || n_head % n_kv || P < 1 || hd < 1 ||
         rotary_dim % 2 || rotary_dim > hd || !(rope_base > 0) || !(rope_scale > 0))
         return rl_fail(RL_ERR_ARG, "rl_kernel_attend: bad arguments");
     RL_TRY(check_kv_type(k_type, "k_type", hd, "rl_kernel_attend"));
     RL_TRY(check_kv_type(v_type, "v_type", hd, "rl_kernel_attend"));
+    if (path != RL_ATTEND_AUTO && path != RL_ATTEND_SINGLE && path != RL_ATTEND_SPLIT)
+        return rl_fail(RL_ERR_ARG, "rl_kernel_attend: unknown path %d", path);
+    if (path == RL_ATTEND_SPLIT && !attend_split_fits(n_head / n_kv, hd, P))
+        return rl_fail(RL_ERR_ARG, "rl_kernel_attend: the split-K kernel cannot run %d query heads per kv head of "
+                       "head_dim %d over %d slots", n_head / n_kv, hd, P);
     for (int h = 0; h < n_kv; h++)
         if (count[h] < 1 || count[h] > P) return rl_fail(RL_ERR_ARG, "rl_kernel_attend: count[%d] = %d", h, count[h]);
     RL_TRY(use_device(device));
     const int half = rotary_dim / 2;
     std::vector<double> inv(half + 1, 0.0);
     for (int i = 0; i < half; i++) inv[i] = pow(rope_base, -(i * 2.0) / rotary_dim);
-    DBuf dq, dk, dv, dp, dc, dinv, dout, dw;
+    DBuf dq, dk, dv, dp, dc, dinv, dout, dw, dpart;
     const int64_t slots = (int64_t)n_kv * P;
     RL_TRY(dq.alloc<float>((int64_t)n_head * hd, q));
     RL_TRY(dk.alloc<uint8_t>(slots * kv_row_bytes(k_type, hd), (const uint8_t *)k));
@@ -912,9 +1003,10 @@ extern "C" int rl_kernel_attend(int device, const float *q, const void *k, const
     RL_TRY(dinv.alloc<double>(half + 1, inv.data()));
     RL_TRY(dout.alloc<float>((int64_t)n_head * hd));
     RL_TRY(dw.alloc<float>((int64_t)n_head * P, weights));
-    launch_attend(dout.as<float>(), dw.as<float>(), dq.as<float>(), dk.as<uint8_t>(), dv.as<uint8_t>(), k_type, v_type,
-                  dp.as<int32_t>(), dc.as<int32_t>(), nullptr, q_pos, RL_QPOS_FIXED, n_head, n_kv, P, hd, rotary_dim,
-                  rope_scale, dinv.as<double>(), nullptr, 0, attn_scale, 0);
+    RL_TRY(dpart.alloc<float>(attend_scratch_floats(n_head, hd, P)));
+    launch_attend(dout.as<float>(), dw.as<float>(), dpart.as<float>(), dq.as<float>(), dk.as<uint8_t>(),
+                  dv.as<uint8_t>(), k_type, v_type, dp.as<int32_t>(), dc.as<int32_t>(), nullptr, q_pos, RL_QPOS_FIXED,
+                  n_head, n_kv, P, hd, rotary_dim, rope_scale, dinv.as<double>(), nullptr, 0, attn_scale, path, 0);
     RL_LAUNCHED("attend");
     RL_CK(cudaMemcpy(out, dout.p, (size_t)n_head * hd * sizeof(float), cudaMemcpyDeviceToHost));
     RL_CK(cudaMemcpy(weights, dw.p, (size_t)n_head * P * sizeof(float), cudaMemcpyDeviceToHost));

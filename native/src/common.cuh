@@ -1,10 +1,13 @@
 // Internal declarations shared by the CUDA translation units of libringllm_cuda.so.
 //
-//   quant.cu     GGUF block decoding in registers; dequant, matmul/matvec, embedding kernels
+//   quant.cu     GGUF block decoding in registers; dequant, matmul/matvec (single and grouped with
+//                fused epilogues), embedding kernels
 //   kernels.cu   norms, activations, residual adds, the attention step, KV writes with eviction,
 //                attention-mass bookkeeping of the policies, token choice
+//   prefill.cu   chunk mode of the prefill on ring layers: a chunk's KV write and causal attention
 //   api.cu       the C API of include/ringllm_cuda.h: handles, uploads, the forward pass
 //   kv_rows.cuh  KV store rows in their element types (f32, f16, q8_0): encode, decode, copy
+//   rope.cuh     RoPE cos/sin of the attention kernels (table or float64 sincos)
 //
 // Launchers take the destination first (house style), then inputs, then sizes, then the stream,
 // and return nothing: api.cu checks cudaGetLastError after each group of launches.
@@ -48,6 +51,18 @@ int rl_cuda_fail(cudaError_t err, const char *what);
 bool rl_type_layout(int qtype, int *block, int *size);
 
 // ---------------------------------------------------------------------------------------------
+// Activations (runtime/ops.py): kernels.cu's act_kernel and quant.cu's fused FFN epilogue
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float act_f(float x, int kind) {
+    if (kind == RL_ACT_SILU) return x / (1.0f + expf(-x));
+    if (kind == RL_ACT_GELU) return (float)(0.5 * (double)x * (1.0 + erf((double)x / sqrt(2.0))));
+    // 0.5 x (1 + tanh(u)) = x sigmoid(2u), in runtime/ops.py's form (no cancellation for x << 0)
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x / (1.0f + expf(-2.0f * u));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Per-layer store views passed to kernels by value
 // ---------------------------------------------------------------------------------------------
 
@@ -61,12 +76,22 @@ struct LayerStore {
     int64_t *evicted;      // (n_kv,) tokens evicted
     int32_t *victims;      // (n_kv, P) scratch: chosen victims
     uint8_t *taken;        // (n_kv, P) scratch: slot already chosen this round
+    uint8_t *scratch;      // update "shift" only: compact_ordered's staging, shift_scratch_bytes per head
     int P, C, sinks, ring;
+    int il;                // layer index (the random policy's draws)
     int k_type, v_type;    // RL_TYPE_F32 | RL_TYPE_F16 | RL_TYPE_Q8_0 (kv_rows.cuh)
 };
 
+// Bytes of one head's shift scratch (LayerStore.scratch): P x (score f64, aux u64, seq i32, dest i32)
+// then P K rows and P V rows, rounded up to 8 so that every head's 8-byte arrays stay aligned.
+__host__ __device__ inline int64_t shift_scratch_bytes(int P, int64_t krb, int64_t vrb) {
+    return ((int64_t)P * (24 + krb + vrb) + 7) / 8 * 8;
+}
+
 struct StorePolicy {
-    int policy, reindexed, recent, lazy, slack, max_drop, lsh_bits;
+    int policy, reindexed, recent, lazy, slack, max_drop, lsh_bits, history;
+    uint64_t seed;
+    int shift;             // 1: the shift-and-append baseline (ordered slots), 0: in place
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -81,6 +106,26 @@ void launch_matmul(float *out, const uint8_t *w, const float *x, int qtype, int6
 void launch_embed(float *out, const uint8_t *w, const int32_t *ids, int qtype, int64_t n_cols, int64_t row_bytes,
                   int n, float scale, cudaStream_t st);
 
+// One weight matrix of a grouped matmul launch: its sums are x (T, n_cols) @ W.T, the same float
+// operations as launch_matmul's, so the fused forward pass is bit-identical to the unfused one.
+struct MatmulPart {
+    float *out;           // (T, n_rows)
+    const uint8_t *w;     // (n_rows, row_bytes) GGUF blocks of qtype
+    const float *b;       // (n_rows,) bias added to the sums, or NULL
+    int64_t row_bytes;
+    int n_rows, qtype;
+};
+constexpr int MM_MAX_PARTS = 3;
+// epi of launch_matmul_group: what the epilogue writes (s: a part's sums, plus its bias)
+constexpr int MM_EPI_STORE = 0;   // every part: out = s (q, k, v in one launch)
+constexpr int MM_EPI_ADD = 1;     // every part: out = out + s (a residual add, as launch_add)
+constexpr int MM_EPI_ACT = 2;     // parts {u} or {g, u} with equal n_rows: parts[0].out = act(u) or act(g) * u
+                                  // (launch_act: non-gated, gated); parts[1].out is not written
+// Up to MM_MAX_PARTS matrices of n_cols columns (qtypes may differ) applied to the same x in one
+// launch; outputs must not overlap x.
+void launch_matmul_group(const MatmulPart *parts, int n_parts, int epi, int act, const float *x, int64_t n_cols, int T,
+                         cudaStream_t st);
+
 // kernels.cu
 void launch_norm(float *out, const float *x, const float *w, const float *b, int kind, int rows, int n, double eps,
                  cudaStream_t st);
@@ -91,13 +136,20 @@ void launch_softcap(float *x, float cap, int64_t n, cudaStream_t st);
 void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
                      const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd,
                      cudaStream_t st);
-void launch_attend(float *out, float *weights, const float *q, const uint8_t *k, const uint8_t *v, int k_type,
-                   int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed,
-                   int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double scale,
-                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, cudaStream_t st);
+// out (n_head, hd), weights (n_head, P); path RL_ATTEND_AUTO | _SINGLE | _SPLIT (include/ringllm_cuda.h).
+// The split-K path needs scratch of attend_scratch_floats(n_head, hd, P) floats and a group / hd that
+// attend_split_fits (group = n_head / n_kv); otherwise (or scratch NULL) the single-block kernel runs.
+void launch_attend(float *out, float *weights, float *scratch, const float *q, const uint8_t *k, const uint8_t *v,
+                   int k_type, int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq,
+                   int q_pos_fixed, int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double scale,
+                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, int path,
+                   cudaStream_t st);
+bool attend_split_fits(int group, int hd, int P);
+int64_t attend_scratch_floats(int n_head, int hd, int P);
 // tab (n_tab, half) = cos/sin of angle (p / scale) * inv_freq[i] (the attention's RoPE table)
 void launch_rope_table(float2 *tab, const double *inv_freq, double scale, int n_tab, int half, cudaStream_t st);
-void launch_observe(LayerStore L, int policy, const float *weights, int n_head, int n_kv, cudaStream_t st);
+// the policy's record of the attention step just taken (h2o, tova, scissorhands; a no-op for the others)
+void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, cudaStream_t st);
 void launch_advance(int64_t *n_seen, int T, cudaStream_t st);
 void launch_pick(int32_t *token, const float *logits, int n, const float *params, cudaStream_t st);
 
@@ -105,3 +157,21 @@ void launch_pick(int32_t *token, const float *logits, int n, const float *params
 #define RL_QPOS_FIXED 0     // q_pos_fixed
 #define RL_QPOS_COUNT 1     // count[0] - 1 (reindexed: the newest token's rank)
 #define RL_QPOS_SEQ 2       // *q_pos_seq + q_pos_fixed (original: n_seen + t)
+
+// prefill.cu: chunk mode of a ring layer where no token of the chunk evicts (nb tokens held, all in
+// slots [0, nb) at positions = slot indices, nb + T <= C). launch_kv_append: rows t of k_new, v_new
+// (T, n_kv * hd) float32 (keys before RoPE) into slots nb + t, seq = rank = nb + t, count = nb + T.
+// launch_prefill_attend: out (T, n_head * hd) row t = attention of q row t (before RoPE, position
+// nb + t) over slots [0, nb + t], attend_kernel's numerics up to summation order; no weights. The
+// cos/sin come from rope_tab alone, which must hold positions [0, nb + T) (NULL when rotary_dim is
+// 0). The slots are split across blocks as far as scratch (scratch_floats floats; NULL: no split)
+// holds the partial sums: prefill_scratch_floats(n_batch, n_head, hd) is enough for any chunk.
+// prefill_fits: the head_dims the kernels take (multiples of 4 up to 256; api.cu takes a model of
+// another head_dim token by token).
+bool prefill_fits(int hd);
+void launch_kv_append(LayerStore L, const float *k_new, const float *v_new, int nb, int T, int n_kv, int hd,
+                      cudaStream_t st);
+void launch_prefill_attend(float *out, float *scratch, int64_t scratch_floats, const float *q, const uint8_t *k,
+                           const uint8_t *v, int k_type, int v_type, int nb, int T, int n_head, int n_kv, int P,
+                           int hd, int rotary_dim, const float2 *rope_tab, float attn_scale, cudaStream_t st);
+int64_t prefill_scratch_floats(int n_batch, int n_head, int hd);

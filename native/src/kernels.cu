@@ -7,6 +7,7 @@
 // The kernels that touch K / V rows are templates on the store's element types (KT, VT:
 // kv_rows.cuh); the f32 instances are the plain float32 code.
 #include "common.cuh"
+#include "rope.cuh"
 
 #include <float.h>
 #include <math.h>
@@ -84,14 +85,7 @@ __global__ void norm_kernel(float *out, const float *x, const float *w, const fl
         o[i] = __fadd_rn(__fmul_rn((float)(((double)xr[i] - mu) * inv), w[i]), b[i]);
 }
 
-__device__ __forceinline__ float act_f(float x, int kind) {
-    if (kind == RL_ACT_SILU) return x / (1.0f + expf(-x));
-    if (kind == RL_ACT_GELU) return (float)(0.5 * (double)x * (1.0 + erf((double)x / sqrt(2.0))));
-    // 0.5 x (1 + tanh(u)) = x sigmoid(2u), in runtime/ops.py's form (no cancellation for x << 0)
-    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-    return x / (1.0f + expf(-2.0f * u));
-}
-
+// act_f: common.cuh (shared with the fused FFN epilogue of quant.cu's matmul_group_kernel)
 __global__ void act_kernel(float *out, const float *gate, const float *up, int kind, int gated, int64_t n) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -138,12 +132,31 @@ template <int T> __device__ __forceinline__ bool simhash_bit(const float *proj_i
     return acc > 0.0f;
 }
 
+// One splitmix64 output for state x (runtime/policies/random_policy.py splitmix64).
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+// The random policy's draws at one eviction share this base: splitmix64 of (seed, layer il, kv head
+// h, the new token's sequence index), chained as runtime/policies/random_policy.py _random_keys.
+__device__ __forceinline__ uint64_t random_base(uint64_t seed, int il, int h, int seq_new) {
+    return splitmix64(splitmix64(splitmix64(seed) ^ (uint64_t)(il * 1024 + h)) ^ (uint64_t)seq_new);
+}
+
 // Victim key of slot j: the lowest key among unprotected slots goes (ties -> older token).
 // Attention masses (h2o, tova) are compared on runtime/eviction.py's grid (GRID_LOG, KEY_GRID = 4096
 // steps per octave): masses that differ only by rounding tie, and the older token goes, as on the CPU.
+// scissorhands: minus the count of unimportant steps in the slot's history bits (aux); random: the
+// top 53 bits of splitmix64(rbase ^ seq) (the CPU's draw before its scaling to [0, 1), same order).
 __device__ __forceinline__ double victim_key(int policy, int j, const int32_t *seq, const double *score,
-                                             const uint64_t *aux, const uint64_t *qcode, int group) {
+                                             const uint64_t *aux, const uint64_t *qcode, int group,
+                                             uint64_t rbase) {
     switch (policy) {
+        case RL_POLICY_SCISSORHANDS: return -(double)__popcll(aux[j]);
+        case RL_POLICY_RANDOM: return (double)(splitmix64(rbase ^ (uint64_t)(int64_t)seq[j]) >> 11);
         case RL_POLICY_H2O:
         case RL_POLICY_TOVA: return floor(4096.0 * log2(score[j] + 1e-30) + 0.5);
         case RL_POLICY_KNORM: return -score[j];
@@ -156,8 +169,71 @@ __device__ __forceinline__ double victim_key(int policy, int j, const int32_t *s
     }
 }
 
+// Block-cooperative copy of n 2-byte units (every row's bytes are even, kv_rows.cuh).
+__device__ __forceinline__ void copy_units(uint8_t *dst, const uint8_t *src, int64_t n) {
+    uint16_t *o = reinterpret_cast<uint16_t *>(dst);
+    const uint16_t *i = reinterpret_cast<const uint16_t *>(src);
+    for (int64_t u = threadIdx.x; u < n; u += blockDim.x) o[u] = i[u];
+}
+
+// The shift-and-append baseline (update "shift", runtime/kv_write.py kv_write_shift and
+// evict_slots_shift): head h's slots stay in sequence order (slot = rank), and removing the `got`
+// slots flagged in taken copies every survivor down over them, as an ordered cache does. Survivors go
+// through the layer's scratch (L.scratch, shift_scratch_bytes per head) and back, so no row is overwritten before it is read. Leaves count unchanged.
+__device__ void compact_ordered(LayerStore L, int h, int n, int got, const int32_t *victims, int64_t krb, int64_t vrb) {
+    const int P = L.P, tid = threadIdx.x;
+    uint8_t *K = L.k + (int64_t)h * P * krb, *V = L.v + (int64_t)h * P * vrb;
+    int32_t *seq = L.seq + h * P, *rank = L.rank + h * P;
+    double *score = L.score + h * P;
+    uint64_t *aux = L.aux + h * P;
+    const uint8_t *taken = L.taken + h * P;
+    double *score_s = reinterpret_cast<double *>(L.scratch + h * shift_scratch_bytes(P, krb, vrb));
+    uint64_t *aux_s = reinterpret_cast<uint64_t *>(score_s + P);
+    int32_t *seq_s = reinterpret_cast<int32_t *>(aux_s + P), *dest = seq_s + P;
+    uint8_t *Ks = reinterpret_cast<uint8_t *>(dest + P), *Vs = Ks + P * krb;
+    for (int j = tid; j < n; j += blockDim.x) {
+        int below = 0;
+        for (int m = 0; m < got; m++) below += victims[m] < j;
+        dest[j] = taken[j] ? -1 : j - below;
+    }
+    __syncthreads();
+    const int64_t ku = krb / 2, vu = vrb / 2;
+    const uint16_t *K16 = reinterpret_cast<const uint16_t *>(K), *V16 = reinterpret_cast<const uint16_t *>(V);
+    uint16_t *Ks16 = reinterpret_cast<uint16_t *>(Ks), *Vs16 = reinterpret_cast<uint16_t *>(Vs);
+    for (int64_t u = tid; u < n * ku; u += blockDim.x) {
+        const int o = dest[u / ku];
+        if (o >= 0) Ks16[o * ku + u % ku] = K16[u];
+    }
+    for (int64_t u = tid; u < n * vu; u += blockDim.x) {
+        const int o = dest[u / vu];
+        if (o >= 0) Vs16[o * vu + u % vu] = V16[u];
+    }
+    for (int j = tid; j < n; j += blockDim.x) {
+        const int o = dest[j];
+        if (o >= 0) {
+            seq_s[o] = seq[j];
+            score_s[o] = score[j];
+            aux_s[o] = aux[j];
+        }
+    }
+    __syncthreads();
+    const int kept = n - got;
+    copy_units(K, Ks, kept * ku);
+    copy_units(V, Vs, kept * vu);
+    for (int j = tid; j < n; j += blockDim.x) {
+        seq[j] = j < kept ? seq_s[j] : -1;
+        rank[j] = j;
+        if (j < kept) {
+            score[j] = score_s[j];
+            aux[j] = aux_s[j];
+        }
+    }
+    __syncthreads();
+}
+
 // Token t of the chunk (k_new, v_new (n_kv, hd) float32, k before RoPE) into the store, its rows
-// encoded in KT / VT here; victims' slots are refilled by moving encoded rows. Policy scores of the
+// encoded in KT / VT here; victims' slots are refilled by moving encoded rows (update "inplace") or
+// the survivors are copied down in order (update "shift", compact_ordered). Policy scores of the
 // key (knorm, lsh) are taken from the key as the store holds it (decoded), as the CPU store's.
 template <int KT, int VT>
 __global__ void __launch_bounds__(KV_THREADS)
@@ -182,12 +258,20 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     __shared__ int s_got, s_stop;
 
     if (L.ring) {
-        // Ring: a free slot, else the oldest non-sink token's slot, sinks + evictions mod (C - sinks).
-        int slot, rank_new;
-        if (n < L.C) {
-            slot = n;
-            rank_new = n;
-        } else {
+        // Ring: a free slot while there is one. Full, in place: the oldest non-sink token's slot,
+        // sinks + evictions mod (C - sinks); shift-and-append: the ordered slots move down one over
+        // the oldest non-sink token (slot sinks) and the new token goes at the end.
+        int slot = n, rank_new = n;
+        if (n >= L.C && pol.shift) {
+            if (tid == 0) {
+                victims[0] = L.sinks;
+                taken[L.sinks] = 1;
+            }
+            __syncthreads();
+            compact_ordered(L, h, n, 1, victims, krb, vrb);
+            if (tid == 0) taken[L.sinks] = 0;
+            slot = rank_new = n - 1;
+        } else if (n >= L.C) {
             slot = L.sinks + (int)(L.evicted[h] % (int64_t)(L.C - L.sinks));
             const int vs = seq[slot];
             if (pol.reindexed)   // every held token newer than the victim moves down one rank
@@ -227,6 +311,7 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
                 qcode[tid] = c;
             }
         }
+        const uint64_t rbase = pol.policy == RL_POLICY_RANDOM ? random_base(pol.seed, L.il, h, seq_new) : 0;
         for (int j = tid; j < n; j += blockDim.x) taken[j] = 0;
         for (int round = 0; round < n_drop; round++) {
             __syncthreads();
@@ -235,7 +320,7 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
             for (int j = tid; j < n; j += blockDim.x) {
                 const int r = rank[j];
                 if (r < L.sinks || r >= n - pol.recent || taken[j]) continue;
-                const double kj = victim_key(pol.policy, j, seq, score, aux, qcode, group);
+                const double kj = victim_key(pol.policy, j, seq, score, aux, qcode, group, rbase);
                 if (bj < 0 || kj < bk || (kj == bk && seq[j] < bs)) {
                     bk = kj;
                     bs = seq[j];
@@ -274,40 +359,44 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
         }
         __syncthreads();
         const int got = s_got;
-        // ranks drop by the number of victims older than the token (positions follow when reindexed)
-        for (int j = tid; j < n; j += blockDim.x) {
-            const int s = seq[j];
-            int older = 0;
-            for (int m = 0; m < got; m++) older += seq[victims[m]] < s;
-            rank[j] -= older;
-        }
-        __syncthreads();
-        if (tid == 0) {   // holes highest first: the last occupied slot is then never a pending victim
-            for (int a = 0; a < got; a++) {
-                int best = a;
-                for (int b = a + 1; b < got; b++)
-                    if (victims[b] > victims[best]) best = b;
-                const int tmp = victims[a];
-                victims[a] = victims[best];
-                victims[best] = tmp;
+        if (pol.shift) {
+            compact_ordered(L, h, n, got, victims, krb, vrb);
+        } else {
+            // ranks drop by the number of victims older than the token (positions follow when reindexed)
+            for (int j = tid; j < n; j += blockDim.x) {
+                const int s = seq[j];
+                int older = 0;
+                for (int m = 0; m < got; m++) older += seq[victims[m]] < s;
+                rank[j] -= older;
             }
-        }
-        __syncthreads();
-        for (int m = 0; m < got; m++) {
-            const int j = victims[m], last = n - 1 - m;
-            if (j != last) {
-                kv_copy<KT>(K + j * krb, K + last * krb, hd);
-                kv_copy<VT>(V + j * vrb, V + last * vrb, hd);
-                if (tid == 0) {
-                    seq[j] = seq[last];
-                    rank[j] = rank[last];
-                    score[j] = score[last];
-                    aux[j] = aux[last];
+            __syncthreads();
+            if (tid == 0) {   // holes highest first: the last occupied slot is then never a pending victim
+                for (int a = 0; a < got; a++) {
+                    int best = a;
+                    for (int b = a + 1; b < got; b++)
+                        if (victims[b] > victims[best]) best = b;
+                    const int tmp = victims[a];
+                    victims[a] = victims[best];
+                    victims[best] = tmp;
                 }
             }
             __syncthreads();
-            if (tid == 0) seq[last] = -1;
-            __syncthreads();
+            for (int m = 0; m < got; m++) {
+                const int j = victims[m], last = n - 1 - m;
+                if (j != last) {
+                    kv_copy<KT>(K + j * krb, K + last * krb, hd);
+                    kv_copy<VT>(V + j * vrb, V + last * vrb, hd);
+                    if (tid == 0) {
+                        seq[j] = seq[last];
+                        rank[j] = rank[last];
+                        score[j] = score[last];
+                        aux[j] = aux[last];
+                    }
+                }
+                __syncthreads();
+                if (tid == 0) seq[last] = -1;
+                __syncthreads();
+            }
         }
     }
     __syncthreads();
@@ -348,26 +437,17 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
 }
 
 // ==============================================================================================
-// Attention step (runtime/attention.py attend): one block per query head
+// Attention step (runtime/attention.py attend): one block per query head, or split-K over the
+// slots (flash-decoding) for large stores
 // ==============================================================================================
 
 constexpr int ATT_THREADS = 256;
 constexpr int ATT_DIMS = 256;      // value dims summed per pass of the weighted sum
+constexpr int ATT_SPLIT = 64;      // slots per block of the split-K path
+constexpr int ATT_GCHUNK = 8;      // query heads whose value sums a thread holds at once (split-K)
+constexpr int ATT_SPLIT_SMEM = 40 * 1024;   // split-K dynamic shared memory bound: 48 KiB less `part`
 
-// cos/sin of position p for dim pair i: angle (p / scale) * inv_freq[i] in float64, rounded to
-// float32, as the CPU's RopeTable; read from the model's table (tab: (n_tab, half) pairs, made once
-// by rope_table_kernel) for p < n_tab, computed the same way past it (original positions of a long
-// stream) or without a table (tab NULL).
-__device__ __forceinline__ float2 rope_angle_cs(int64_t p, double scale, double inv_freq) {
-    double sd, cd;
-    sincos(((double)p / scale) * inv_freq, &sd, &cd);
-    return make_float2((float)cd, (float)sd);
-}
-
-__device__ __forceinline__ float2 rope_cs(int64_t p, int i, int half, double scale, const double *inv_freq,
-                                          const float2 *tab, int n_tab) {
-    return p < n_tab ? tab[p * half + i] : rope_angle_cs(p, scale, inv_freq[i]);
-}
+// RoPE cos/sin (rope_angle_cs, rope_cs): rope.cuh, shared with prefill.cu.
 
 __global__ void rope_table_kernel(float2 *tab, const double *inv_freq, double scale, int n_tab, int half) {
     const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -464,6 +544,199 @@ attend_kernel(float *out, float *weights, const float *q, const uint8_t *k, cons
     }
 }
 
+// Split-K (flash-decoding; runtime/stored_attention.py does the same on the CPU): block (h, s) of
+// attend_split_kernel takes slots [s * ATT_SPLIT, (s + 1) * ATT_SPLIT) of kv head h for all the
+// group's query heads, so each K / V row is read once per group. For query head hq = h * group + g
+// it writes the raw scores into weights[hq, j], and into scratch (floats):
+//
+//   ml (n_head, S) float2     the split's score maximum m and l = sum_j exp(max(s_j - m, -87.3))
+//   o  (n_head, S, hd)        after ml: the unnormalized value sum sum_j exp(max(s_j - m, -87.3)) v_j
+//
+// Blocks whose slots start at or past count[h] return at once: attend_merge_kernel (one block per
+// query head) reads only the ceil(count / ATT_SPLIT) splits in use. The grid is fixed by P, so the
+// launch can be captured in a graph. Needs hd <= ATT_DIMS (= ATT_THREADS: a thread per value dim)
+// and group * (hd + ATT_SPLIT) floats of shared memory (attend_split_fits).
+//
+// rope_cs with the angles past the table computed in a call (the same rope_angle_cs, the same
+// bits): the float64 sincos and its argument reduction stay out of the kernel's registers.
+__device__ __noinline__ float2 rope_angle_cs_call(int64_t p, double scale, double inv_freq) {
+    return rope_angle_cs(p, scale, inv_freq);
+}
+
+__device__ __forceinline__ float2 rope_cs_split(int64_t p, int i, int half, double scale, const double *inv_freq,
+                                                const float2 *tab, int n_tab) {
+    return p < n_tab ? tab[p * half + i] : rope_angle_cs_call(p, scale, inv_freq[i]);
+}
+
+template <int KT, int VT>
+__global__ void __launch_bounds__(ATT_THREADS)
+attend_split_kernel(float *weights, float *scratch, const float *q, const uint8_t *k, const uint8_t *v,
+                    const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed,
+                    int q_pos_mode, int n_head, int P, int hd, int rotary_dim, double scale, const double *inv_freq,
+                    const float2 *tab, int n_tab, float attn_scale) {
+    extern __shared__ float sm[];
+    __shared__ float part[ATT_GCHUNK * ATT_THREADS];   // per-thread partial value sums of a head chunk
+    const int h = blockIdx.x, s = blockIdx.y, S = gridDim.y, group = n_head / gridDim.x, tid = threadIdx.x;
+    const int n = count[h], j0 = s * ATT_SPLIT;
+    if (j0 >= n) return;   // the same for the whole block: before any barrier
+    const int len = n - j0 < ATT_SPLIT ? n - j0 : ATT_SPLIT;
+    const int half = rotary_dim / 2;
+    float *qr = sm;                 // (group, hd) the group's queries rotated at their position, times attn_scale
+    float *e = sm + group * hd;     // (group, ATT_SPLIT) the split's scores, then exp(max(score - m, -87.3))
+    int64_t qp = q_pos_fixed;
+    if (q_pos_mode == RL_QPOS_COUNT) qp = n - 1;
+    else if (q_pos_mode == RL_QPOS_SEQ) qp = *q_pos_seq + q_pos_fixed;
+    const float *qh = q + (int64_t)h * group * hd;
+    for (int x = tid; x < group * hd; x += blockDim.x) {
+        const int d = x % hd;
+        const float *qg = qh + (x - d);
+        float r;
+        if (d < half) {
+            const float2 cs = rope_cs_split(qp, d, half, scale, inv_freq, tab, n_tab);
+            r = qg[d] * cs.x - qg[d + half] * cs.y;
+        } else if (d < rotary_dim) {
+            const float2 cs = rope_cs_split(qp, d - half, half, scale, inv_freq, tab, n_tab);
+            r = qg[d] * cs.x + qg[d - half] * cs.y;
+        } else {
+            r = qg[d];
+        }
+        qr[x] = r * attn_scale;
+    }
+    __syncthreads();
+
+    // scores: a warp per slot, its lanes over the dims (coalesced row reads); the rotated key stays
+    // in registers (lo / hi: dim pairs (i, i + half); tl: dims past rotary_dim) for the group's heads
+    const int64_t krb = kv_row_bytes(KT, hd), vrb = kv_row_bytes(VT, hd);
+    const int lane = tid & 31, wi = tid >> 5, nw = blockDim.x >> 5;
+    const uint8_t *kh = k + ((int64_t)h * P + j0) * krb;
+    const int32_t *ph = pos + (int64_t)h * P + j0;
+    float *wh = weights + (int64_t)h * group * P + j0;   // query head h * group + g: row wh + g * P
+    for (int jj = wi; jj < len; jj += nw) {
+        const uint8_t *kj = kh + (int64_t)jj * krb;
+        const int64_t p = ph[jj];
+        float lo[ATT_DIMS / 64], hi[ATT_DIMS / 64], tl[ATT_DIMS / 32];
+#pragma unroll
+        for (int c = 0; c < ATT_DIMS / 64; c++) {
+            const int i = c * 32 + lane;
+            lo[c] = 0.0f;
+            hi[c] = 0.0f;
+            if (i < half) {
+                const float2 cs = rope_cs_split(p, i, half, scale, inv_freq, tab, n_tab);
+                const float a = kv_get<KT>(kj, i), b = kv_get<KT>(kj, i + half);
+                lo[c] = a * cs.x - b * cs.y;
+                hi[c] = b * cs.x + a * cs.y;
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < ATT_DIMS / 32; c++) {
+            const int d = rotary_dim + c * 32 + lane;
+            tl[c] = d < hd ? kv_get<KT>(kj, d) : 0.0f;
+        }
+        for (int g = 0; g < group; g++) {
+            const float *qg = qr + g * hd;
+            float acc = 0.0f;
+#pragma unroll
+            for (int c = 0; c < ATT_DIMS / 64; c++) {
+                const int i = c * 32 + lane;
+                if (i < half) acc += qg[i] * lo[c] + qg[i + half] * hi[c];
+            }
+#pragma unroll
+            for (int c = 0; c < ATT_DIMS / 32; c++) {
+                const int d = rotary_dim + c * 32 + lane;
+                if (d < hd) acc += qg[d] * tl[c];
+            }
+            acc = warp_sum(acc);
+            if (lane == 0) {
+                e[g * ATT_SPLIT + jj] = acc;
+                wh[(int64_t)g * P + jj] = acc;
+            }
+        }
+    }
+    __syncthreads();
+
+    // the split's softmax pieces, a warp per query head: m, then e = exp(max(s - m, -87.3)) and l
+    float2 *ml = reinterpret_cast<float2 *>(scratch);
+    for (int g = wi; g < group; g += nw) {
+        float *eg = e + g * ATT_SPLIT;
+        float m = -INFINITY;
+        for (int jj = lane; jj < len; jj += 32) m = fmaxf(m, eg[jj]);
+        m = warp_max(m);
+        float l = 0.0f;
+        for (int jj = lane; jj < len; jj += 32) {
+            const float x = expf(fmaxf(eg[jj] - m, -87.3f));   // exp_f32's clamp, as attend_kernel
+            eg[jj] = x;
+            l += x;
+        }
+        l = warp_sum(l);
+        if (lane == 0) ml[(int64_t)(h * group + g) * S + s] = make_float2(m, l);
+    }
+    __syncthreads();
+
+    // o = sum_j e_j v_j: thread (r, d) sums dim d of the slots r, r + R, ... (a warp reads a row's
+    // consecutive dims), for up to ATT_GCHUNK heads at once; the R partial rows are then added in order
+    float *o = scratch + (int64_t)n_head * S * 2;
+    const int R = blockDim.x / hd, d = tid % hd, r = tid / hd;
+    const uint8_t *vh = v + ((int64_t)h * P + j0) * vrb;
+    for (int g0 = 0; g0 < group; g0 += ATT_GCHUNK) {
+        float acc[ATT_GCHUNK];
+#pragma unroll
+        for (int u = 0; u < ATT_GCHUNK; u++) acc[u] = 0.0f;
+        if (r < R) {
+            for (int jj = r; jj < len; jj += R) {
+                const float x = kv_get<VT>(vh + (int64_t)jj * vrb, d);
+#pragma unroll
+                for (int u = 0; u < ATT_GCHUNK; u++)
+                    if (g0 + u < group) acc[u] += e[(g0 + u) * ATT_SPLIT + jj] * x;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_GCHUNK; u++) part[u * ATT_THREADS + tid] = acc[u];
+        __syncthreads();
+        const int gc = group - g0 < ATT_GCHUNK ? group - g0 : ATT_GCHUNK;
+        for (int x = tid; x < gc * hd; x += blockDim.x) {
+            const int u = x / hd, dd = x % hd;
+            float sum = 0.0f;
+            for (int y = 0; y < R; y++) sum += part[u * ATT_THREADS + y * hd + dd];
+            o[((int64_t)(h * group + g0 + u) * S + s) * hd + dd] = sum;
+        }
+        __syncthreads();
+    }
+}
+
+// Weight of a split whose maximum is m against the head's maximum M (0 for a split with no finite
+// score, which also covers M = -inf).
+__device__ __forceinline__ float split_factor(float m, float M) { return m == -INFINITY ? 0.0f : expf(m - M); }
+
+// Merge of attend_split_kernel's splits, one block per query head hq: M = max_s m_s,
+// L = sum_s l_s exp(m_s - M), out = sum_s o_s exp(m_s - M) / L, and the scores in weights become
+// exp(max(score - M, -87.3)) / L with subnormals flushed to 0, as attend_kernel writes them.
+__global__ void __launch_bounds__(ATT_THREADS)
+attend_merge_kernel(float *out, float *weights, const float *scratch, const int32_t *count, int n_kv, int P, int hd,
+                    int S) {
+    __shared__ float red[32];
+    const int hq = blockIdx.x, n_head = gridDim.x, h = hq / (n_head / n_kv), tid = threadIdx.x;
+    const int n = count[h], ns = (n + ATT_SPLIT - 1) / ATT_SPLIT;
+    const float2 *ml = reinterpret_cast<const float2 *>(scratch) + (int64_t)hq * S;
+    const float *o = scratch + (int64_t)n_head * S * 2 + (int64_t)hq * S * hd;
+    float mx = -INFINITY;
+    for (int s = tid; s < ns; s += blockDim.x) mx = fmaxf(mx, ml[s].x);
+    mx = block_max(mx, red);
+    float tot = 0.0f;
+    for (int s = tid; s < ns; s += blockDim.x) tot += ml[s].y * split_factor(ml[s].x, mx);
+    tot = block_sum(tot, red);
+    const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;   // no slot: out = 0, as attend_kernel
+    for (int d = tid; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < ns; s++) acc += o[(int64_t)s * hd + d] * split_factor(ml[s].x, mx);
+        out[(int64_t)hq * hd + d] = acc * inv;
+    }
+    float *w = weights + (int64_t)hq * P;
+    for (int j = tid; j < n; j += blockDim.x) {   // no subnormal weights (softmax_inplace): they become 0
+        const float wj = expf(fmaxf(w[j] - mx, -87.3f)) * inv;
+        w[j] = wj >= FLT_MIN ? wj : 0.0f;
+    }
+}
+
 // ==============================================================================================
 // Attention mass of the policies (runtime/policies/h2o.py, tova.py)
 // ==============================================================================================
@@ -475,6 +748,21 @@ __global__ void observe_h2o_kernel(LayerStore L, const float *weights, int group
         float m = 0.0f;
         for (int g = 0; g < group; g++) m += weights[(int64_t)(h * group + g) * L.P + j];
         L.score[h * L.P + j] += (double)m;
+    }
+}
+
+// scissorhands: aux[h, j] = the slot's history bits shifted left by one, the new bit set when the
+// group-summed weight over the group size is below 1/n (n = slots attended; float64 comparison of the
+// float32 sum, as runtime/policies/scissorhands.py update_history), kept to `history` bits.
+__global__ void observe_scissorhands_kernel(LayerStore L, const float *weights, int group, int history) {
+    const int h = blockIdx.x, n = L.count[h];
+    const uint64_t mask = history < 64 ? (1ull << history) - 1 : ~0ull;
+    const double thresh = 1.0 / n;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float m = 0.0f;
+        for (int g = 0; g < group; g++) m += weights[(int64_t)(h * group + g) * L.P + j];
+        const uint64_t low = (double)m / group < thresh ? 1ull : 0ull;
+        L.aux[h * L.P + j] = ((L.aux[h * L.P + j] << 1) | low) & mask;
     }
 }
 
@@ -678,26 +966,49 @@ void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const fl
     });
 }
 
-void launch_attend(float *out, float *weights, const float *q, const uint8_t *k, const uint8_t *v, int k_type,
-                   int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed,
-                   int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double scale,
-                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, cudaStream_t st) {
+static_assert(ATT_DIMS == ATT_THREADS, "split-K: a thread per value dim of a row");
+
+static int attend_splits(int P) { return (P + ATT_SPLIT - 1) / ATT_SPLIT; }
+
+bool attend_split_fits(int group, int hd, int P) {
+    return hd >= 1 && hd <= ATT_DIMS && (int64_t)group * (hd + ATT_SPLIT) * (int64_t)sizeof(float) <= ATT_SPLIT_SMEM &&
+           attend_splits(P) <= 65535;   // gridDim.y
+}
+
+int64_t attend_scratch_floats(int n_head, int hd, int P) { return (int64_t)n_head * attend_splits(P) * (hd + 2); }
+
+void launch_attend(float *out, float *weights, float *scratch, const float *q, const uint8_t *k, const uint8_t *v,
+                   int k_type, int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq,
+                   int q_pos_fixed, int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double scale,
+                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, int path,
+                   cudaStream_t st) {
+    const int group = n_head / n_kv, S = attend_splits(P), nt = rope_tab ? n_tab : 0;
+    const bool split = scratch && attend_split_fits(group, hd, P) &&
+                       (path == RL_ATTEND_SPLIT || (path == RL_ATTEND_AUTO && P > RL_ATTEND_SPLIT_MIN_P));
     with_kv_types(k_type, v_type, [&](auto kt, auto vt) {
-        attend_kernel<decltype(kt)::value, decltype(vt)::value>
-            <<<n_head, ATT_THREADS, hd * sizeof(float), st>>>(out, weights, q, k, v, pos, count, q_pos_seq,
-                                                             q_pos_fixed, q_pos_mode, n_kv, P, hd, rotary_dim,
-                                                             scale, inv_freq, rope_tab, rope_tab ? n_tab : 0,
-                                                             attn_scale);
+        constexpr int KT = decltype(kt)::value, VT = decltype(vt)::value;
+        if (split)
+            attend_split_kernel<KT, VT>
+                <<<dim3(n_kv, S), ATT_THREADS, (size_t)group * (hd + ATT_SPLIT) * sizeof(float), st>>>(
+                    weights, scratch, q, k, v, pos, count, q_pos_seq, q_pos_fixed, q_pos_mode, n_head, P, hd,
+                    rotary_dim, scale, inv_freq, rope_tab, nt, attn_scale);
+        else
+            attend_kernel<KT, VT><<<n_head, ATT_THREADS, hd * sizeof(float), st>>>(
+                out, weights, q, k, v, pos, count, q_pos_seq, q_pos_fixed, q_pos_mode, n_kv, P, hd, rotary_dim, scale,
+                inv_freq, rope_tab, nt, attn_scale);
     });
+    if (split) attend_merge_kernel<<<n_head, ATT_THREADS, 0, st>>>(out, weights, scratch, count, n_kv, P, hd, S);
 }
 
 void launch_rope_table(float2 *tab, const double *inv_freq, double scale, int n_tab, int half, cudaStream_t st) {
     rope_table_kernel<<<grid_for((int64_t)n_tab * half, 256), 256, 0, st>>>(tab, inv_freq, scale, n_tab, half);
 }
 
-void launch_observe(LayerStore L, int policy, const float *weights, int n_head, int n_kv, cudaStream_t st) {
-    if (policy == RL_POLICY_H2O) observe_h2o_kernel<<<n_kv, 128, 0, st>>>(L, weights, n_head / n_kv);
-    else if (policy == RL_POLICY_TOVA) observe_tova_kernel<<<1, 256, 0, st>>>(L, weights, n_head / n_kv, n_kv);
+void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, cudaStream_t st) {
+    if (pol.policy == RL_POLICY_H2O) observe_h2o_kernel<<<n_kv, 128, 0, st>>>(L, weights, n_head / n_kv);
+    else if (pol.policy == RL_POLICY_TOVA) observe_tova_kernel<<<1, 256, 0, st>>>(L, weights, n_head / n_kv, n_kv);
+    else if (pol.policy == RL_POLICY_SCISSORHANDS)
+        observe_scissorhands_kernel<<<n_kv, 128, 0, st>>>(L, weights, n_head / n_kv, pol.history);
 }
 
 void launch_pick(int32_t *token, const float *logits, int n, const float *params, cudaStream_t st) {

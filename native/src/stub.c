@@ -35,6 +35,7 @@ int rl_model_set_rope(rl_model *m, int il, double base, double scale) { NOT_BUIL
 int rl_model_ready(rl_model *m) { NOT_BUILT; }
 int rl_model_weight_bytes(rl_model *m, int64_t *out) { NOT_BUILT; }
 int rl_model_set_graph(rl_model *m, int enable) { NOT_BUILT; }
+int rl_model_set_fused(rl_model *m, int enable) { NOT_BUILT; }
 int rl_store_init(rl_store **out, rl_model *m, const rl_store_params *p) { if (out) *out = NULL; NOT_BUILT; }
 int rl_store_free(rl_store *s) { return RL_OK; }
 int rl_store_reset(rl_store *s) { NOT_BUILT; }
@@ -58,7 +59,8 @@ int rl_kernel_embed(int device, int qtype, int64_t n_rows, int64_t n_cols, const
                     const int32_t *ids, int n, float embed_scale, float *out) { NOT_BUILT; }
 int rl_kernel_attend(int device, const float *q, const void *k, const void *v, int k_type, int v_type,
                      const int32_t *pos, const int32_t *count, int n_head, int n_kv, int P, int hd, int rotary_dim,
-                     double rope_base, double rope_scale, float attn_scale, int q_pos, float *out, float *weights) {
+                     double rope_base, double rope_scale, float attn_scale, int q_pos, int path, float *out,
+                     float *weights) {
     NOT_BUILT;
 }
 int rl_kernel_pick(int device, const float *logits, int n, float temperature, int top_k, float top_p, float u,
