@@ -108,6 +108,45 @@ def bench_stream(m, n_tokens: int, capacity: int, policies=POLICIES) -> dict:
     return out
 
 
+def bench_batch(m, batches: list[int], capacity: int, n_steps: int) -> dict:
+    """Batched decode throughput: for update "inplace" (EQUIP) and "shift" (shift-and-append), per
+    batch size B, B sequences of streaming stores filled to `capacity` (so every step evicts), then
+    n_steps steps of all B (decode_batch, CUDA graph; B = 1: decode). tok/s = B x steps / time."""
+    from ringllm.native import CUDAEngine
+
+    eng = CUDAEngine(m.spec, m.tensors, n_batch=max(64, max(batches)), cuda_graph=True)
+    rng = np.random.default_rng(1)
+    out = {}
+    for update in ("inplace", "shift"):
+        out[update] = {}
+        for B in batches:
+            kv = dict(capacity=capacity, policy="streaming", sinks=4, update=update)
+            prompts = [rng.integers(100, min(5000, m.spec.n_vocab), capacity).tolist() for _ in range(B)]
+            if B == 1:
+                st = eng.new_store(**kv)
+                eng.prefill(prompts[0], st)
+                tok = eng.pick()
+                for _ in range(8):      # warm-up and capture
+                    tok = eng.decode(tok, st)
+                t0 = time.perf_counter()
+                for _ in range(n_steps):
+                    tok = eng.decode(tok, st)
+                dt = time.perf_counter() - t0
+            else:
+                st = eng.new_batch_store(B, **kv)
+                toks = np.array([int(np.argmax(eng.forward_seq(p, st, b))) for b, p in enumerate(prompts)], np.int32)
+                for _ in range(8):
+                    toks = eng.decode_batch(toks, st)
+                t0 = time.perf_counter()
+                for _ in range(n_steps):
+                    toks = eng.decode_batch(toks, st)
+                dt = time.perf_counter() - t0
+            out[update][str(B)] = {"tok_s": B * n_steps / dt, "step_ms": dt / n_steps * 1e3}
+            print(f"batch {update} B={B}: {B * n_steps / dt:.0f} tok/s", flush=True)
+            del st
+    return out
+
+
 def copy_bandwidth_gb_s(n_bytes: int = 2 << 30, repeats: int = 10) -> float | None:
     """The card's achievable bandwidth: a device-to-device copy of n_bytes through PyTorch, bytes read
     plus bytes written over the median time (None without a CUDA build of torch)."""
@@ -198,6 +237,9 @@ def main(argv=None) -> None:
     ap.add_argument("--stream", type=int, default=50000, help="tokens per long-stream run (0 = skip)")
     ap.add_argument("--capacities", default="512,4096", help="store capacities of the long streams")
     ap.add_argument("--policies", default=",".join(POLICIES), help="policies of the long streams, comma-separated")
+    ap.add_argument("--batch", default="1,2,4,8,16,32,64", help="batch sizes of the batched decode runs ('' = skip)")
+    ap.add_argument("--batch-capacity", type=int, default=512, help="store capacity per sequence in the batched runs")
+    ap.add_argument("--batch-steps", type=int, default=200, help="timed steps per batched run")
     ap.add_argument("--hf-stream", type=int, default=2000,
                     help="tokens of transformers' shift-and-append stream per capacity (0 = skip transformers)")
     ap.add_argument("--name", default="gpu_speed")
@@ -232,9 +274,15 @@ def main(argv=None) -> None:
     res["gpu_engine"] = bench_gpu(m, args.tg, pps, args.repeats)
     report("gpu_engine", res["gpu_engine"])
     capacities = [int(c) for c in args.capacities.split(",")]
+    if args.batch:
+        res["batch"] = bench_batch(m, [int(b) for b in args.batch.split(",")], args.batch_capacity, args.batch_steps)
+        report("batch", res["batch"])
     if args.hf_stream:          # before the long streams: the decode ratio is the headline figure
-        res["transformers"] = bench_transformers(path, args.tg, pps[0], args.hf_stream, capacities)
-        report("transformers", res["transformers"])
+        try:
+            res["transformers"] = bench_transformers(path, args.tg, pps[0], args.hf_stream, capacities)
+        except Exception as e:        # recorded, and the run goes on to the streams
+            res["transformers_error"] = f"{type(e).__name__}: {e}"
+        report("transformers", res.get("transformers", res.get("transformers_error")))
     if args.stream:
         res["stream"] = {}
         for c in capacities:
@@ -261,11 +309,22 @@ def main(argv=None) -> None:
         lines += ["", f"CPU engine tg: {res['cpu_tg']:.1f} tok/s"]
     if res["llama_cpp_gpu_tg"]:
         lines += [f"llama.cpp (GPU) tg: {res['llama_cpp_gpu_tg']:.1f} tok/s"]
+    if "transformers_error" in res:
+        lines += ["", f"transformers (same GPU): failed: {res['transformers_error']}"]
     if "transformers" in res:
         d = res["transformers"]["default_cache"]
         best = max(r["tg_device_pick"] for r in res["gpu_engine"].values())
         lines += ["", f"transformers (same GPU, float16, default DynamicCache): pp {d['pp']:.0f} tok/s, tg "
                   f"{d['tg']:.0f} tok/s; ringllm best tg / transformers tg: {best / d['tg']:.2f}x"]
+    if "batch" in res:
+        bs = list(res["batch"]["inplace"])
+        lines += ["", f"Batched decode (streaming stores full at capacity {args.batch_capacity}, every step evicts; "
+                  f"{args.batch_steps} steps, CUDA graph): tokens/s of all sequences", "",
+                  "| update | " + " | ".join(f"B={b}" for b in bs) + " |", "|---|" + "---|" * len(bs)]
+        for update, rows in res["batch"].items():
+            lines.append(f"| {update} | " + " | ".join(f"{rows[b]['tok_s']:.0f}" for b in bs) + " |")
+        lines.append("| in place / shift | " + " | ".join(
+            f"{res['batch']['inplace'][b]['tok_s'] / res['batch']['shift'][b]['tok_s']:.2f}x" for b in bs) + " |")
     if "stream" in res:
         lines += ["", f"Long streams: {args.stream} tokens per policy (CUDA graph decode); transformers' "
                   f"shift-and-append stream: {args.hf_stream} tokens", "",

@@ -4,7 +4,9 @@ CUDAEngine has runtime.engine.CPUEngine's verbs (new_store, prefill, step, logit
 ringllm.LLM(backend="cuda") drives it as it drives the CPU engine; usage is in the package
 docstring (ringllm.native). Beyond those verbs it chooses tokens on the device: pick() from the
 last logits, decode(token, store) a decode step and the choice in one device call (optionally
-replayed as a captured CUDA graph), generate(ids, store, n) both in a loop.
+replayed as a captured CUDA graph), generate(ids, store, n) both in a loop. A batch store
+(new_batch_store) holds B sequences: each is fed alone (forward_seq) and all are stepped together
+(decode_batch: one pass over the B rows, each KV write and attention step one launch for the batch).
 
 Every option and tensor is checked against the spec before the first device call
 (CUDAEngine._plan); the device objects (rl_model, rl_store) are opaque handles freed by the
@@ -57,7 +59,7 @@ class CUDAStore:
     registers by attention and the key-scoring policies (knorm, lsh score the key as held).
     """
 
-    def __init__(self, engine: "CUDAEngine", kv: KVConfig):
+    def __init__(self, engine: "CUDAEngine", kv: KVConfig, batch: int = 1):
         spec = engine.spec
         kv.validate()
         for what, name in (("k_type", kv.k_type), ("v_type", kv.v_type)):
@@ -68,6 +70,9 @@ class CUDAStore:
         if kv.policy not in DEVICE_POLICIES:
             raise ConfigError(f"policy {kv.policy!r} is not available on the cuda backend; available: "
                               f"{', '.join(DEVICE_POLICIES)} (use backend='cpu' for the others)")
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= min(engine.n_batch, 1024):
+            raise ConfigError(f"batch must be an integer in 1..{min(engine.n_batch, 1024)} (at most the engine's "
+                              f"n_batch rows), got {batch!r}")
         capacity, sinks = kv.capacity, kv.sinks
         if kv.policy == "full":
             if capacity is not None and not 1 <= capacity <= spec.n_ctx:
@@ -91,8 +96,8 @@ class CUDAStore:
             self.layer_ring.append(ring)
             self.layer_physical.append(cap if ring else KVConfig(capacity=cap, policy="streaming", sinks=0, lazy=kv.lazy,
                                                                  slack=kv.slack, max_drop=kv.max_drop).physical_capacity)
-        if max(self.layer_physical) >= 2 ** 31 // max(1, spec.n_head_kv):
-            raise ConfigError(f"capacity {self.capacity} is too large for the cuda backend")
+        if max(self.layer_physical) >= 2 ** 31 // max(1, spec.n_head_kv * batch):   # int32 slot indices
+            raise ConfigError(f"capacity {self.capacity} x batch {batch} is too large for the cuda backend")
         proj = None
         if kv.policy == "lsh":
             # SimHash projections of runtime/policies/lsh.py: N(0, 1) from default_rng(seed + layer)
@@ -109,6 +114,7 @@ class CUDAStore:
         p.recent, p.lazy, p.slack, p.max_drop, p.lsh_bits = self.recent, kv.lazy, kv.slack, kv.max_drop, kv.lsh_bits
         p.history, p.seed = kv.history, kv.seed % 2 ** 64     # np.uint64(seed) on the CPU: two's complement
         p.shift = int(kv.update == "shift")
+        p.batch = batch
         for name, a in arrays.items():
             setattr(p, name, c_ptr(ffi, "int *", a))
         p.lsh_proj = c_ptr(ffi, "float *", proj)
@@ -116,20 +122,25 @@ class CUDAStore:
         out = ffi.new("rl_store **")
         check_status(lib.rl_store_init(out, engine._model, p), "rl_store_init")
         self._store = ffi.gc(out[0], lib.rl_store_free)
-        self._held = np.zeros((spec.n_layer, spec.n_head_kv), np.int64)
-        self._evicted = np.zeros((spec.n_layer, spec.n_head_kv), np.int64)
-        self.n_seen = 0
+        self.batch = batch
+        self._held = np.zeros((spec.n_layer, spec.n_head_kv * batch), np.int64)
+        self._evicted = np.zeros((spec.n_layer, spec.n_head_kv * batch), np.int64)
+        self.n_seen = 0                   # tokens fed (one sequence)
+        self.seen = [0] * batch           # tokens fed per sequence of a batch store
 
-    def check_room(self, n_new: int) -> None:
-        """Raise before any work when policy full would overflow the model's context."""
-        if self.policy == "full" and self.n_seen + n_new > self.capacity:
-            raise ConfigError(f"{self.n_seen + n_new} tokens exceed the model's context {self.capacity} with "
+    def check_room(self, n_new: int, b: int | None = None) -> None:
+        """Raise before any work when policy full would overflow the model's context (b: the
+        sequence of a batch store)."""
+        seen = self.n_seen if b is None else self.seen[b]
+        if self.policy == "full" and seen + n_new > self.capacity:
+            raise ConfigError(f"{seen + n_new} tokens exceed the model's context {self.capacity} with "
                               "policy 'full'; choose an eviction policy (e.g. streaming) or a shorter input")
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
-        """held, evicted: (n_layer, n_head_kv) int64 (a device read)."""
+        """held, evicted: (n_layer, n_head_kv x batch) int64 (a device read; sequence b's heads are
+        columns b * n_head_kv ...)."""
         ffi, lib = ffi_lib()
-        seen = ffi.new("int64_t *")
+        seen = ffi.new("int64_t[]", self.batch)
         check_status(lib.rl_store_counts(self._store, c_ptr(ffi, "int64_t *", self._held),
                                    c_ptr(ffi, "int64_t *", self._evicted), seen), "rl_store_counts")
         return self._held.copy(), self._evicted.copy()
@@ -141,7 +152,7 @@ class CUDAStore:
         the others). Keys are before RoPE."""
         if not 0 <= il < self.spec.n_layer:
             raise ConfigError(f"layer {il} out of range 0..{self.spec.n_layer - 1}")
-        nkv, P, hd = self.spec.n_head_kv, self.layer_physical[il], self.spec.head_dim
+        nkv, P, hd = self.spec.n_head_kv * self.batch, self.layer_physical[il], self.spec.head_dim
         out = {"k": np.empty((nkv, P, row_width(self.k_type, hd)), STORE_DTYPE[self.k_type]),
                "v": np.empty((nkv, P, row_width(self.v_type, hd)), STORE_DTYPE[self.v_type]),
                "seq": np.empty((nkv, P), np.int32), "pos": np.empty((nkv, P), np.int32),
@@ -157,6 +168,20 @@ class CUDAStore:
         ffi, lib = ffi_lib()
         check_status(lib.rl_store_reset(self._store), "rl_store_reset")
         self.n_seen = 0
+        self.seen = [0] * self.batch
+
+    def reset_seq(self, b: int) -> None:
+        """Empty sequence b of a batch store (it leaves; a new one starts there)."""
+        self.check_seq(b)
+        ffi, lib = ffi_lib()
+        check_status(lib.rl_store_reset_seq(self._store, b), "rl_store_reset_seq")
+        self.seen[b] = 0
+
+    def check_seq(self, b) -> None:
+        if self.batch < 2:
+            raise ConfigError("this store holds one sequence; make a batch store with CUDAEngine.new_batch_store")
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < self.batch:
+            raise ConfigError(f"sequence index must be in 0..{self.batch - 1}, got {b!r}")
 
     def device_bytes(self) -> int:
         ffi, lib = ffi_lib()
@@ -168,8 +193,9 @@ class CUDAStore:
         """Same keys as KVStore.stats()."""
         held, evicted = self.counts()
         return {"capacity": self.capacity, "length": int(held.max()), "evicted_total": int(evicted.sum()),
+                "batch": self.batch,
                 "policy": self.policy, "sinks": self.sinks, "recent": self.recent, "positions": self.positions,
-                "update": self.update, "tokens_seen": self.n_seen, "layer_capacity": list(self.layer_capacity),
+                "update": self.update, "tokens_seen": self.n_seen if self.batch == 1 else sum(self.seen), "layer_capacity": list(self.layer_capacity),
                 "bytes": self.device_bytes()}
 
 
@@ -297,9 +323,23 @@ class CUDAEngine:
             raise ConfigError(f"pass a KVConfig or keyword arguments, not both (got {sorted(kwargs)})")
         return CUDAStore(self, kv)
 
-    def _ids(self, ids, store: CUDAStore) -> np.ndarray:
+    def new_batch_store(self, batch: int, kv: KVConfig | None = None, **kwargs) -> CUDAStore:
+        """A device KV store for `batch` (2..n_batch) sequences with one configuration: each is fed
+        alone (forward_seq) and all are stepped together (decode_batch)."""
+        if kv is None:
+            kv = KVConfig(**kwargs)
+        elif kwargs:
+            raise ConfigError(f"pass a KVConfig or keyword arguments, not both (got {sorted(kwargs)})")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 2:
+            raise ConfigError(f"a batch store holds 2 or more sequences, got batch={batch!r} (use new_store for one)")
+        return CUDAStore(self, kv, batch)
+
+    def _ids(self, ids, store: CUDAStore, b: int | None = None) -> np.ndarray:
         if not isinstance(store, CUDAStore) or store.engine is not self:
             raise ConfigError("store must be a CUDAStore made by this engine's new_store()")
+        if b is None and store.batch > 1:
+            raise ConfigError(f"the store holds a batch of {store.batch} sequences: feed one with forward_seq, "
+                              "step all with decode_batch")
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise ConfigError(f"token ids must be integers, got dtype {ids.dtype}")
@@ -308,7 +348,7 @@ class CUDAEngine:
             raise ConfigError("no tokens to feed")
         if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
             raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
-        store.check_room(ids.size)
+        store.check_room(ids.size, b)
         return np.ascontiguousarray(ids, dtype=np.int32)
 
     def forward(self, ids, store: CUDAStore, all_logits: bool = True) -> np.ndarray:
@@ -321,6 +361,45 @@ class CUDAEngine:
                               c_ptr(ffi, "float *", out), int(bool(all_logits))), "rl_forward")
         store.n_seen += ids.size
         return out
+
+    def forward_seq(self, ids, store: CUDAStore, b: int, all_logits: bool = False) -> np.ndarray:
+        """forward() into sequence b of a batch store: (len(ids), n_vocab) logits when all_logits,
+        else the last token's (n_vocab,) (a view of a host buffer, valid until the next call)."""
+        if isinstance(store, CUDAStore):
+            store.check_seq(b)
+        ids = self._ids(ids, store, b)
+        ffi, lib = ffi_lib()
+        out = np.empty((ids.size, self.spec.n_vocab), np.float32) if all_logits else self._logits1
+        check_status(lib.rl_forward_seq(self._model, store._store, int(b), c_ptr(ffi, "int32_t *", ids), ids.size,
+                                        c_ptr(ffi, "float *", out), int(bool(all_logits))), "rl_forward_seq")
+        store.seen[b] += ids.size
+        return out
+
+    def decode_batch(self, tokens, store: CUDAStore, want_logits: bool = False):
+        """One decode step of every sequence of a batch store: tokens (batch,), one per sequence.
+        Returns each sequence's greedy next token (batch,) int32, or (tokens, logits (batch, n_vocab))
+        when want_logits (a new array; sample from it for temperature > 0)."""
+        if not isinstance(store, CUDAStore) or store.engine is not self:
+            raise ConfigError("store must be a CUDAStore made by this engine's new_batch_store()")
+        if store.batch < 2:
+            raise ConfigError("decode_batch needs a batch store (new_batch_store); step one sequence with decode")
+        ids = np.asarray(tokens)
+        if ids.dtype.kind not in "iu" or ids.shape != (store.batch,):
+            raise ConfigError(f"decode_batch takes one integer token per sequence: shape ({store.batch},), got "
+                              f"{ids.dtype} {ids.shape}")
+        if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
+            raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
+        for b in range(store.batch):
+            store.check_room(1, b)
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        nxt = np.empty(store.batch, np.int32)
+        logits = np.empty((store.batch, self.spec.n_vocab), np.float32) if want_logits else None
+        ffi, lib = ffi_lib()
+        check_status(lib.rl_decode_batch(self._model, store._store, c_ptr(ffi, "int32_t *", ids), ids.size,
+                                         c_ptr(ffi, "int32_t *", nxt), c_ptr(ffi, "float *", logits)),
+                     "rl_decode_batch")
+        store.seen = [n + 1 for n in store.seen]
+        return (nxt, logits) if want_logits else nxt
 
     def prefill(self, ids, store: CUDAStore) -> np.ndarray:
         """Feed a prompt in chunks of n_batch; the last token's logits (n_vocab,) (valid until the next call)."""

@@ -731,6 +731,80 @@ def test_greedy_1000_tokens_match_cpu_per_policy(smollm2, name):
     assert gs.stats()["evicted_total"] == cs.stats()["evicted_total"]
 
 
+BATCH_CONFIGS = {
+    "streaming": dict(policy="streaming", sinks=4),
+    "h2o": dict(policy="h2o", sinks=4),
+    "tova": dict(policy="tova", sinks=4, positions="original"),
+    "random_staged": dict(policy="random", sinks=4, lazy=4, slack=2, seed=5),
+    "streaming_shift": dict(policy="streaming", sinks=4, update="shift"),
+    "split_attention": dict(policy="h2o", sinks=4, capacity=300),     # P > 256: the split-K attention path,
+}                                                                       # evicting (a 320-token prompt)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(BATCH_CONFIGS))
+@pytest.mark.parametrize("graph", [False, True], ids=["plain", "graph"])
+def test_batch_decode_matches_each_sequence_alone(smollm2, name, graph):
+    """B = 4 sequences at different lengths in one batch store, stepped together by decode_batch,
+    give each sequence's logits when it decodes alone in its own store (within 1e-3: the projections
+    run as a 4-row product), the same greedy tokens over 60 steps, the same eviction counts per
+    sequence; a sequence that leaves and is replaced starts from nothing."""
+    kv = KVConfig(**{"capacity": 64, **BATCH_CONFIGS[name]})
+    eng = CUDAEngine(smollm2.spec, smollm2.tensors, cuda_graph=graph)
+    ids = prompt_ids(smollm2, 400)
+    prompts = [ids[:30], ids[40:41], ids[50:370] if kv.capacity > 256 else ids[50:150], ids[380:390]]
+    B, nkv = len(prompts), smollm2.spec.n_head_kv
+    batch = eng.new_batch_store(B, kv)
+    alone = [eng.new_store(kv) for _ in prompts]
+    toks = []
+    for b, pr in enumerate(prompts):
+        want = eng.forward_seq(pr, batch, b).copy()
+        np.testing.assert_array_equal(want, eng.prefill(pr, alone[b]))
+        toks.append(int(np.argmax(want)))
+    for step in range(60):
+        got, logits = eng.decode_batch(toks, batch, want_logits=True)
+        nxt = []
+        for b in range(B):
+            tok, want = eng.decode(toks[b], alone[b], want_logits=True)
+            assert np.abs(logits[b] - want).max() <= 1e-3, (name, step, b)
+            assert got[b] == tok, (name, step, b)
+            nxt.append(tok)
+        toks = nxt
+    held, evicted = batch.counts()
+    for b in range(B):
+        h1, e1 = alone[b].counts()
+        np.testing.assert_array_equal(held[:, b * nkv:(b + 1) * nkv], h1)
+        np.testing.assert_array_equal(evicted[:, b * nkv:(b + 1) * nkv], e1)
+    # sequence 1 leaves; a new prompt starts in its place and decodes as alone
+    batch.reset_seq(1)
+    fresh = eng.new_store(kv)
+    first = int(np.argmax(eng.forward_seq(ids[:20], batch, 1)))
+    assert first == int(np.argmax(eng.prefill(ids[:20], fresh)))
+    toks[1] = first
+    got = eng.decode_batch(toks, batch)
+    assert got[1] == eng.decode(first, fresh)
+
+
+@gpu
+@pytest.mark.gpu
+def test_batch_store_refuses_single_sequence_verbs(smollm2):
+    eng = CUDAEngine(smollm2.spec, smollm2.tensors, n_batch=8)
+    batch = eng.new_batch_store(3, capacity=32, policy="streaming")
+    with pytest.raises(ConfigError, match="forward_seq"):
+        eng.prefill([1, 2, 3], batch)
+    with pytest.raises(ConfigError, match="one integer token per sequence"):
+        eng.decode_batch([1, 2], batch)
+    with pytest.raises(ConfigError, match="0..2"):
+        eng.forward_seq([1], batch, 3)
+    with pytest.raises(ConfigError, match="batch store"):
+        eng.decode_batch([1], eng.new_store(capacity=32, policy="streaming"))
+    with pytest.raises(ConfigError, match="batch must be"):
+        eng.new_batch_store(9, capacity=32, policy="streaming")
+    with pytest.raises(ConfigError, match="2 or more"):
+        eng.new_batch_store(1, capacity=32, policy="streaming")
+
+
 @gpu
 @pytest.mark.gpu
 def test_decode_graph_and_sampling(smollm2):

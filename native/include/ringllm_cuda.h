@@ -202,6 +202,10 @@ typedef struct {
     int lsh_bits;             /* SimHash bits c, 1..64 (RL_POLICY_LSH) */
     int history;              /* steps of the history window, 1..64 (RL_POLICY_SCISSORHANDS) */
     uint64_t seed;            /* seed of the draws (RL_POLICY_RANDOM) */
+    int batch;                /* sequences held (0 or 1: one; B > 1, at most n_batch: a batch store,
+                                 fed per sequence by rl_forward_seq and stepped together by
+                                 rl_decode_batch; per-head arrays and counts then hold B x n_head_kv
+                                 heads, sequence b's heads b * n_head_kv ...) */
     int shift;                /* 1: the shift-and-append baseline (KVConfig update "shift": slots kept in
                                  sequence order, survivors copied down over the victims); 0: in place */
     /* per layer (n_layer entries each): */
@@ -230,13 +234,17 @@ int rl_store_free(rl_store *s);
 /* Empty the store (all slots free, counters zero) without reallocating. */
 int rl_store_reset(rl_store *s);
 
-/* Counters: held (n_layer, n_head_kv) and evicted (n_layer, n_head_kv) int64, and tokens seen. */
+/* Empty sequence b of a batch store (a sequence leaves; the next one starts there from nothing). */
+int rl_store_reset_seq(rl_store *s, int b);
+
+/* Counters: held (n_layer, H) and evicted (n_layer, H) int64, H = n_head_kv x batch (one sequence:
+ * n_head_kv), and tokens seen (batch,) (one entry for one sequence). */
 int rl_store_counts(rl_store *s, int64_t *held, int64_t *evicted, int64_t *n_seen);
 
-/* Copy layer il's slots to the host for inspection: k, v (n_head_kv, P_l) rows as the store holds
- * them (keys before RoPE), each of the k_type / v_type row bytes (rl_store_params), seq, pos
- * (n_head_kv, P_l) int32 (-1 / 0 for empty slots), score (n_head_kv, P_l) float64. Any pointer may
- * be NULL (skipped). */
+/* Copy layer il's slots to the host for inspection: k, v (H, P_l) rows as the store holds them
+ * (keys before RoPE), each of the k_type / v_type row bytes (rl_store_params), seq, pos (H, P_l)
+ * int32 (-1 / 0 for empty slots), score (H, P_l) float64; H = n_head_kv x batch. Any pointer may be
+ * NULL (skipped). */
 int rl_store_read_layer(rl_store *s, int il, void *k, void *v, int32_t *seq, int32_t *pos, double *score);
 
 /* Device bytes of the store (K, V and slot metadata). */
@@ -254,6 +262,9 @@ int rl_store_bytes(rl_store *s, int64_t *out);
  * device for rl_pick. RL_ERR_ARG: n < 1 or an id out of range (checked before any launch). */
 int rl_forward(rl_model *m, rl_store *s, const int32_t *ids, int n, float *logits, int all_logits);
 
+/* rl_forward into sequence b of a batch store (a prompt, or a step of one sequence alone). */
+int rl_forward_seq(rl_model *m, rl_store *s, int b, const int32_t *ids, int n, float *logits, int all_logits);
+
 /* Choose the next token from the last logits on the device: greedy (first argmax) when
  * temperature <= 0; else softmax(logits / temperature) restricted to the top_k most likely
  * (top_k <= 0: all) and to the smallest set of most likely tokens whose mass reaches top_p
@@ -265,6 +276,13 @@ int rl_pick(rl_model *m, float temperature, int top_k, float top_p, float u, int
  * logits: NULL or (n_vocab,) float32 receiving the step's logits. */
 int rl_decode(rl_model *m, rl_store *s, int32_t token, float temperature, int top_k, float top_p, float u,
               int32_t *next, float *logits);
+
+/* One decode step of every sequence of a batch store in one pass: tokens (n = batch) one per
+ * sequence; each layer's projections run over the n rows as one matrix product and each KV write,
+ * attention step and observation over all sequences in one launch. next (n,) receives each row's
+ * greedy token (first argmax); logits NULL or (n, n_vocab) float32 (sample from these on the host).
+ * Replayed as a CUDA graph when rl_model_set_graph is on. RL_ERR_STATE on a one-sequence store. */
+int rl_decode_batch(rl_model *m, rl_store *s, const int32_t *tokens, int n, int32_t *next, float *logits);
 
 /* ---------------------------------------------------------------------------------------------
  * Single kernels, for tests against the NumPy oracles (upload, one launch, download, free)

@@ -257,7 +257,7 @@ extern "C" int rl_model_init(rl_model **out, const rl_model_params *p) {
     for (auto &b : plan)
         if (st == RL_OK) st = dev_alloc(b.b, b.n, "cudaMalloc (run buffers)");
     if (st == RL_OK) st = dev_alloc(&m->ids, B, "cudaMalloc (ids)");
-    if (st == RL_OK) st = dev_alloc(&m->token, 1, "cudaMalloc (token)");
+    if (st == RL_OK) st = dev_alloc(&m->token, B, "cudaMalloc (tokens)");   // one per row of a batch step
     if (m->prefill_chunk && p->n_batch > 1)   // none when every chunk goes token by token
         m->pf_part_floats = prefill_scratch_floats(p->n_batch, p->n_head, p->head_dim);
     if (st == RL_OK && m->pf_part_floats)
@@ -435,10 +435,12 @@ struct rl_store {
     int64_t k_row = 0, v_row = 0;   // bytes of one K / V row (kv_row_bytes)
     std::vector<LayerStore> layers;
     float *proj = nullptr;       // (n_layer, lsh_bits, hd) or null
-    float *weights = nullptr;    // (n_head, max P) softmax weights of the last attention step
-    float *att_part = nullptr;   // split-K attention scratch: attend_scratch_floats(n_head, hd, max P)
-    int64_t *n_seen = nullptr;   // device counter of tokens fed
-    int64_t n_seen_host = 0;
+    float *weights = nullptr;    // (batch x n_head, max P) softmax weights of the last attention step
+    float *att_part = nullptr;   // split-K attention scratch: attend_scratch_floats(batch x n_head, hd, max P)
+    int64_t *n_seen = nullptr;   // (batch,) device counters of tokens fed
+    int64_t n_seen_host = 0;     // tokens fed (a one-sequence store or a view of one sequence)
+    int batch = 1;               // sequences (common.cuh: B x n_kv heads per layer array)
+    std::vector<int64_t> seen_host;   // (batch,) tokens fed per sequence of a batch store
     int max_p = 0;
     cudaGraphExec_t graph = nullptr;
     int graph_failed = 0;
@@ -468,12 +470,12 @@ static int check_kv_type(int type, const char *what, int hd, const char *fn) {
     return RL_OK;
 }
 
-extern "C" int rl_store_reset(rl_store *s) {
-    if (!s) return rl_fail(RL_ERR_ARG, "rl_store_reset: NULL store");
-    const rl_model_params &p = s->m->p;
-    RL_CK(cudaSetDevice(p.device));
+// Empty `heads` kv heads of every layer of s (all of a store, or one sequence's through seq_view) and
+// n_counters device counters of tokens fed.
+static int clear_heads(rl_store *s, int64_t heads, int n_counters) {
+    RL_CK(cudaSetDevice(s->m->p.device));
     for (auto &L : s->layers) {
-        const size_t slots = (size_t)p.n_head_kv * L.P;
+        const size_t slots = (size_t)heads * L.P;
         RL_CK(cudaMemsetAsync(L.seq, 0xFF, slots * sizeof(int32_t), s->m->stream));   // -1: empty
         RL_CK(cudaMemsetAsync(L.rank, 0, slots * sizeof(int32_t), s->m->stream));
         RL_CK(cudaMemsetAsync(L.score, 0, slots * sizeof(double), s->m->stream));
@@ -481,12 +483,57 @@ extern "C" int rl_store_reset(rl_store *s) {
         RL_CK(cudaMemsetAsync(L.taken, 0, slots, s->m->stream));   // compact_ordered reads every flag below count
         RL_CK(cudaMemsetAsync(L.k, 0, slots * s->k_row, s->m->stream));
         RL_CK(cudaMemsetAsync(L.v, 0, slots * s->v_row, s->m->stream));
-        RL_CK(cudaMemsetAsync(L.count, 0, p.n_head_kv * sizeof(int32_t), s->m->stream));
-        RL_CK(cudaMemsetAsync(L.evicted, 0, p.n_head_kv * sizeof(int64_t), s->m->stream));
+        RL_CK(cudaMemsetAsync(L.count, 0, heads * sizeof(int32_t), s->m->stream));
+        RL_CK(cudaMemsetAsync(L.evicted, 0, heads * sizeof(int64_t), s->m->stream));
     }
-    RL_CK(cudaMemsetAsync(s->n_seen, 0, sizeof(int64_t), s->m->stream));
+    RL_CK(cudaMemsetAsync(s->n_seen, 0, n_counters * sizeof(int64_t), s->m->stream));
     RL_CK(cudaStreamSynchronize(s->m->stream));
+    return RL_OK;
+}
+
+extern "C" int rl_store_reset(rl_store *s) {
+    if (!s) return rl_fail(RL_ERR_ARG, "rl_store_reset: NULL store");
+    RL_TRY(clear_heads(s, (int64_t)s->m->p.n_head_kv * s->batch, s->batch));
     s->n_seen_host = 0;
+    s->seen_host.assign(s->batch, 0);
+    return RL_OK;
+}
+
+// Sequence b of a batch store as a one-sequence store: every per-head pointer moved to its heads, its
+// counter. Shares the store's buffers (never freed through the view) and captures no graph.
+static rl_store seq_view(const rl_store *s, int b) {
+    rl_store v = *s;
+    const int64_t nkv = s->m->p.n_head_kv, h0 = nkv * b;
+    for (LayerStore &L : v.layers) {
+        const int64_t slots = h0 * L.P;
+        L.k += slots * s->k_row;
+        L.v += slots * s->v_row;
+        L.seq += slots;
+        L.rank += slots;
+        L.score += slots;
+        L.aux += slots;
+        L.victims += slots;
+        L.taken += slots;
+        L.count += h0;
+        L.evicted += h0;
+        if (L.scratch) L.scratch += h0 * shift_scratch_bytes(L.P);
+    }
+    v.n_seen = s->n_seen + b;
+    v.n_seen_host = s->seen_host[b];
+    v.batch = 1;
+    v.seen_host.clear();
+    v.graph = nullptr;
+    v.graph_failed = 1;
+    return v;
+}
+
+extern "C" int rl_store_reset_seq(rl_store *s, int b) {
+    if (!s) return rl_fail(RL_ERR_ARG, "rl_store_reset_seq: NULL store");
+    if (s->batch < 2) return rl_fail(RL_ERR_STATE, "rl_store_reset_seq: not a batch store (use rl_store_reset)");
+    if (b < 0 || b >= s->batch) return rl_fail(RL_ERR_ARG, "rl_store_reset_seq: sequence %d outside [0, %d)", b, s->batch);
+    rl_store v = seq_view(s, b);
+    RL_TRY(clear_heads(&v, s->m->p.n_head_kv, 1));
+    s->seen_host[b] = 0;
     return RL_OK;
 }
 
@@ -502,6 +549,8 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         return rl_fail(RL_ERR_ARG, "rl_store_init: scissorhands needs history in 1..64, got %d", sp->history);
     if (sp->recent < 0 || sp->lazy < 0 || sp->slack < 0 || sp->max_drop < 0)
         return rl_fail(RL_ERR_ARG, "rl_store_init: recent, lazy, slack, max_drop must be >= 0");
+    if (sp->batch < 0 || sp->batch > p.n_batch || sp->batch > 1024)
+        return rl_fail(RL_ERR_ARG, "rl_store_init: batch %d must be in 0..min(n_batch %d, 1024)", sp->batch, p.n_batch);
     if (sp->policy == RL_POLICY_LSH && (!sp->lsh_proj || sp->lsh_bits < 1 || sp->lsh_bits > 64))
         return rl_fail(RL_ERR_ARG, "rl_store_init: lsh needs lsh_proj and lsh_bits in 1..64");
     RL_TRY(check_kv_type(sp->k_type, "k_type", p.head_dim, "rl_store_init"));
@@ -524,8 +573,9 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
     s->k_row = kv_row_bytes(sp->k_type, p.head_dim);
     s->v_row = kv_row_bytes(sp->v_type, p.head_dim);
     s->layers.resize(p.n_layer);
+    s->batch = sp->batch > 1 ? sp->batch : 1;
     int st = RL_OK;
-    const int64_t nkv = p.n_head_kv, hd = p.head_dim;
+    const int64_t nkv = (int64_t)p.n_head_kv * s->batch, hd = p.head_dim;   // kv heads of all sequences
     for (int il = 0; il < p.n_layer && st == RL_OK; il++) {
         LayerStore &L = s->layers[il];
         L = LayerStore{};
@@ -550,13 +600,13 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         if (st == RL_OK) st = dev_alloc(&L.victims, slots, what);
         if (st == RL_OK) st = dev_alloc(&L.taken, slots, what);
         if (st == RL_OK && s->pol.shift)   // compact_ordered's staging (kernels.cu)
-            st = dev_alloc(&L.scratch, nkv * shift_scratch_bytes(L.P, s->k_row, s->v_row), "cudaMalloc (shift scratch)");
+            st = dev_alloc(&L.scratch, nkv * shift_scratch_bytes(L.P), "cudaMalloc (shift scratch)");
     }
-    if (st == RL_OK) st = dev_alloc(&s->weights, (int64_t)p.n_head * s->max_p, "cudaMalloc (attention weights)");
+    const int nh = p.n_head * s->batch;
+    if (st == RL_OK) st = dev_alloc(&s->weights, (int64_t)nh * s->max_p, "cudaMalloc (attention weights)");
     if (st == RL_OK)
-        st = dev_alloc(&s->att_part, attend_scratch_floats(p.n_head, p.head_dim, s->max_p),
-                       "cudaMalloc (attention scratch)");
-    if (st == RL_OK) st = dev_alloc(&s->n_seen, 1, "cudaMalloc (counter)");
+        st = dev_alloc(&s->att_part, attend_scratch_floats(nh, p.head_dim, s->max_p), "cudaMalloc (attention scratch)");
+    if (st == RL_OK) st = dev_alloc(&s->n_seen, s->batch, "cudaMalloc (counter)");
     if (st == RL_OK && sp->policy == RL_POLICY_LSH) {
         const int64_t n = (int64_t)p.n_layer * sp->lsh_bits * hd;
         st = dev_alloc(&s->proj, n, "cudaMalloc (lsh projections)");
@@ -589,18 +639,18 @@ extern "C" int rl_store_counts(rl_store *s, int64_t *held, int64_t *evicted, int
     const rl_model_params &p = s->m->p;
     RL_CK(cudaSetDevice(p.device));
     RL_CK(cudaStreamSynchronize(s->m->stream));
-    std::vector<int32_t> c(p.n_head_kv);
+    const int heads = p.n_head_kv * s->batch;
+    std::vector<int32_t> c(heads);
     for (int il = 0; il < p.n_layer; il++) {
         const LayerStore &L = s->layers[il];
         if (held) {
             RL_CK(cudaMemcpy(c.data(), L.count, c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-            for (int h = 0; h < p.n_head_kv; h++) held[(size_t)il * p.n_head_kv + h] = c[h];
+            for (int h = 0; h < heads; h++) held[(size_t)il * heads + h] = c[h];
         }
         if (evicted)
-            RL_CK(cudaMemcpy(evicted + (size_t)il * p.n_head_kv, L.evicted, p.n_head_kv * sizeof(int64_t),
-                             cudaMemcpyDeviceToHost));
+            RL_CK(cudaMemcpy(evicted + (size_t)il * heads, L.evicted, heads * sizeof(int64_t), cudaMemcpyDeviceToHost));
     }
-    if (n_seen) RL_CK(cudaMemcpy(n_seen, s->n_seen, sizeof(int64_t), cudaMemcpyDeviceToHost));
+    if (n_seen) RL_CK(cudaMemcpy(n_seen, s->n_seen, s->batch * sizeof(int64_t), cudaMemcpyDeviceToHost));
     return RL_OK;
 }
 
@@ -611,7 +661,7 @@ extern "C" int rl_store_read_layer(rl_store *s, int il, void *k, void *v, int32_
     RL_CK(cudaSetDevice(p.device));
     RL_CK(cudaStreamSynchronize(s->m->stream));
     const LayerStore &L = s->layers[il];
-    const size_t slots = (size_t)p.n_head_kv * L.P;
+    const size_t slots = (size_t)p.n_head_kv * s->batch * L.P;
     if (k) RL_CK(cudaMemcpy(k, L.k, slots * s->k_row, cudaMemcpyDeviceToHost));
     if (v) RL_CK(cudaMemcpy(v, L.v, slots * s->v_row, cudaMemcpyDeviceToHost));
     if (seq) RL_CK(cudaMemcpy(seq, L.seq, slots * sizeof(int32_t), cudaMemcpyDeviceToHost));
@@ -625,8 +675,9 @@ extern "C" int rl_store_bytes(rl_store *s, int64_t *out) {
     const rl_model_params &p = s->m->p;
     int64_t t = 0;
     for (const LayerStore &L : s->layers) {
-        const int64_t slots = (int64_t)p.n_head_kv * L.P;
-        t += slots * (s->k_row + s->v_row + 4 + 4 + 8 + 8 + 4 + 1) + p.n_head_kv * (4 + 8);
+        const int64_t heads = (int64_t)p.n_head_kv * s->batch, slots = heads * L.P;
+        t += slots * (s->k_row + s->v_row + 4 + 4 + 8 + 8 + 4 + 1) + heads * (4 + 8);
+        if (L.scratch) t += heads * shift_scratch_bytes(L.P);
     }
     *out = t;
     return RL_OK;
@@ -686,7 +737,9 @@ static void ffn(rl_model *m, int il, int T, bool add = false) {
 }
 
 // n_before: tokens fed through the store before this chunk (the host's count: chunk mode's condition)
-static void layer(rl_model *m, rl_store *s, int il, int T, int64_t n_before) {
+// Layer il over the T rows of m->x: T tokens of one sequence (nseq = 1), or one token of each of the
+// nseq = T sequences of a batch store (every row writes and attends its own sequence's heads).
+static void layer(rl_model *m, rl_store *s, int il, int T, int64_t n_before, int nseq) {
     const rl_model_params &p = m->p;
     const int nh = p.n_head, nkv = p.n_head_kv, hd = p.head_dim;
     const int64_t e = p.n_embd, nq = (int64_t)nh * hd, nk = (int64_t)nkv * hd;
@@ -714,20 +767,27 @@ static void layer(rl_model *m, rl_store *s, int il, int T, int64_t n_before) {
     // it never evicted, token s sits in slot s at position s), the chunk is written in one launch and
     // attended causally in one more. Policy layers, a chunk that crosses C, decode steps (T = 1,
     // captured once in a CUDA graph) and positions past the RoPE table (over 32k) go token by token.
-    const bool chunk_mode = m->prefill_chunk && T > 1 && L.ring && n_before + T <= L.C &&
+    const bool chunk_mode = nseq == 1 && m->prefill_chunk && T > 1 && L.ring && n_before + T <= L.C &&
                             n_before + T <= ROPE_TABLE_POSITIONS && prefill_fits(hd);
+    const int qpos_mode = s->pol.reindexed ? RL_QPOS_COUNT : RL_QPOS_SEQ;
+    if (nseq > 1) {   // a batch step: the same three launches over nseq x the heads (common.cuh)
+        launch_kv_write(L, s->pol, m->k, m->v, m->q, proj, s->n_seen, 0, nkv * nseq, nh * nseq, hd, nkv, st);
+        launch_attend(m->att, s->weights, s->att_part, m->q, L.k, L.v, L.k_type, L.v_type, pos, L.count, s->n_seen, 0,
+                      qpos_mode, nh * nseq, nkv * nseq, L.P, hd, p.rotary_dim, m->rope_scale[il], inv_freq,
+                      m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale, nkv, RL_ATTEND_AUTO, st);
+        if (policy_layer) launch_observe(L, s->pol, s->weights, nh * nseq, nkv * nseq, nseq, st);
+    }
     if (chunk_mode) {
         launch_kv_append(L, m->k, m->v, (int)n_before, T, nkv, hd, st);
         launch_prefill_attend(m->att, m->pf_part, m->pf_part_floats, m->q, L.k, L.v, L.k_type, L.v_type,
                               (int)n_before, T, nh, nkv, L.P, hd, p.rotary_dim, m->rope_tab[il], p.attn_scale, st);
     }
-    for (int t = 0; !chunk_mode && t < T; t++) {   // decode semantics: write (evicting first), attend, observe
-        launch_kv_write(L, s->pol, m->k + t * nk, m->v + t * nk, m->q + t * nq, proj, s->n_seen, t, nkv, nh, hd, st);
+    for (int t = 0; nseq == 1 && !chunk_mode && t < T; t++) {   // decode semantics: write (evicting first), attend, observe
+        launch_kv_write(L, s->pol, m->k + t * nk, m->v + t * nk, m->q + t * nq, proj, s->n_seen, t, nkv, nh, hd, nkv, st);
         launch_attend(m->att + t * nq, s->weights, s->att_part, m->q + t * nq, L.k, L.v, L.k_type, L.v_type, pos,
-                      L.count, s->n_seen, t, s->pol.reindexed ? RL_QPOS_COUNT : RL_QPOS_SEQ, nh, nkv, L.P, hd,
-                      p.rotary_dim, m->rope_scale[il], inv_freq, m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale,
-                      RL_ATTEND_AUTO, st);
-        if (policy_layer) launch_observe(L, s->pol, s->weights, nh, nkv, st);
+                      L.count, s->n_seen, t, qpos_mode, nh, nkv, L.P, hd, p.rotary_dim, m->rope_scale[il], inv_freq,
+                      m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale, nkv, RL_ATTEND_AUTO, st);
+        if (policy_layer) launch_observe(L, s->pol, s->weights, nh, nkv, 1, st);
     }
     if (m->fused && !p.sandwich_norm && !p.parallel_residual) {
         // x += out(att); x += ffn(ffn_norm(x)): both residual adds in the projections' epilogues
@@ -754,15 +814,16 @@ static void layer(rl_model *m, rl_store *s, int il, int T, int64_t n_before) {
     launch_add(m->x, m->h2, T * e, st);
 }
 
-// One chunk of T <= n_batch ids already in m->ids. want: 0 no logits, 1 last row only (into
-// logits row 0), 2 every row; n_before: tokens fed through the store before it. Launches only (no host
-// synchronization): capturable in a graph.
-static void chunk(rl_model *m, rl_store *s, int T, int want, int64_t n_before) {
+// One chunk of T <= n_batch ids already in m->ids: T tokens of one sequence (nseq = 1) or one token
+// of each of a batch store's nseq = T sequences. want: 0 no logits, 1 last row only (into logits row
+// 0), 2 every row; n_before: tokens fed through the store before it (one sequence). Launches only (no
+// host synchronization): capturable in a graph.
+static void chunk(rl_model *m, rl_store *s, int T, int want, int64_t n_before, int nseq = 1) {
     const rl_model_params &p = m->p;
     const Matrix &embd = m->mat(RL_TOKEN_EMBD, 0);
     launch_embed(m->x, embd.d, m->ids, embd.qtype, embd.cols, embd.row_bytes, T, p.embed_scale, m->stream);
-    for (int il = 0; il < p.n_layer; il++) layer(m, s, il, T, n_before);
-    launch_advance(s->n_seen, T, m->stream);
+    for (int il = 0; il < p.n_layer; il++) layer(m, s, il, T, n_before, nseq);
+    launch_advance(s->n_seen, nseq > 1 ? 1 : T, nseq, m->stream);
     if (!want) return;
     const int rows = want == 2 ? T : 1;
     const float *x = want == 2 ? m->x : m->x + (int64_t)(T - 1) * p.n_embd;
@@ -780,13 +841,40 @@ static int check_pair(rl_model *m, rl_store *s, const char *fn) {
     return RL_OK;
 }
 
+static int check_ids(rl_model *m, const int32_t *ids, int n, const char *fn) {
+    if (!ids || n < 1) return rl_fail(RL_ERR_ARG, "%s: no tokens to feed", fn);
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->p.n_vocab)
+            return rl_fail(RL_ERR_ARG, "%s: token id %d at index %d is outside [0, %d)", fn, ids[i], i, m->p.n_vocab);
+    return RL_OK;
+}
+
+static int forward_store(rl_model *m, rl_store *s, const int32_t *ids, int n, float *logits, int all_logits);
+
 extern "C" int rl_forward(rl_model *m, rl_store *s, const int32_t *ids, int n, float *logits, int all_logits) {
     RL_TRY(check_pair(m, s, "rl_forward"));
+    if (s->batch > 1)
+        return rl_fail(RL_ERR_STATE, "rl_forward: the store holds a batch of %d sequences; feed one with "
+                       "rl_forward_seq", s->batch);
+    RL_TRY(check_ids(m, ids, n, "rl_forward"));
+    return forward_store(m, s, ids, n, logits, all_logits);
+}
+
+extern "C" int rl_forward_seq(rl_model *m, rl_store *s, int b, const int32_t *ids, int n, float *logits,
+                              int all_logits) {
+    RL_TRY(check_pair(m, s, "rl_forward_seq"));
+    if (s->batch < 2) return rl_fail(RL_ERR_STATE, "rl_forward_seq: not a batch store (use rl_forward)");
+    if (b < 0 || b >= s->batch) return rl_fail(RL_ERR_ARG, "rl_forward_seq: sequence %d outside [0, %d)", b, s->batch);
+    RL_TRY(check_ids(m, ids, n, "rl_forward_seq"));
+    rl_store v = seq_view(s, b);
+    const int st = forward_store(m, &v, ids, n, logits, all_logits);
+    s->seen_host[b] = v.n_seen_host;
+    return st;
+}
+
+// Feed n checked ids through one sequence's store s (a store or a seq_view), n_batch rows at a time.
+static int forward_store(rl_model *m, rl_store *s, const int32_t *ids, int n, float *logits, int all_logits) {
     const rl_model_params &p = m->p;
-    if (!ids || n < 1) return rl_fail(RL_ERR_ARG, "rl_forward: no tokens to feed");
-    for (int i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= p.n_vocab)
-            return rl_fail(RL_ERR_ARG, "rl_forward: token id %d at index %d is outside [0, %d)", ids[i], i, p.n_vocab);
     RL_CK(cudaSetDevice(p.device));
     for (int start = 0; start < n; start += p.n_batch) {
         const int T = n - start < p.n_batch ? n - start : p.n_batch;
@@ -821,7 +909,7 @@ extern "C" int rl_pick(rl_model *m, float temperature, int top_k, float top_p, f
     if (!m->last_logits) return rl_fail(RL_ERR_STATE, "rl_pick: no logits yet (call rl_forward first)");
     RL_CK(cudaSetDevice(m->p.device));
     RL_TRY(set_pick_params(m, temperature, top_k, top_p, u));
-    launch_pick(m->token, m->last_logits, m->p.n_vocab, m->pick_params, m->stream);
+    launch_pick(m->token, m->last_logits, m->p.n_vocab, m->pick_params, 1, m->stream);
     RL_LAUNCHED("pick");
     RL_CK(cudaMemcpyAsync(token, m->token, sizeof(int32_t), cudaMemcpyDeviceToHost, m->stream));
     RL_CK(cudaStreamSynchronize(m->stream));
@@ -831,11 +919,12 @@ extern "C" int rl_pick(rl_model *m, float temperature, int top_k, float top_p, f
 // The decode body: one token already in m->ids[0], logits of it, next token into m->token.
 static void decode_body(rl_model *m, rl_store *s) {
     chunk(m, s, 1, 1, s->n_seen_host);   // T = 1: token by token, whatever n_before (graph replays)
-    launch_pick(m->token, m->last_logits, m->p.n_vocab, m->pick_params, m->stream);
+    launch_pick(m->token, m->last_logits, m->p.n_vocab, m->pick_params, 1, m->stream);
 }
 
-// Capture decode_body into s->graph (once per store); on any failure, plain launches from then on.
-static void try_capture(rl_model *m, rl_store *s) {
+// Capture body (decode_body, or decode_batch_body for a batch store) into s->graph, once per store;
+// on any failure, plain launches from then on.
+static void try_capture(rl_model *m, rl_store *s, void (*body)(rl_model *, rl_store *)) {
     if (s->graph || s->graph_failed) return;
     cudaGraph_t g = nullptr;
     if (cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
@@ -843,7 +932,7 @@ static void try_capture(rl_model *m, rl_store *s) {
         cudaGetLastError();
         return;
     }
-    decode_body(m, s);
+    body(m, s);
     cudaError_t err = cudaStreamEndCapture(m->stream, &g);
     if (err == cudaSuccess && g) err = cudaGraphInstantiate(&s->graph, g, 0);
     if (g) cudaGraphDestroy(g);
@@ -858,13 +947,16 @@ extern "C" int rl_decode(rl_model *m, rl_store *s, int32_t token, float temperat
                          int32_t *next, float *logits) {
     RL_TRY(check_pair(m, s, "rl_decode"));
     const rl_model_params &p = m->p;
+    if (s->batch > 1)
+        return rl_fail(RL_ERR_STATE, "rl_decode: the store holds a batch of %d sequences; step them with "
+                       "rl_decode_batch", s->batch);
     if (!next) return rl_fail(RL_ERR_ARG, "rl_decode: next is NULL");
     if (token < 0 || token >= p.n_vocab)
         return rl_fail(RL_ERR_ARG, "rl_decode: token id %d is outside [0, %d)", token, p.n_vocab);
     RL_CK(cudaSetDevice(p.device));
     RL_TRY(set_pick_params(m, temperature, top_k, top_p, u));
     RL_CK(cudaMemcpyAsync(m->ids, &token, sizeof(int32_t), cudaMemcpyHostToDevice, m->stream));
-    if (m->use_graph) try_capture(m, s);
+    if (m->use_graph) try_capture(m, s, decode_body);
     if (m->use_graph && s->graph) {
         RL_CK(cudaGraphLaunch(s->graph, m->stream));
         m->last_logits = m->logits;   // what chunk(T = 1, last row) sets
@@ -878,6 +970,41 @@ extern "C" int rl_decode(rl_model *m, rl_store *s, int32_t token, float temperat
     RL_CK(cudaMemcpyAsync(next, m->token, sizeof(int32_t), cudaMemcpyDeviceToHost, m->stream));
     RL_CK(cudaStreamSynchronize(m->stream));
     s->n_seen_host += 1;
+    return RL_OK;
+}
+
+// The batch step body: one token per sequence in m->ids[0..B), every row's logits, greedy tokens
+// into m->token[0..B).
+static void decode_batch_body(rl_model *m, rl_store *s) {
+    chunk(m, s, s->batch, 2, 0, s->batch);
+    launch_pick(m->token, m->logits, m->p.n_vocab, m->pick_params, s->batch, m->stream);
+}
+
+extern "C" int rl_decode_batch(rl_model *m, rl_store *s, const int32_t *tokens, int n, int32_t *next, float *logits) {
+    RL_TRY(check_pair(m, s, "rl_decode_batch"));
+    const rl_model_params &p = m->p;
+    if (s->batch < 2) return rl_fail(RL_ERR_STATE, "rl_decode_batch: the store holds one sequence; use rl_decode");
+    if (n != s->batch)
+        return rl_fail(RL_ERR_ARG, "rl_decode_batch: %d tokens for a batch of %d sequences (one each)", n, s->batch);
+    if (!next) return rl_fail(RL_ERR_ARG, "rl_decode_batch: next is NULL");
+    RL_TRY(check_ids(m, tokens, n, "rl_decode_batch"));
+    RL_CK(cudaSetDevice(p.device));
+    RL_TRY(set_pick_params(m, 0.0f, 0, 1.0f, 0.0f));   // greedy on the device; sampling picks from logits
+    RL_CK(cudaMemcpyAsync(m->ids, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, m->stream));
+    if (m->use_graph) try_capture(m, s, decode_batch_body);
+    if (m->use_graph && s->graph) {
+        RL_CK(cudaGraphLaunch(s->graph, m->stream));
+    } else {
+        decode_batch_body(m, s);
+        RL_LAUNCHED("decode_batch");
+    }
+    m->last_logits = nullptr;   // rl_pick reads one sequence's logits: not a batch's
+    if (logits)
+        RL_CK(cudaMemcpyAsync(logits, m->logits, (size_t)n * p.n_vocab * sizeof(float), cudaMemcpyDeviceToHost,
+                              m->stream));
+    RL_CK(cudaMemcpyAsync(next, m->token, n * sizeof(int32_t), cudaMemcpyDeviceToHost, m->stream));
+    RL_CK(cudaStreamSynchronize(m->stream));
+    for (auto &c : s->seen_host) c += 1;
     return RL_OK;
 }
 
@@ -1006,7 +1133,7 @@ extern "C" int rl_kernel_attend(int device, const float *q, const void *k, const
     RL_TRY(dpart.alloc<float>(attend_scratch_floats(n_head, hd, P)));
     launch_attend(dout.as<float>(), dw.as<float>(), dpart.as<float>(), dq.as<float>(), dk.as<uint8_t>(),
                   dv.as<uint8_t>(), k_type, v_type, dp.as<int32_t>(), dc.as<int32_t>(), nullptr, q_pos, RL_QPOS_FIXED,
-                  n_head, n_kv, P, hd, rotary_dim, rope_scale, dinv.as<double>(), nullptr, 0, attn_scale, path, 0);
+                  n_head, n_kv, P, hd, rotary_dim, rope_scale, dinv.as<double>(), nullptr, 0, attn_scale, n_kv, path, 0);
     RL_LAUNCHED("attend");
     RL_CK(cudaMemcpy(out, dout.p, (size_t)n_head * hd * sizeof(float), cudaMemcpyDeviceToHost));
     RL_CK(cudaMemcpy(weights, dw.p, (size_t)n_head * P * sizeof(float), cudaMemcpyDeviceToHost));
@@ -1024,7 +1151,7 @@ extern "C" int rl_kernel_pick(int device, const float *logits, int n, float temp
     RL_TRY(dl.alloc<float>(n, logits));
     RL_TRY(dp.alloc<float>(4, prm));
     RL_TRY(dt.alloc<int32_t>(1));
-    launch_pick(dt.as<int32_t>(), dl.as<float>(), n, dp.as<float>(), 0);
+    launch_pick(dt.as<int32_t>(), dl.as<float>(), n, dp.as<float>(), 1, 0);
     RL_LAUNCHED("pick");
     RL_CK(cudaMemcpy(token, dt.p, sizeof(int32_t), cudaMemcpyDeviceToHost));
     return RL_OK;

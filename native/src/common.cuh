@@ -76,17 +76,15 @@ struct LayerStore {
     int64_t *evicted;      // (n_kv,) tokens evicted
     int32_t *victims;      // (n_kv, P) scratch: chosen victims
     uint8_t *taken;        // (n_kv, P) scratch: slot already chosen this round
-    uint8_t *scratch;      // update "shift" only: compact_ordered's staging, shift_scratch_bytes per head
+    uint8_t *scratch;      // update "shift" only: compact_ordered's destinations, shift_scratch_bytes per head
     int P, C, sinks, ring;
     int il;                // layer index (the random policy's draws)
     int k_type, v_type;    // RL_TYPE_F32 | RL_TYPE_F16 | RL_TYPE_Q8_0 (kv_rows.cuh)
 };
 
-// Bytes of one head's shift scratch (LayerStore.scratch): P x (score f64, aux u64, seq i32, dest i32)
-// then P K rows and P V rows, rounded up to 8 so that every head's 8-byte arrays stay aligned.
-__host__ __device__ inline int64_t shift_scratch_bytes(int P, int64_t krb, int64_t vrb) {
-    return ((int64_t)P * (24 + krb + vrb) + 7) / 8 * 8;
-}
+// Bytes of one head's shift scratch (LayerStore.scratch): the P slots' destinations (int32) of an
+// ordered compaction (kernels.cu compact_ordered).
+__host__ __device__ inline int64_t shift_scratch_bytes(int P) { return (int64_t)P * 4; }
 
 struct StorePolicy {
     int policy, reindexed, recent, lazy, slack, max_drop, lsh_bits, history;
@@ -134,7 +132,7 @@ void launch_add(float *x, const float *y, int64_t n, cudaStream_t st);
 void launch_add_bias(float *x, const float *b, int T, int n, cudaStream_t st);
 void launch_softcap(float *x, float cap, int64_t n, cudaStream_t st);
 void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
-                     const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd,
+                     const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd, int kv_per_seq,
                      cudaStream_t st);
 // out (n_head, hd), weights (n_head, P); path RL_ATTEND_AUTO | _SINGLE | _SPLIT (include/ringllm_cuda.h).
 // The split-K path needs scratch of attend_scratch_floats(n_head, hd, P) floats and a group / hd that
@@ -142,21 +140,28 @@ void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const fl
 void launch_attend(float *out, float *weights, float *scratch, const float *q, const uint8_t *k, const uint8_t *v,
                    int k_type, int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq,
                    int q_pos_fixed, int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double scale,
-                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, int path,
-                   cudaStream_t st);
+                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, int kv_per_seq,
+                   int path, cudaStream_t st);
 bool attend_split_fits(int group, int hd, int P);
 int64_t attend_scratch_floats(int n_head, int hd, int P);
 // tab (n_tab, half) = cos/sin of angle (p / scale) * inv_freq[i] (the attention's RoPE table)
 void launch_rope_table(float2 *tab, const double *inv_freq, double scale, int n_tab, int half, cudaStream_t st);
 // the policy's record of the attention step just taken (h2o, tova, scissorhands; a no-op for the others)
-void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, cudaStream_t st);
-void launch_advance(int64_t *n_seen, int T, cudaStream_t st);
-void launch_pick(int32_t *token, const float *logits, int n, const float *params, cudaStream_t st);
+void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, int n_seq,
+                    cudaStream_t st);
+void launch_advance(int64_t *n_seen, int T, int n_seq, cudaStream_t st);
+void launch_pick(int32_t *token, const float *logits, int n, const float *params, int rows, cudaStream_t st);
 
 // q_pos_mode of launch_attend: where the query's logical position comes from
 #define RL_QPOS_FIXED 0     // q_pos_fixed
-#define RL_QPOS_COUNT 1     // count[0] - 1 (reindexed: the newest token's rank)
-#define RL_QPOS_SEQ 2       // *q_pos_seq + q_pos_fixed (original: n_seen + t)
+#define RL_QPOS_COUNT 1     // count[h] - 1 (reindexed: the newest token's rank in its head)
+#define RL_QPOS_SEQ 2       // q_pos_seq[h / kv_per_seq] + q_pos_fixed (original: the sequence's n_seen + t)
+
+// A batch of B sequences (a store made with batch B, rl_decode_batch) is laid out as B x n_kv heads
+// (sequence b's kv head h is head b * n_kv + h of every per-head array) with one n_seen counter per
+// sequence, so the per-head kernels run a whole batch step in one launch: kv_write over B x n_kv
+// heads, attention over B x n_head query heads (the rows of q are the sequences), kv_per_seq = n_kv
+// mapping a head to its sequence's counter.
 
 // prefill.cu: chunk mode of a ring layer where no token of the chunk evicts (nb tokens held, all in
 // slots [0, nb) at positions = slot indices, nb + T <= C). launch_kv_append: rows t of k_new, v_new

@@ -107,7 +107,7 @@ __global__ void softcap_kernel(float *x, float cap, int64_t n) {
     if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }
 
-__global__ void advance_kernel(int64_t *n_seen, int T) { *n_seen += T; }
+__global__ void advance_kernel(int64_t *n_seen, int T) { n_seen[threadIdx.x] += T; }   // a thread per sequence
 
 // ==============================================================================================
 // KV write: one block per kv head (runtime/kv_store.py kv_write_streaming / kv_write_policy)
@@ -169,17 +169,49 @@ __device__ __forceinline__ double victim_key(int policy, int j, const int32_t *s
     }
 }
 
-// Block-cooperative copy of n 2-byte units (every row's bytes are even, kv_rows.cuh).
-__device__ __forceinline__ void copy_units(uint8_t *dst, const uint8_t *src, int64_t n) {
-    uint16_t *o = reinterpret_cast<uint16_t *>(dst);
-    const uint16_t *i = reinterpret_cast<const uint16_t *>(src);
-    for (int64_t u = threadIdx.x; u < n; u += blockDim.x) o[u] = i[u];
+// Rows [0, n) of one head (units_per_row units of type U each) moved down to row dest[j] (-1: the
+// row goes), in place and in ascending order: each pass reads a tile of blockDim x TILE units into
+// registers, then writes them. dest[j] <= j, so a write lands on a unit already read (this tile's or
+// an earlier one's): one read and one write per moved unit, as an ordered cache's memmove.
+template <typename U>
+__device__ void move_rows_down(uint8_t *base, int64_t units_per_row, int n, const int32_t *dest) {
+    constexpr int TILE = 8;
+    U *b = reinterpret_cast<U *>(base);
+    const int64_t total = (int64_t)n * units_per_row;
+    for (int64_t u0 = 0; u0 < total; u0 += (int64_t)TILE * blockDim.x) {
+        U val[TILE];
+        int64_t to[TILE];
+#pragma unroll
+        for (int i = 0; i < TILE; i++) {
+            const int64_t u = u0 + (int64_t)i * blockDim.x + threadIdx.x;
+            to[i] = -1;
+            if (u < total) {
+                const int64_t j = u / units_per_row, d = dest[j];
+                if (d >= 0 && d != j) {
+                    val[i] = b[u];
+                    to[i] = d * units_per_row + (u - j * units_per_row);
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < TILE; i++)
+            if (to[i] >= 0) b[to[i]] = val[i];
+        __syncthreads();
+    }
+}
+
+// move_rows_down over rows of `row_bytes` bytes (even: kv_rows.cuh), in 4-byte units when they divide it.
+__device__ __forceinline__ void move_kv_rows_down(uint8_t *base, int64_t row_bytes, int n, const int32_t *dest) {
+    if (row_bytes % 4 == 0) move_rows_down<uint32_t>(base, row_bytes / 4, n, dest);
+    else move_rows_down<uint16_t>(base, row_bytes / 2, n, dest);
 }
 
 // The shift-and-append baseline (update "shift", runtime/kv_write.py kv_write_shift and
 // evict_slots_shift): head h's slots stay in sequence order (slot = rank), and removing the `got`
-// slots flagged in taken copies every survivor down over them, as an ordered cache does. Survivors go
-// through the layer's scratch (L.scratch, shift_scratch_bytes per head) and back, so no row is overwritten before it is read. Leaves count unchanged.
+// slots flagged in taken (victims lists them) moves every survivor down over them, in place (K and
+// V rows, seq, score, aux), as an ordered cache does. The destinations are staged in L.scratch
+// (shift_scratch_bytes per head). Leaves count unchanged.
 __device__ void compact_ordered(LayerStore L, int h, int n, int got, const int32_t *victims, int64_t krb, int64_t vrb) {
     const int P = L.P, tid = threadIdx.x;
     uint8_t *K = L.k + (int64_t)h * P * krb, *V = L.v + (int64_t)h * P * vrb;
@@ -187,46 +219,38 @@ __device__ void compact_ordered(LayerStore L, int h, int n, int got, const int32
     double *score = L.score + h * P;
     uint64_t *aux = L.aux + h * P;
     const uint8_t *taken = L.taken + h * P;
-    double *score_s = reinterpret_cast<double *>(L.scratch + h * shift_scratch_bytes(P, krb, vrb));
-    uint64_t *aux_s = reinterpret_cast<uint64_t *>(score_s + P);
-    int32_t *seq_s = reinterpret_cast<int32_t *>(aux_s + P), *dest = seq_s + P;
-    uint8_t *Ks = reinterpret_cast<uint8_t *>(dest + P), *Vs = Ks + P * krb;
+    int32_t *dest = reinterpret_cast<int32_t *>(L.scratch + h * shift_scratch_bytes(P));
     for (int j = tid; j < n; j += blockDim.x) {
         int below = 0;
         for (int m = 0; m < got; m++) below += victims[m] < j;
         dest[j] = taken[j] ? -1 : j - below;
     }
     __syncthreads();
-    const int64_t ku = krb / 2, vu = vrb / 2;
-    const uint16_t *K16 = reinterpret_cast<const uint16_t *>(K), *V16 = reinterpret_cast<const uint16_t *>(V);
-    uint16_t *Ks16 = reinterpret_cast<uint16_t *>(Ks), *Vs16 = reinterpret_cast<uint16_t *>(Vs);
-    for (int64_t u = tid; u < n * ku; u += blockDim.x) {
-        const int o = dest[u / ku];
-        if (o >= 0) Ks16[o * ku + u % ku] = K16[u];
-    }
-    for (int64_t u = tid; u < n * vu; u += blockDim.x) {
-        const int o = dest[u / vu];
-        if (o >= 0) Vs16[o * vu + u % vu] = V16[u];
-    }
-    for (int j = tid; j < n; j += blockDim.x) {
-        const int o = dest[j];
-        if (o >= 0) {
-            seq_s[o] = seq[j];
-            score_s[o] = score[j];
-            aux_s[o] = aux[j];
+    move_kv_rows_down(K, krb, n, dest);
+    move_kv_rows_down(V, vrb, n, dest);
+    for (int j0 = 0; j0 < n; j0 += blockDim.x) {   // the slots' metadata, a tile of blockDim rows per pass
+        const int j = j0 + tid;
+        int d = -1, sj = 0;
+        double sc = 0.0;
+        uint64_t ax = 0;
+        if (j < n && dest[j] >= 0 && dest[j] != j) {
+            d = dest[j];
+            sj = seq[j];
+            sc = score[j];
+            ax = aux[j];
         }
+        __syncthreads();
+        if (d >= 0) {
+            seq[d] = sj;
+            score[d] = sc;
+            aux[d] = ax;
+        }
+        __syncthreads();
     }
-    __syncthreads();
     const int kept = n - got;
-    copy_units(K, Ks, kept * ku);
-    copy_units(V, Vs, kept * vu);
     for (int j = tid; j < n; j += blockDim.x) {
-        seq[j] = j < kept ? seq_s[j] : -1;
+        if (j >= kept) seq[j] = -1;
         rank[j] = j;
-        if (j < kept) {
-            score[j] = score_s[j];
-            aux[j] = aux_s[j];
-        }
     }
     __syncthreads();
 }
@@ -238,7 +262,7 @@ __device__ void compact_ordered(LayerStore L, int h, int n, int got, const int32
 template <int KT, int VT>
 __global__ void __launch_bounds__(KV_THREADS)
 kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
-                const float *proj, const int64_t *n_seen, int t, int n_head, int hd) {
+                const float *proj, const int64_t *n_seen, int t, int n_head, int hd, int kv_per_seq) {
     const int h = blockIdx.x, n_kv = gridDim.x, group = n_head / n_kv, tid = threadIdx.x;
     const int P = L.P;
     const int64_t krb = kv_row_bytes(KT, hd), vrb = kv_row_bytes(VT, hd);
@@ -248,7 +272,7 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     uint64_t *aux = L.aux + h * P;
     uint8_t *taken = L.taken + h * P;
     const float *kn = k_new + h * hd, *vn = v_new + h * hd;
-    const int seq_new = (int)(*n_seen + t);
+    const int seq_new = (int)(n_seen[h / kv_per_seq] + t);   // the sequence's counter (a batch: one each)
     const int n = L.count[h];
 
     __shared__ double red_key[KV_THREADS];
@@ -311,7 +335,7 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
                 qcode[tid] = c;
             }
         }
-        const uint64_t rbase = pol.policy == RL_POLICY_RANDOM ? random_base(pol.seed, L.il, h, seq_new) : 0;
+        const uint64_t rbase = pol.policy == RL_POLICY_RANDOM ? random_base(pol.seed, L.il, h % kv_per_seq, seq_new) : 0;
         for (int j = tid; j < n; j += blockDim.x) taken[j] = 0;
         for (int round = 0; round < n_drop; round++) {
             __syncthreads();
@@ -460,7 +484,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
 attend_kernel(float *out, float *weights, const float *q, const uint8_t *k, const uint8_t *v, const int32_t *pos,
               const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed, int q_pos_mode, int n_kv, int P,
               int hd, int rotary_dim, double scale, const double *inv_freq, const float2 *tab, int n_tab,
-              float attn_scale) {
+              float attn_scale, int kv_per_seq) {
     extern __shared__ float qr[];   // (hd,) the query rotated at its position, times attn_scale
     __shared__ float red[32];
     __shared__ float part[ATT_THREADS / 32 * ATT_DIMS];   // per-warp partial sums of the value rows
@@ -469,7 +493,7 @@ attend_kernel(float *out, float *weights, const float *q, const uint8_t *k, cons
     const int n = count[h];
     int64_t qp = q_pos_fixed;
     if (q_pos_mode == RL_QPOS_COUNT) qp = count[h] - 1;
-    else if (q_pos_mode == RL_QPOS_SEQ) qp = *q_pos_seq + q_pos_fixed;
+    else if (q_pos_mode == RL_QPOS_SEQ) qp = q_pos_seq[h / kv_per_seq] + q_pos_fixed;
     const float *qh = q + (int64_t)hq * hd;
     for (int i = tid; i < half; i += blockDim.x) {
         const float2 r = rope_cs(qp, i, half, scale, inv_freq, tab, n_tab);
@@ -573,7 +597,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
 attend_split_kernel(float *weights, float *scratch, const float *q, const uint8_t *k, const uint8_t *v,
                     const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq, int q_pos_fixed,
                     int q_pos_mode, int n_head, int P, int hd, int rotary_dim, double scale, const double *inv_freq,
-                    const float2 *tab, int n_tab, float attn_scale) {
+                    const float2 *tab, int n_tab, float attn_scale, int kv_per_seq) {
     extern __shared__ float sm[];
     __shared__ float part[ATT_GCHUNK * ATT_THREADS];   // per-thread partial value sums of a head chunk
     const int h = blockIdx.x, s = blockIdx.y, S = gridDim.y, group = n_head / gridDim.x, tid = threadIdx.x;
@@ -585,7 +609,7 @@ attend_split_kernel(float *weights, float *scratch, const float *q, const uint8_
     float *e = sm + group * hd;     // (group, ATT_SPLIT) the split's scores, then exp(max(score - m, -87.3))
     int64_t qp = q_pos_fixed;
     if (q_pos_mode == RL_QPOS_COUNT) qp = n - 1;
-    else if (q_pos_mode == RL_QPOS_SEQ) qp = *q_pos_seq + q_pos_fixed;
+    else if (q_pos_mode == RL_QPOS_SEQ) qp = q_pos_seq[h / kv_per_seq] + q_pos_fixed;
     const float *qh = q + (int64_t)h * group * hd;
     for (int x = tid; x < group * hd; x += blockDim.x) {
         const int d = x % hd;
@@ -768,17 +792,18 @@ __global__ void observe_scissorhands_kernel(LayerStore L, const float *weights, 
 
 // tova: score[:, j] = (sum over kv heads of the group-summed weight) / n_head, the same in every kv
 // head, replaced after each step (slot maps are identical across heads under tova).
+// One block per sequence of a batch (blockIdx.x; its n_kv heads follow those of the previous ones).
 __global__ void observe_tova_kernel(LayerStore L, const float *weights, int group, int n_kv) {
-    const int n = L.count[0], n_head = group * n_kv;
+    const int h0 = blockIdx.x * n_kv, n = L.count[h0], n_head = group * n_kv;
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
         double acc = 0.0;
-        for (int h = 0; h < n_kv; h++) {
+        for (int h = h0; h < h0 + n_kv; h++) {
             float m = 0.0f;
             for (int g = 0; g < group; g++) m += weights[(int64_t)(h * group + g) * L.P + j];
             acc += (double)m;
         }
         acc /= n_head;
-        for (int h = 0; h < n_kv; h++) L.score[h * L.P + j] = acc;
+        for (int h = h0; h < h0 + n_kv; h++) L.score[h * L.P + j] = acc;
     }
 }
 
@@ -794,6 +819,8 @@ constexpr int PICK_THREADS = 1024;
 // value, 48 halvings: float32 resolution); the token is found by inverse CDF in index order.
 __global__ void __launch_bounds__(PICK_THREADS)
 pick_kernel(int32_t *token, const float *logits, int n, const float *params) {
+    token += blockIdx.x;                      // one block per row of a batch's logits
+    logits += (int64_t)blockIdx.x * n;
     __shared__ float redf[32];
     __shared__ float sbest[PICK_THREADS];
     __shared__ int sidx[PICK_THREADS];
@@ -955,14 +982,14 @@ void launch_softcap(float *x, float cap, int64_t n, cudaStream_t st) {
     softcap_kernel<<<grid_for(n, 256), 256, 0, st>>>(x, cap, n);
 }
 
-void launch_advance(int64_t *n_seen, int T, cudaStream_t st) { advance_kernel<<<1, 1, 0, st>>>(n_seen, T); }
+void launch_advance(int64_t *n_seen, int T, int n_seq, cudaStream_t st) { advance_kernel<<<1, n_seq, 0, st>>>(n_seen, T); }
 
 void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
-                     const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd,
+                     const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd, int kv_per_seq,
                      cudaStream_t st) {
     with_kv_types(L.k_type, L.v_type, [&](auto kt, auto vt) {
         kv_write_kernel<decltype(kt)::value, decltype(vt)::value>
-            <<<n_kv, KV_THREADS, 0, st>>>(L, pol, k_new, v_new, q_new, proj, n_seen, t, n_head, hd);
+            <<<n_kv, KV_THREADS, 0, st>>>(L, pol, k_new, v_new, q_new, proj, n_seen, t, n_head, hd, kv_per_seq);
     });
 }
 
@@ -980,8 +1007,8 @@ int64_t attend_scratch_floats(int n_head, int hd, int P) { return (int64_t)n_hea
 void launch_attend(float *out, float *weights, float *scratch, const float *q, const uint8_t *k, const uint8_t *v,
                    int k_type, int v_type, const int32_t *pos, const int32_t *count, const int64_t *q_pos_seq,
                    int q_pos_fixed, int q_pos_mode, int n_head, int n_kv, int P, int hd, int rotary_dim, double scale,
-                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, int path,
-                   cudaStream_t st) {
+                   const double *inv_freq, const float2 *rope_tab, int n_tab, float attn_scale, int kv_per_seq,
+                   int path, cudaStream_t st) {
     const int group = n_head / n_kv, S = attend_splits(P), nt = rope_tab ? n_tab : 0;
     const bool split = scratch && attend_split_fits(group, hd, P) &&
                        (path == RL_ATTEND_SPLIT || (path == RL_ATTEND_AUTO && P > RL_ATTEND_SPLIT_MIN_P));
@@ -991,11 +1018,11 @@ void launch_attend(float *out, float *weights, float *scratch, const float *q, c
             attend_split_kernel<KT, VT>
                 <<<dim3(n_kv, S), ATT_THREADS, (size_t)group * (hd + ATT_SPLIT) * sizeof(float), st>>>(
                     weights, scratch, q, k, v, pos, count, q_pos_seq, q_pos_fixed, q_pos_mode, n_head, P, hd,
-                    rotary_dim, scale, inv_freq, rope_tab, nt, attn_scale);
+                    rotary_dim, scale, inv_freq, rope_tab, nt, attn_scale, kv_per_seq);
         else
             attend_kernel<KT, VT><<<n_head, ATT_THREADS, hd * sizeof(float), st>>>(
                 out, weights, q, k, v, pos, count, q_pos_seq, q_pos_fixed, q_pos_mode, n_kv, P, hd, rotary_dim, scale,
-                inv_freq, rope_tab, nt, attn_scale);
+                inv_freq, rope_tab, nt, attn_scale, kv_per_seq);
     });
     if (split) attend_merge_kernel<<<n_head, ATT_THREADS, 0, st>>>(out, weights, scratch, count, n_kv, P, hd, S);
 }
@@ -1004,13 +1031,15 @@ void launch_rope_table(float2 *tab, const double *inv_freq, double scale, int n_
     rope_table_kernel<<<grid_for((int64_t)n_tab * half, 256), 256, 0, st>>>(tab, inv_freq, scale, n_tab, half);
 }
 
-void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, cudaStream_t st) {
+void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, int n_seq,
+                    cudaStream_t st) {
     if (pol.policy == RL_POLICY_H2O) observe_h2o_kernel<<<n_kv, 128, 0, st>>>(L, weights, n_head / n_kv);
-    else if (pol.policy == RL_POLICY_TOVA) observe_tova_kernel<<<1, 256, 0, st>>>(L, weights, n_head / n_kv, n_kv);
+    else if (pol.policy == RL_POLICY_TOVA)
+        observe_tova_kernel<<<n_seq, 256, 0, st>>>(L, weights, n_head / n_kv, n_kv / n_seq);
     else if (pol.policy == RL_POLICY_SCISSORHANDS)
         observe_scissorhands_kernel<<<n_kv, 128, 0, st>>>(L, weights, n_head / n_kv, pol.history);
 }
 
-void launch_pick(int32_t *token, const float *logits, int n, const float *params, cudaStream_t st) {
-    pick_kernel<<<1, PICK_THREADS, 0, st>>>(token, logits, n, params);
+void launch_pick(int32_t *token, const float *logits, int n, const float *params, int rows, cudaStream_t st) {
+    pick_kernel<<<rows, PICK_THREADS, 0, st>>>(token, logits, n, params);
 }

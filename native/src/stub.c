@@ -39,10 +39,17 @@ int rl_model_set_fused(rl_model *m, int enable) { NOT_BUILT; }
 int rl_store_init(rl_store **out, rl_model *m, const rl_store_params *p) { if (out) *out = NULL; NOT_BUILT; }
 int rl_store_free(rl_store *s) { return RL_OK; }
 int rl_store_reset(rl_store *s) { NOT_BUILT; }
+int rl_store_reset_seq(rl_store *s, int b) { NOT_BUILT; }
 int rl_store_counts(rl_store *s, int64_t *held, int64_t *evicted, int64_t *n_seen) { NOT_BUILT; }
 int rl_store_read_layer(rl_store *s, int il, void *k, void *v, int32_t *seq, int32_t *pos, double *score) { NOT_BUILT; }
 int rl_store_bytes(rl_store *s, int64_t *out) { NOT_BUILT; }
 int rl_forward(rl_model *m, rl_store *s, const int32_t *ids, int n, float *logits, int all_logits) { NOT_BUILT; }
+int rl_forward_seq(rl_model *m, rl_store *s, int b, const int32_t *ids, int n, float *logits, int all_logits) {
+    NOT_BUILT;
+}
+int rl_decode_batch(rl_model *m, rl_store *s, const int32_t *tokens, int n, int32_t *next, float *logits) {
+    NOT_BUILT;
+}
 int rl_pick(rl_model *m, float temperature, int top_k, float top_p, float u, int32_t *token) { NOT_BUILT; }
 int rl_decode(rl_model *m, rl_store *s, int32_t token, float temperature, int top_k, float top_p, float u,
               int32_t *next, float *logits) { NOT_BUILT; }
