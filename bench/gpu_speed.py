@@ -105,6 +105,7 @@ def bench_stream(m, n_tokens: int, capacity: int, policies=POLICIES) -> dict:
         out[policy] = {"tok_s": float(n_tokens / lat.sum()), "first_p50_ms": float(np.median(first)),
                        "first_p99_ms": float(np.percentile(first, 99)), "last_p50_ms": float(np.median(last)),
                        "last_p99_ms": float(np.percentile(last, 99)), "evicted": st.stats()["evicted_total"]}
+        report(f"stream {policy} {capacity}", out[policy])     # each as it ends: a run cut short keeps it
     return out
 
 

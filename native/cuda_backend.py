@@ -193,7 +193,6 @@ class CUDAStore:
         """Same keys as KVStore.stats()."""
         held, evicted = self.counts()
         return {"capacity": self.capacity, "length": int(held.max()), "evicted_total": int(evicted.sum()),
-                "batch": self.batch,
                 "policy": self.policy, "sinks": self.sinks, "recent": self.recent, "positions": self.positions,
                 "update": self.update, "tokens_seen": self.n_seen if self.batch == 1 else sum(self.seen), "layer_capacity": list(self.layer_capacity),
                 "bytes": self.device_bytes()}
