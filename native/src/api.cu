@@ -599,7 +599,7 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         if (st == RL_OK) st = dev_alloc(&L.evicted, nkv, what);
         if (st == RL_OK) st = dev_alloc(&L.victims, slots, what);
         if (st == RL_OK) st = dev_alloc(&L.taken, slots, what);
-        if (st == RL_OK && s->pol.shift)   // compact_ordered's staging (kernels.cu)
+        if (st == RL_OK && s->pol.shift)   // compact_ordered's destinations (kv_write.cu)
             st = dev_alloc(&L.scratch, nkv * shift_scratch_bytes(L.P), "cudaMalloc (shift scratch)");
     }
     const int nh = p.n_head * s->batch;

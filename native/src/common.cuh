@@ -2,12 +2,17 @@
 //
 //   quant.cu     GGUF block decoding in registers; dequant, matmul/matvec (single and grouped with
 //                fused epilogues), embedding kernels
-//   kernels.cu   norms, activations, residual adds, the attention step, KV writes with eviction,
-//                attention-mass bookkeeping of the policies, token choice
+//   kernels.cu   norms, activations, residual adds, token choice
+//   kv_write.cu  KV writes with eviction (victims chosen on the device), the shift-and-append
+//                baseline, the policies' record of each attention step (observe)
+//   attention.cu the decode attention step (one block per query head, or split-K and a merge), the
+//                RoPE table
 //   prefill.cu   chunk mode of the prefill on ring layers: a chunk's KV write and causal attention
-//   api.cu       the C API of include/ringllm_cuda.h: handles, uploads, the forward pass
-//   kv_rows.cuh  KV store rows in their element types (f32, f16, q8_0): encode, decode, copy
+//   api.cu       the C API of include/ringllm_cuda.h: handles, uploads, stores, the forward pass
+//   kv_rows.cuh  KV store rows in their element types (f32, f16, q8_0): encode, decode, copy, and
+//                the host dispatch on them (with_kv_types)
 //   rope.cuh     RoPE cos/sin of the attention kernels (table or float64 sincos)
+//   reduce.cuh   warp and block reductions
 //
 // Launchers take the destination first (house style), then inputs, then sizes, then the stream,
 // and return nothing: api.cu checks cudaGetLastError after each group of launches.
@@ -83,7 +88,7 @@ struct LayerStore {
 };
 
 // Bytes of one head's shift scratch (LayerStore.scratch): the P slots' destinations (int32) of an
-// ordered compaction (kernels.cu compact_ordered).
+// ordered compaction (kv_write.cu compact_ordered).
 __host__ __device__ inline int64_t shift_scratch_bytes(int P) { return (int64_t)P * 4; }
 
 struct StorePolicy {
@@ -91,6 +96,9 @@ struct StorePolicy {
     uint64_t seed;
     int shift;             // 1: the shift-and-append baseline (ordered slots), 0: in place
 };
+
+// Blocks of `threads` covering n elements (elementwise launches).
+inline unsigned grid_for(int64_t n, int threads) { return (unsigned)((n + threads - 1) / threads); }
 
 // ---------------------------------------------------------------------------------------------
 // Launchers
@@ -131,9 +139,18 @@ void launch_act(float *out, const float *gate, const float *up, int act, int gat
 void launch_add(float *x, const float *y, int64_t n, cudaStream_t st);
 void launch_add_bias(float *x, const float *b, int T, int n, cudaStream_t st);
 void launch_softcap(float *x, float cap, int64_t n, cudaStream_t st);
+void launch_advance(int64_t *n_seen, int T, int n_seq, cudaStream_t st);
+void launch_pick(int32_t *token, const float *logits, int n, const float *params, int rows, cudaStream_t st);
+
+// kv_write.cu
 void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
                      const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd, int kv_per_seq,
                      cudaStream_t st);
+// the policy's record of the attention step just taken (h2o, tova, scissorhands; a no-op for the others)
+void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, int n_seq,
+                    cudaStream_t st);
+
+// attention.cu
 // out (n_head, hd), weights (n_head, P); path RL_ATTEND_AUTO | _SINGLE | _SPLIT (include/ringllm_cuda.h).
 // The split-K path needs scratch of attend_scratch_floats(n_head, hd, P) floats and a group / hd that
 // attend_split_fits (group = n_head / n_kv); otherwise (or scratch NULL) the single-block kernel runs.
@@ -146,11 +163,6 @@ bool attend_split_fits(int group, int hd, int P);
 int64_t attend_scratch_floats(int n_head, int hd, int P);
 // tab (n_tab, half) = cos/sin of angle (p / scale) * inv_freq[i] (the attention's RoPE table)
 void launch_rope_table(float2 *tab, const double *inv_freq, double scale, int n_tab, int half, cudaStream_t st);
-// the policy's record of the attention step just taken (h2o, tova, scissorhands; a no-op for the others)
-void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, int n_seq,
-                    cudaStream_t st);
-void launch_advance(int64_t *n_seen, int T, int n_seq, cudaStream_t st);
-void launch_pick(int32_t *token, const float *logits, int n, const float *params, int rows, cudaStream_t st);
 
 // q_pos_mode of launch_attend: where the query's logical position comes from
 #define RL_QPOS_FIXED 0     // q_pos_fixed

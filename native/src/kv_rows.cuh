@@ -22,6 +22,8 @@
 
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 constexpr int KV_QBLOCK = 32;        // values per q8_0 block
 constexpr int KV_Q8_0_BYTES = 34;    // bytes per q8_0 block: f16 scale + 32 int8
 
@@ -114,4 +116,19 @@ template <int T> __device__ __forceinline__ void kv_copy(uint8_t *dst, const uin
         const int n = (int)(kv_row_bytes(T, hd) / 2);
         for (int d = threadIdx.x; d < n; d += blockDim.x) o[d] = i[d];
     }
+}
+
+// fn(KT, VT) with the store's element types as std::integral_constant (the kernels' template
+// arguments); types were validated at store init (any other code runs as f32).
+template <int KT, typename Fn> inline void with_v_type(int v_type, Fn &&fn) {
+    using K = std::integral_constant<int, KT>;
+    if (v_type == RL_TYPE_F16) fn(K{}, std::integral_constant<int, RL_TYPE_F16>{});
+    else if (v_type == RL_TYPE_Q8_0) fn(K{}, std::integral_constant<int, RL_TYPE_Q8_0>{});
+    else fn(K{}, std::integral_constant<int, RL_TYPE_F32>{});
+}
+
+template <typename Fn> inline void with_kv_types(int k_type, int v_type, Fn &&fn) {
+    if (k_type == RL_TYPE_F16) with_v_type<RL_TYPE_F16>(v_type, fn);
+    else if (k_type == RL_TYPE_Q8_0) with_v_type<RL_TYPE_Q8_0>(v_type, fn);
+    else with_v_type<RL_TYPE_F32>(v_type, fn);
 }

@@ -9,7 +9,7 @@
 // the attention, as kv_write then attend per token). Ring layers have no observing policy, so the
 // softmax weights are not needed (and not written).
 //
-// Numerics: attend_kernel's (kernels.cu) up to the order of the float32 sums: the query rotated at
+// Numerics: attend_kernel's (attention.cu) up to the order of the float32 sums: the query rotated at
 // its position and times attn_scale, each key rotated at its slot's position, with the cos/sin of
 // the same RoPE table (rope.cuh; api.cu keeps chunk mode to positions inside it), scores and sums in
 // float32, softmax terms expf(fmaxf(s - max, -87.3f)) with the exact expf. The softmax is taken
@@ -19,6 +19,7 @@
 // of subnormal normalized weights to 0 has no counterpart: such a weight (< 1.2e-38) moves an output
 // by less than 1.2e-38 * |v|.
 #include "common.cuh"
+#include "reduce.cuh"
 #include "rope.cuh"
 
 #include <math.h>
@@ -35,19 +36,6 @@ constexpr int PF_TARGET_BLOCKS = 1024;             // key splits are added until
 constexpr int PF_MAX_SPLITS = 64;
 constexpr int PF_MERGE_THREADS = 128;              // merge block: one warp per (token, query head)
 constexpr int PF_MAX_HD = 256;                     // 8 value dims per lane (DCH), 83 KiB of shared memory
-constexpr unsigned FULL_MASK = 0xffffffffu;
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
-    return v;
-}
 
 // ==============================================================================================
 // KV write of a whole chunk into free ring slots

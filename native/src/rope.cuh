@@ -1,4 +1,4 @@
-// RoPE cos/sin of the attention kernels (kernels.cu: the table and the per-token step; prefill.cu:
+// RoPE cos/sin of the attention kernels (attention.cu: the table and the per-token step; prefill.cu:
 // the chunked prefill). Rotate-half convention: dim pair (i, i + half) of the first rotary_dim dims.
 //
 // cos/sin of position p for dim pair i: angle (p / scale) * inv_freq[i] in float64, rounded to
