@@ -8,14 +8,18 @@
 //   attention.cu the decode attention step (one block per query head, or split-K and a merge), the
 //                RoPE table
 //   prefill.cu   chunk mode of the prefill on ring layers: a chunk's KV write and causal attention
-//   api.cu       the C API of include/ringllm_cuda.h: handles, uploads, stores, the forward pass
+//   api.cu       the C API of include/ringllm_cuda.h: errors, devices, single kernels (tests)
+//   model.cu     the model handle: weights, RoPE, graph / fusion switches
+//   store.cu     the KV store handle: init, reset, a sequence's view of a batch store, inspection
+//   forward.cu   the forward pass, token choice, decode steps (one sequence, a batch)
+//   handles.cuh  rl_model and rl_store, device buffers: what the four above share
 //   kv_rows.cuh  KV store rows in their element types (f32, f16, q8_0): encode, decode, copy, and
 //                the host dispatch on them (with_kv_types)
 //   rope.cuh     RoPE cos/sin of the attention kernels (table or float64 sincos)
 //   reduce.cuh   warp and block reductions
 //
 // Launchers take the destination first (house style), then inputs, then sizes, then the stream,
-// and return nothing: api.cu checks cudaGetLastError after each group of launches.
+// and return nothing: forward.cu checks cudaGetLastError after each group of launches.
 #pragma once
 
 #include <stddef.h>
@@ -183,7 +187,7 @@ void launch_rope_table(float2 *tab, const double *inv_freq, double scale, int n_
 // cos/sin come from rope_tab alone, which must hold positions [0, nb + T) (NULL when rotary_dim is
 // 0). The slots are split across blocks as far as scratch (scratch_floats floats; NULL: no split)
 // holds the partial sums: prefill_scratch_floats(n_batch, n_head, hd) is enough for any chunk.
-// prefill_fits: the head_dims the kernels take (multiples of 4 up to 256; api.cu takes a model of
+// prefill_fits: the head_dims the kernels take (multiples of 4 up to 256; forward.cu takes a model of
 // another head_dim token by token).
 bool prefill_fits(int hd);
 void launch_kv_append(LayerStore L, const float *k_new, const float *v_new, int nb, int T, int n_kv, int hd,

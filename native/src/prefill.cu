@@ -1,4 +1,4 @@
-// Chunk mode of the prefill (api.cu layer()): on a ring layer where no token of a chunk evicts
+// Chunk mode of the prefill (forward.cu layer()): on a ring layer where no token of a chunk evicts
 // (tokens fed before the chunk, nb, plus its T <= C), the chunk's K/V rows are written in one launch
 // and its T queries attend causally in one more, instead of T (kv_write, attend) launch pairs.
 //
@@ -11,7 +11,7 @@
 //
 // Numerics: attend_kernel's (attention.cu) up to the order of the float32 sums: the query rotated at
 // its position and times attn_scale, each key rotated at its slot's position, with the cos/sin of
-// the same RoPE table (rope.cuh; api.cu keeps chunk mode to positions inside it), scores and sums in
+// the same RoPE table (rope.cuh; forward.cu keeps chunk mode to positions inside it), scores and sums in
 // float32, softmax terms expf(fmaxf(s - max, -87.3f)) with the exact expf. The softmax is taken
 // online (flash attention: Dao et al. 2022, "FlashAttention", Algorithm 1): per tile of keys each
 // query row's running max m and sum l are updated and its partial value sum rescaled by
@@ -366,7 +366,7 @@ void launch_prefill_attend(float *out, float *scratch, int64_t scratch_floats, c
     const size_t smem = prefill_smem_bytes(hd);
     auto go = [&](auto kernel) {
         // past the default 48 KiB (head_dim > 144) the kernel must opt in; a failure surfaces as the
-        // launch's error (api.cu checks cudaPeekAtLastError)
+        // launch's error (forward.cu checks cudaPeekAtLastError)
         if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         kernel<<<grid, PF_THREADS, smem, st>>>(out, scratch, q, k, v, k_type, v_type, nb, T, n_kv, P, hd, rotary_dim,
                                                rope_tab, attn_scale, span);
