@@ -224,8 +224,9 @@ typedef struct {
 } rl_store_params;
 
 /* Allocate an empty store for model m (rl_model_ready must have succeeded).
- * RL_ERR_ARG: C_l < 1, P_l < C_l, sinks_l >= C_l on a ring layer, lsh_proj missing, a k_type /
- * v_type other than f32, f16, q8_0 (the message names them), q8_0 with head_dim % 32 != 0, ... */
+ * RL_ERR_ARG: C_l < 1, P_l < C_l, sinks_l >= C_l on a ring layer, sinks_l + recent >= C_l on a policy
+ * layer, lsh_proj missing, a k_type / v_type other than f32, f16, q8_0 (the message names them),
+ * q8_0 with head_dim % 32 != 0, ... */
 int rl_store_init(rl_store **out, rl_model *m, const rl_store_params *p);
 
 /* Release the store. NULL is a no-op. */

@@ -129,6 +129,9 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
                            il, C, P, S);
         if (!sp->layer_ring[il] && sp->policy == RL_POLICY_FULL)
             return rl_fail(RL_ERR_ARG, "rl_store_init: policy full needs ring layers");
+        if (!sp->layer_ring[il] && S + sp->recent >= C)   // else a write could find no victim and overflow
+            return rl_fail(RL_ERR_ARG, "rl_store_init: layer %d: sinks %d + recent %d must be below the capacity %d",
+                           il, S, sp->recent, C);
     }
     RL_CK(cudaSetDevice(p.device));
     rl_store *s = new rl_store();
