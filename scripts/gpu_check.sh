@@ -15,8 +15,9 @@
 #           Qwen3-1.7B Q4_K_M, all written on the device.
 # Env: TEST_ARGS extra pytest arguments; TEST_TIMEOUT, T_SMOLLM2, T_GEMMA3, T_QWEN3, SANITIZE_TIMEOUT
 # seconds per stage; BENCH_MODELS (default "smollm2 gemma3 qwen3"); STREAM, HF_STREAM tokens per long
-# stream (ringllm, transformers); CAPACITIES, POLICIES of the long streams; BATCH sizes of the batched
-# decode runs ("" skips them); REPEATS of each pp/tg figure.
+# stream (ringllm, transformers); CAPACITIES, POLICIES of the long streams (STREAM_CONCURRENT=1: all
+# at once, one thread and engine each); BATCH sizes of the batched decode runs ("" skips them);
+# REPEATS of each pp/tg figure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -66,7 +67,8 @@ fi
 bench_one() {   # name, model path, seconds, transformers stream tokens
     timeout "$3" python3 bench/gpu_speed.py -m "$2" --tg 128 --pp 512,4096 --repeats "${REPEATS:-3}" \
         --stream "${STREAM:-10000}" --capacities "${CAPACITIES:-512,4096}" --hf-stream "$4" --no-cpu \
-        ${POLICIES:+--policies "$POLICIES"} --batch "${BATCH-1,2,4,8,16,32,64}" \
+        ${POLICIES:+--policies "$POLICIES"} ${STREAM_CONCURRENT:+--stream-concurrent} \
+        --batch "${BATCH-1,2,4,8,16,32,64}" \
         --name "gpu_speed_$1" > "$WORK/bench_$1.log" 2>&1
     echo "bench $1 rc=$?"; grep -v "^\[\|^stream " "$WORK/bench_$1.log" | tail -30
     cp bench/results/gpu_speed_"$1".* "$WORK/" 2>/dev/null
