@@ -420,6 +420,10 @@ class ChatSession:
                     raise SessionFileError(path, "not a ringllm session file (no header)")
                 raw = z["__header__"]
                 arrays = {n: z[n] for n in names if n != "__header__"}
+            # np.load gives the raw bytes of a zip member that is not an .npy file: not a session's
+            odd = [n for n, a in [("__header__", raw), *arrays.items()] if not isinstance(a, np.ndarray)]
+            if odd:
+                raise SessionFileError(path, f"member {odd[0]!r} is not an array; the file is corrupt")
         except SessionFileError:
             raise
         except Exception as exc:        # zip/npy/zlib errors of a truncated or corrupt file
