@@ -333,9 +333,20 @@ class CUDAEngine:
             raise ConfigError(f"a batch store holds 2 or more sequences, got batch={batch!r} (use new_store for one)")
         return CUDAStore(self, kv, batch)
 
-    def _ids(self, ids, store: CUDAStore, b: int | None = None) -> np.ndarray:
+    def _own(self, store) -> None:
+        """ConfigError unless store is one of this engine's (new_store, new_batch_store)."""
         if not isinstance(store, CUDAStore) or store.engine is not self:
-            raise ConfigError("store must be a CUDAStore made by this engine's new_store()")
+            raise ConfigError("store must be a CUDAStore made by this engine's new_store() or new_batch_store()")
+
+    def _in_vocab(self, ids: np.ndarray) -> None:
+        """ConfigError unless every id (a non-empty integer array) is a token of the model."""
+        if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
+            raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
+
+    def _ids(self, ids, store: CUDAStore, b: int | None = None) -> np.ndarray:
+        """ids checked (integers, non-empty, in the vocabulary, room in the store, or in its sequence b)
+        as int32."""
+        self._own(store)
         if b is None and store.batch > 1:
             raise ConfigError(f"the store holds a batch of {store.batch} sequences: feed one with forward_seq, "
                               "step all with decode_batch")
@@ -345,8 +356,7 @@ class CUDAEngine:
         ids = ids.reshape(-1)
         if ids.size == 0:
             raise ConfigError("no tokens to feed")
-        if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
-            raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
+        self._in_vocab(ids)
         store.check_room(ids.size, b)
         return np.ascontiguousarray(ids, dtype=np.int32)
 
@@ -364,8 +374,8 @@ class CUDAEngine:
     def forward_seq(self, ids, store: CUDAStore, b: int, all_logits: bool = False) -> np.ndarray:
         """forward() into sequence b of a batch store: (len(ids), n_vocab) logits when all_logits,
         else the last token's (n_vocab,) (a view of a host buffer, valid until the next call)."""
-        if isinstance(store, CUDAStore):
-            store.check_seq(b)
+        self._own(store)
+        store.check_seq(b)
         ids = self._ids(ids, store, b)
         ffi, lib = ffi_lib()
         out = np.empty((ids.size, self.spec.n_vocab), np.float32) if all_logits else self._logits1
@@ -378,16 +388,14 @@ class CUDAEngine:
         """One decode step of every sequence of a batch store: tokens (batch,), one per sequence.
         Returns each sequence's greedy next token (batch,) int32, or (tokens, logits (batch, n_vocab))
         when want_logits (a new array; sample from it for temperature > 0)."""
-        if not isinstance(store, CUDAStore) or store.engine is not self:
-            raise ConfigError("store must be a CUDAStore made by this engine's new_batch_store()")
+        self._own(store)
         if store.batch < 2:
             raise ConfigError("decode_batch needs a batch store (new_batch_store); step one sequence with decode")
         ids = np.asarray(tokens)
         if ids.dtype.kind not in "iu" or ids.shape != (store.batch,):
             raise ConfigError(f"decode_batch takes one integer token per sequence: shape ({store.batch},), got "
                               f"{ids.dtype} {ids.shape}")
-        if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
-            raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
+        self._in_vocab(ids)
         for b in range(store.batch):
             store.check_room(1, b)
         ids = np.ascontiguousarray(ids, dtype=np.int32)
