@@ -38,7 +38,7 @@ _LAYER_ROLES = {"attn_norm.weight": 4, "attn_norm.bias": 5, "attn_q.weight": 6, 
                 "ffn_up.bias": 22, "ffn_down.weight": 23, "ffn_down.bias": 24, "post_ffw_norm.weight": 25}
 _MATRIX_ROLES = {0, 1, 6, 8, 10, 12, 19, 21, 23}
 # prefill modes of the C API (rl_model_params.prefill_mode: RL_PREFILL_CHUNK, RL_PREFILL_TOKEN)
-_PREFILL_MODES = {"chunk": 1, "token": 2}
+PREFILL_MODES = {"chunk": 1, "token": 2}
 
 
 # ==================================================================================================
@@ -236,8 +236,8 @@ class CUDAEngine:
             raise ConfigError(f"device must be a CUDA device index >= 0, got {device!r}")
         if not isinstance(spec, ModelSpec):
             raise ConfigError(f"spec must be a ModelSpec, got {type(spec).__name__}")
-        if prefill_mode is not None and (not isinstance(prefill_mode, str) or prefill_mode not in _PREFILL_MODES):
-            raise ConfigError(f"prefill_mode must be one of {', '.join(map(repr, _PREFILL_MODES))} or None, "
+        if prefill_mode is not None and (not isinstance(prefill_mode, str) or prefill_mode not in PREFILL_MODES):
+            raise ConfigError(f"prefill_mode must be one of {', '.join(map(repr, PREFILL_MODES))} or None, "
                               f"got {prefill_mode!r}")
         _refuse_features(spec)
         uploads = self._plan(spec, tensors)   # every check before the first device call
@@ -252,7 +252,7 @@ class CUDAEngine:
         p.norm_eps, p.embed_scale, p.attn_scale = spec.norm_eps, spec.embed_scale, spec.attn_scale
         p.final_logit_softcap, p.n_batch, p.device = spec.final_logit_softcap, n_batch, device
         if prefill_mode is not None:      # else 0: RL_PREFILL_DEFAULT
-            p.prefill_mode = _PREFILL_MODES[prefill_mode]
+            p.prefill_mode = PREFILL_MODES[prefill_mode]
         self.prefill_mode = prefill_mode
         out = ffi.new("rl_model **")
         check_status(lib.rl_model_init(out, p), "rl_model_init")

@@ -208,11 +208,11 @@ def test_c_api_refuses_attend_paths_it_cannot_run_before_any_device():
 
 def test_prefill_modes_match_the_header_and_unknown_ones_are_refused_before_any_device():
     from ringllm.native import _ringllm_cuda as mod
-    from ringllm.native.cuda_backend import _PREFILL_MODES
+    from ringllm.native.cuda_backend import PREFILL_MODES
 
     lib, ffi = mod.lib, mod.ffi
     assert lib.RL_PREFILL_DEFAULT == 0
-    assert _PREFILL_MODES == {"chunk": lib.RL_PREFILL_CHUNK, "token": lib.RL_PREFILL_TOKEN}
+    assert PREFILL_MODES == {"chunk": lib.RL_PREFILL_CHUNK, "token": lib.RL_PREFILL_TOKEN}
     if not native.has_cuda():
         pytest.skip("built without CUDA: every call answers RL_ERR_NO_CUDA")
     p = ffi.new("rl_model_params *")
