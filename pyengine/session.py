@@ -53,6 +53,8 @@ __all__ = ["ChatSession", "SessionFileError", "SESSION_FORMAT", "SESSION_VERSION
 
 SESSION_FORMAT = "ringllm-session"
 SESSION_VERSION = 1
+# what a compressed prompt's store keeps beside its arrays (KVStore.state), saved in the header
+STORE_META = ("released", "ring_rope", "layer_capacity", "press_stats")
 _SENTINEL = "\x00ringllm-answer\x00"
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
                   "presence_penalty", "penalty_last_n", "logit_bias")
@@ -367,7 +369,7 @@ class ChatSession:
                     raise ConfigError(f"the {llm.backend} backend's KV store cannot be saved")
                 st = state_fn()
                 kv_state = {"kv": st["kv"], "n_seen": int(st["n_seen"]), "hist_layout": st.get("hist_layout")}
-                for key in ("released", "ring_rope", "layer_capacity"):      # a compressed prompt's store
+                for key in STORE_META:          # a compressed prompt's store
                     if st.get(key):
                         kv_state[key] = st[key]
                 arrays = {f"kv/{name}": np.asarray(a) for name, a in st["arrays"].items()}
@@ -481,7 +483,7 @@ class ChatSession:
                 st = header["store"]
                 state = {"kv": st["kv"], "n_seen": int(st["n_seen"]), "hist_layout": st.get("hist_layout"),
                          "arrays": {n[3:]: a for n, a in arrays.items() if n.startswith("kv/")},
-                         **{key: st[key] for key in ("released", "ring_rope", "layer_capacity") if key in st}}
+                         **{key: st[key] for key in STORE_META if key in st}}
                 if len(state["arrays"]) != len(arrays):
                     raise ValueError("unexpected arrays in the file")
                 restore = getattr(llm.engine, "restore_store", None)

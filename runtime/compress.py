@@ -12,6 +12,14 @@
    ranks, and positions (reindexed: rank among the head's kept tokens; original: sequence index).
    The transient store is dropped: its memory goes back (kv_stats()["bytes"] and RSS show it).
 
+Under a decode-time policy that evicts by a score (h2o, tova, lsh, ..., or staged streaming) the
+kept tokens need the policy's per-token state, so steps 1 and 3 differ: the transient store runs
+that policy with every pressed layer sized to hold the whole prompt (policy_transient: nothing is
+evicted, and the policy builds its state over every token, as it would have with room for them),
+the press's losers leave it through KVStore.evict (each survivor's state moves with its slot), and
+KVStore.resized cuts each layer to the most a head keeps plus the policy's own budget at
+KVConfig.capacity (policy_capacities). A sliding-window layer is a ring of its window throughout.
+
 Key layouts: the transient store's ring layers hold keys as the engine's RoPE strategy writes them;
 transplant brings each key back to before RoPE (reference_rope, exact up to one float32 rotation)
 and lays it out for the decode store. A compressed store in reindexed mode reads its keys "fused"
@@ -22,6 +30,8 @@ the engine's own strategy serves. The Numba kernels are not changed: compression
 the code it ran before (the engine tests a None query_hook once per layer and chunk).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -225,15 +235,19 @@ def compress_prefill(engine, ids, kv: KVConfig, room: int, prior: KVStore | None
         raise ConfigError(f"the prompt has {len(ids)} tokens, more than max_prompt {limit}: raise KVConfig.max_prompt "
                           "or shorten the prompt")
     transient, cap, logits = prefill_whole(engine, ids, kv.positions, kv.compress_window,
-                                           hidden=kv.compress == "gvote", prior=prior)
-    return press_store(engine, transient, cap, kv, room), logits
+                                           hidden=kv.compress == "gvote", prior=prior, decode_kv=kv)
+    return press_store(engine, transient, cap, kv, room, consume=True), logits
 
 
-def prefill_whole(engine, ids, positions: str, window: int, hidden: bool, prior: KVStore | None = None):
+def prefill_whole(engine, ids, positions: str, window: int, hidden: bool, prior: KVStore | None = None,
+                  decode_kv: KVConfig | None = None):
     """Steps 1 of the module docstring: (transient store holding prior's tokens and ids, its
     PrefillCapture of the last `window` queries (and the Gaussian of the attention inputs when
     hidden), the last token's logits (n_vocab,) f32). The transient store is left untouched by
-    press_store, so one prefill can be pressed many ways (bench/compression_ruler.py)."""
+    press_store unless it is told to consume it, so one prefill can be pressed many ways
+    (bench/compression_ruler.py). decode_kv: the compressing KVConfig when its decode-time policy
+    evicts by a score (not a ring): the transient store then runs that policy, sized so it evicts
+    nothing (policy_transient), and builds the policy's state over the whole prompt."""
     spec = engine.spec
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     m = ids.size
@@ -242,7 +256,9 @@ def prefill_whole(engine, ids, positions: str, window: int, hidden: bool, prior:
     if held + m > spec.n_ctx:
         raise ConfigError(f"{held + m} tokens (held and new) exceed the model's context {spec.n_ctx}: a compressing "
                           "prefill holds the whole prompt first")
-    if prior is None:
+    if decode_kv is not None and not decode_kv.ring:
+        transient = policy_transient(engine, decode_kv, m, prior)
+    elif prior is None:
         transient = engine.new_store(KVConfig(capacity=m, **full))
     else:
         keep_all = [[held_slots(prior, il, h) for h in range(spec.n_head_kv)] for il in range(spec.n_layer)]
@@ -266,12 +282,52 @@ def layer_prompts(transient: KVStore, cap: PrefillCapture) -> list[LayerPrompt]:
     return out
 
 
+def policy_transient(engine, kv: KVConfig, m: int, prior: KVStore | None) -> KVStore:
+    """The transient store of a prompt compressed under an evicting decode-time policy: kv's policy,
+    each layer sized to hold what `prior` holds there plus the m new tokens, so the prefill evicts
+    nothing while the policy keeps its per-token state (h2o's masses, scissorhands' history, lsh's
+    codes, rkv's key sums, gvote's queries) for every token; a sliding-window layer is a ring of its
+    window, as in every compressed store (it is not pressed). prior (a store this path built, a chat
+    session's) is resized up, its state carried."""
+    spec = engine.spec
+    held = [0] * spec.n_layer if prior is None else [int(c.max()) for c in prior.count]
+    caps = [spec.window[il] or held[il] + m for il in range(spec.n_layer)]
+    if prior is None:       # the policy's recent window as kv's capacity sets it, not the larger store's
+        decode_kv = replace(kv.decode_config(max(caps)), recent=kv.resolved_recent)
+        return engine.adopt_store(KVStore(spec, decode_kv, layer_capacity=caps))
+    return engine.adopt_store(prior.resized(caps))
+
+
+def policy_capacities(store: KVStore, kv: KVConfig, most: list[int]) -> list[int]:
+    """Per-layer capacities of a compressed store under an evicting decode-time policy: the most a
+    head of the layer keeps plus the policy's own budget for the layer at kv.capacity (pyramidkv's
+    line, the capacity for the others); a sliding-window layer its window."""
+    spec = store.spec
+    budgets = store.policy_impl.layer_budgets(kv.capacity, spec.n_layer)
+    return [spec.window[il] or most[il] + budgets[il] for il in range(spec.n_layer)]
+
+
+def evict_unkept(store: KVStore, keep: list) -> None:
+    """Drop from each pressed (non-window) layer of `store` the held tokens not in keep[il][h] (slots),
+    with KVStore.evict: every survivor's policy state moves with its slot."""
+    for il in range(store.spec.n_layer):
+        if store.spec.window[il]:
+            continue
+        drops = []
+        for h in range(store.spec.n_head_kv):
+            held = np.arange(int(store.count[il][h]), dtype=np.int64)
+            drops.append(np.setdiff1d(held, np.asarray(keep[il][h], np.int64), assume_unique=True))
+        store.evict(il, drops)
+
+
 def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, room: int,
-                prompts: list[LayerPrompt] | None = None) -> KVStore:
+                prompts: list[LayerPrompt] | None = None, consume: bool = False) -> KVStore:
     """Steps 2 and 3 of the module docstring: kv's press over the prompt prefilled into `transient`
     (the capture's window cut to kv.compress_window when it is wider), then the decode store, with
     `room` slots beside the kept tokens (compress_prefill). prompts: layer_prompts(transient, cap),
-    made with the same window, to reuse across presses."""
+    made with the same window, to reuse across presses. Under an evicting decode-time policy the
+    transient store (prefill_whole's policy_transient) loses the unkept tokens (KVStore.evict) and is
+    resized to policy_capacities: in place when `consume` (the caller drops it), else on a fork."""
     spec = engine.spec
     m = cap.m
     if kv.compress_window < cap.end - cap.first:      # a capture wider than this press's window
@@ -291,8 +347,18 @@ def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, r
             kept_total += chosen[h].size
             candidates += m
         keep.append(row)
-    caps = decode_capacities(kv, [max(r.size for r in row) for row in keep], room, spec.n_ctx)
-    decode = transplant(transient, keep, kv.decode_config(max(caps)), engine, layer_capacity=caps)
+    most = [max(r.size for r in row) for row in keep]
+    if kv.ring:
+        caps = decode_capacities(kv, most, room, spec.n_ctx)
+        decode = transplant(transient, keep, kv.decode_config(max(caps)), engine, layer_capacity=caps)
+    else:
+        if transient.policy != kv.policy:
+            raise ConfigError(f"press_store: decode-time policy {kv.policy!r} needs a transient store of that policy "
+                              f"(prefill_whole with decode_kv), not {transient.policy!r}")
+        work = transient if consume else transient.fork()
+        evict_unkept(work, keep)
+        decode = engine.adopt_store(work.resized(policy_capacities(work, kv, most)))
+        decode.released = decode.n_seen - max(int(c.max()) for c in decode.count)
     decode.press_stats = {"press": kv.compress, "prompt_tokens": int(m),
                           "kept_share": kept_total / candidates if candidates else 1.0}
     return decode

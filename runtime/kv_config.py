@@ -28,10 +28,14 @@ POLICIES = ("full", "streaming", "h2o", "scissorhands", "tova", "knorm", "lsh", 
             "adakv", "gvote", "rkv")
 POSITION_MODES = ("reindexed", "original")
 UPDATE_MODES = ("inplace", "shift")
-# prompt compression after prefill (runtime/press.py): the presses, and the decode-time policies a
-# compressed store can continue with (the ring policies: their slots need no per-token policy state)
+# prompt compression after prefill (runtime/press.py): the presses, and those that keep different
+# numbers of tokens per kv head (the decode-time policy must then take ragged heads: a ring, or adakv)
 PRESSES = ("snapkv", "pyramidkv", "adakv", "gvote", "tova", "knorm", "streaming", "random")
-COMPRESS_DECODE_POLICIES = ("full", "streaming")
+RAGGED_PRESSES = ("adakv", "gvote")
+# decode-time policies whose choice couples the kv heads of a layer (scores averaged over every head's
+# slot j: the heads must hold the same tokens), and the presses that keep one set for every head
+HEAD_ALIGNED_POLICIES = ("tova", "gvote")
+ALIGNED_PRESSES = ("tova", "streaming")
 # what a compressing call does with a prompt longer than it takes (KVConfig.compress_overflow)
 COMPRESS_OVERFLOW = ("error", "stream")
 
@@ -70,8 +74,11 @@ class KVConfig:
     Prompt compression after prefill (runtime/press.py, runtime/compress.py; generate, chat and chat
     sessions): the whole prompt is prefilled into a transient store sized to it, the press scores the
     prompt's tokens with the last `compress_window` queries, the chosen ones are kept and the store is
-    rebuilt at the kept size plus the decode room; decoding then runs under `policy` (full or
-    streaming; with streaming, `capacity` is the room for new tokens beside the kept ones).
+    rebuilt at the kept size plus the decode room; decoding then runs under `policy` (full: room for
+    the tokens to generate; any other policy: `capacity` is the room it keeps beside the kept prompt,
+    per layer its own budget; an evicting policy carries the state it built over the whole prompt,
+    h2o's masses, lsh's codes, ..., for the tokens the press kept). adakv and gvote keep different
+    numbers of tokens per kv head: they decode under full, streaming or adakv.
     compress: one of PRESSES, or None (no compression).
     compress_budget: tokens each kv head keeps of the prompt (the per-layer mean for pyramidkv, the
         per-head mean for adakv); a budget above the prompt keeps everything.
@@ -177,10 +184,16 @@ class KVConfig:
                  f"{', '.join(PRESSES)}")
             return
         need(self.compress in PRESSES, f"compress {self.compress!r} unknown; valid: {', '.join(PRESSES)}")
-        need(self.policy in COMPRESS_DECODE_POLICIES and not self.staged,
-             f"a compressed prompt decodes under policy {' or '.join(COMPRESS_DECODE_POLICIES)} (without staged "
-             f"eviction); got policy {self.policy!r}: the other policies keep per-token state the press does not "
-             "have for the kept tokens")
+        need(self.compress not in RAGGED_PRESSES or self.ring or self.policy == "adakv",
+             f"press {self.compress!r} keeps different numbers of tokens per kv head; decode-time policy "
+             f"{self.policy!r} evicts the same number from every head: use a ring policy (full, streaming) or adakv, "
+             "or a press with one budget for every head")
+        need(self.policy not in HEAD_ALIGNED_POLICIES or self.compress in ALIGNED_PRESSES,
+             f"decode-time policy {self.policy!r} scores each token over every kv head of a layer, so the heads must "
+             f"hold the same tokens; press {self.compress!r} chooses per head: use press "
+             f"{' or '.join(map(repr, ALIGNED_PRESSES))}, or another decode-time policy")
+        need(self.ring or self.capacity is not None, f"a compressed prompt decoding under policy {self.policy!r} "
+             "needs a capacity (the slots the policy keeps beside the kept prompt)")
         need(self.update == "inplace", "compress needs update 'inplace'")
         need(self.compress_overflow == "error" or self.policy == "streaming",
              "compress_overflow 'stream' sends a prompt too long to compress through the decode-time policy, "

@@ -127,14 +127,15 @@ class KVStore:
         self.policy_impl = make_policy(kv, spec)
         nkv, hd = spec.n_head_kv, spec.head_dim
         budgets = self.policy_impl.layer_budgets(self.capacity, spec.n_layer)
-        # layer_capacity: per-layer slots of a ring store (a compressed prompt's decode store, whose layers
-        # keep different numbers of tokens: runtime/compress.py); each at most the capacity
+        # layer_capacity: per-layer capacities in place of the policy's (a compressed prompt's transient
+        # and decode stores, whose layers hold different numbers of tokens: runtime/compress.py); each
+        # at most the capacity
         self.layer_capacity_override = None
         if layer_capacity is not None:
             caps = [int(c) for c in layer_capacity]
-            if not kv.ring or len(caps) != spec.n_layer or min(caps) < 1 or max(caps) > self.capacity:
-                raise ConfigError(f"layer_capacity needs a ring policy (full, streaming) and {spec.n_layer} values in "
-                                  f"1..{self.capacity}; got {layer_capacity!r} with policy {kv.policy!r}")
+            if len(caps) != spec.n_layer or min(caps) < 1 or max(caps) > self.capacity:
+                raise ConfigError(f"layer_capacity needs {spec.n_layer} values in 1..{self.capacity}; got "
+                                  f"{layer_capacity!r}")
             budgets = self.layer_capacity_override = caps
         self.layer_capacity: list[int] = []      # tokens kept after pruning (C_l)
         self.layer_sinks: list[int] = []
@@ -395,6 +396,44 @@ class KVStore:
         if self.ksum[il].shape[0] > 0:
             key_sums(self.ksum[il], self.k[il], self.score[il], self.count[il])
 
+    def resized(self, layer_capacity: list[int]) -> "KVStore":
+        """A copy of this store whose layer il keeps layer_capacity[il] tokens (KVStore(layer_capacity=)),
+        holding the same tokens in the same slots with their positions and policy state: the per-slot
+        arrays cut or extended at the slot axis, the per-layer ones (counts, evictions, gvote's
+        queries, rkv's key sums) as they are. A prompt compressed under an evicting decode-time policy
+        is prefilled into a store sized to hold it whole, pressed (evict), then resized to the kept
+        tokens plus the policy's capacity (runtime/compress.py); a chat turn resizes the other way.
+        A ring layer (a sliding window) keeps its capacity and a policy layer stays a policy layer
+        with slots for what each head holds; ConfigError otherwise, or during a rollback journal. The copy
+        belongs to no engine yet."""
+        if self.journal is not None:
+            raise ConfigError("resized during a rollback journal: commit() or rollback() first")
+        caps = [int(c) for c in layer_capacity]
+        dst = KVStore(self.spec, replace(self.kv, capacity=max(caps) if caps else 1), layer_capacity=caps)
+        for il in range(self.spec.n_layer):
+            if dst.layer_ring[il] != self.layer_ring[il] or (
+                    self.layer_ring[il] and dst.layer_capacity[il] != self.layer_capacity[il]):
+                raise ConfigError(f"resized: layer {il} would change kind or ring capacity "
+                                  f"({self.layer_capacity[il]} -> {dst.layer_capacity[il]} slots)")
+            held = int(self.count[il].max())
+            # the limit is a head's slots: a staged layer, or one adakv head, may hold more than the capacity
+            if held > dst.layer_physical[il]:
+                raise ConfigError(f"resized: layer {il} holds {held} tokens, more than its "
+                                  f"{dst.layer_physical[il]} slots at capacity {dst.layer_capacity[il]}")
+        dst.layer_rope_mode = list(self.layer_rope_mode) if self.layer_rope_mode is not None else None
+        for name in self.array_fields:
+            axis = SLOT_AXIS.get(name)
+            for src, out in zip(getattr(self, name), getattr(dst, name)):
+                if axis is None:
+                    out[...] = src
+                else:
+                    n = min(src.shape[axis], out.shape[axis])
+                    cut = (slice(None),) * axis + (slice(0, n),)
+                    out[cut] = src[cut]
+        dst.n_seen, dst.released, dst.ring_rope = self.n_seen, self.released, self.ring_rope
+        dst.press_stats = dict(self.press_stats)
+        return dst
+
     def fork(self) -> "KVStore":
         """An independent copy of this store (its tokens, positions and policy state): the copy and this
         store can each be fed on from here, and each decodes exactly as this store would have (a chat
@@ -567,7 +606,7 @@ class KVStore:
         return {"kv": self.kv.to_dict(), "n_seen": int(self.n_seen), "arrays": arrays,
                 "layer_rope_mode": list(self.layer_rope_mode) if self.layer_rope_mode else None,
                 "hist_layout": "window_major", "released": int(self.released), "ring_rope": self.ring_rope,
-                "layer_capacity": self.layer_capacity_override}
+                "layer_capacity": self.layer_capacity_override, "press_stats": dict(self.press_stats)}
 
     @classmethod
     def restore(cls, spec: ModelSpec, state: dict) -> "KVStore":
@@ -587,6 +626,11 @@ class KVStore:
         if ring_rope is not None and ring_rope not in LAYOUTS:
             raise ConfigError(f"KV store state is malformed: ring_rope {ring_rope!r}")
         store.ring_rope, store.released = ring_rope, int(state.get("released", 0))
+        press_stats = state.get("press_stats") or {}
+        if not isinstance(press_stats, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float))
+                                                       and not isinstance(v, bool) for k, v in press_stats.items()):
+            raise ConfigError(f"KV store state is malformed: press_stats {press_stats!r}")
+        store.press_stats = dict(press_stats)
         fresh = store.state()["arrays"]
         if not any(name.startswith("kbase.") for name in arrays):    # saved before "rebased" existed: no
             arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("kbase.")}}   # rebased layers

@@ -11,10 +11,13 @@ with press.py is the seeded draws (gvote's hidden states, random's scores): data
 builds the decode cache as the CPU path does: every layer's heads hold their kept tokens in sequence
 order (ragged lists), positions as the cache's position mode gives them (reindexed: rank among the
 head's kept tokens; original: sequence index), the decode-time policy's ring (full or streaming)
-after that.
+after that. Under an evicting decode-time policy the prompt goes through a cache of that policy with
+room for all of it, and the press keeps its tokens with the state the policy gave them
+(_reference_policy_compress).
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -236,6 +239,8 @@ def reference_compress_prefill(ref, ids, kv: KVConfig, room: int, prior: Referen
     m = ids.size
     if m > (kv.max_prompt or s.n_ctx):
         raise ConfigError(f"the prompt has {m} tokens, more than max_prompt {kv.max_prompt or s.n_ctx}")
+    if not kv.ring:
+        return _reference_policy_compress(ref, ids, kv, prior)
     cache = ReferenceCache(s, KVConfig(policy="full", positions=kv.positions, seed=kv.seed))
     if prior is not None:
         for il, (lc, src) in enumerate(zip(cache.layers, prior.layers)):
@@ -277,3 +282,64 @@ def reference_compress_prefill(ref, ids, kv: KVConfig, room: int, prior: Referen
     out.n_seen = cache.n_seen
     out.released = out.n_seen - max(most)
     return out, logits
+
+
+def _cut_heads(lc, keep: list[np.ndarray]) -> None:
+    """Keep head h's tokens keep[h] (indices into its ordered tokens) in layer cache lc, with their
+    policy state; per-head lists stay lists, stacked heads stay stacked (equal counts)."""
+    nkv = len(keep)
+    k = [np.asarray(lc.k[h])[keep[h]] for h in range(nkv)]
+    v = [np.asarray(lc.v[h])[keep[h]] for h in range(nkv)]
+    seq = [np.asarray(lc.seq[h])[keep[h]] for h in range(nkv)]
+    state = {name: [np.asarray(a[h])[keep[h]] for h in range(nkv)] for name, a in lc.state.items()}
+    if lc.ragged:
+        lc.k, lc.v, lc.seq, lc.state = k, v, seq, state
+    else:
+        lc.k, lc.v, lc.seq = np.stack(k), np.stack(v), np.stack(seq)
+        lc.state = {name: np.stack(a) for name, a in state.items()}
+
+
+def _reference_policy_compress(ref, ids, kv: KVConfig, prior: ReferenceCache | None):
+    """reference_compress_prefill under an evicting decode-time policy: the prompt goes through a cache
+    of that policy whose pressed layers have room for all of it (its state, h2o's masses and the
+    rest, built over every token), a sliding-window layer a ring of its window; the press keeps its
+    choice of each layer's new tokens with their state; each pressed layer's capacity becomes the
+    most a head keeps plus the policy's budget for the layer."""
+    s = ref.spec
+    m = ids.size
+    budgets_at = kv.decode_config(kv.capacity)
+    if prior is None:
+        cache = ReferenceCache(s, budgets_at)
+        for il, lc in enumerate(cache.layers):
+            if s.window[il]:
+                lc.capacity, lc.sinks, lc.recent, lc.policy, lc.state = s.window[il], 0, 0, False, {}
+    else:
+        cache = copy.deepcopy(prior)
+    for il, lc in enumerate(cache.layers):
+        if not s.window[il]:
+            held = max(np.asarray(x).size for x in lc.seq) if lc.ragged else int(lc.seq.shape[1])
+            lc.capacity = held + m
+    w = min(kv.compress_window, m)
+    win = _Window(s.n_layer, cache.n_seen + m - w, cache.n_seen + m)
+    cache.query_hook = win
+    logits = ref.forward(ids, cache)[-1]
+    cache.query_hook = None
+    impl = cache.impl
+    budgets = impl.budgets(kv.capacity, s.n_layer) if hasattr(impl, "budgets") else [kv.capacity] * s.n_layer
+    most = []
+    for il, lc in enumerate(cache.layers):
+        if s.window[il]:
+            most.append(max(np.asarray(x).size for x in lc.seq))
+            continue
+        chosen = reference_choose(ref, cache, il, win, kv, m)
+        keep = []
+        for h in range(s.n_head_kv):
+            n_h = np.asarray(lc.seq[h]).size
+            new = n_h - m + np.asarray(chosen[h], np.int64)
+            keep.append(np.concatenate([np.arange(n_h - m), new]).astype(np.int64))
+        _cut_heads(lc, keep)
+        most.append(max(x.size for x in keep))
+        lc.capacity, lc.sinks, lc.recent = most[-1] + budgets[il], kv.sinks, kv.resolved_recent
+    cache.kv = kv.decode_config(max(most[il] + budgets[il] for il in range(s.n_layer)))
+    cache.released = cache.n_seen - max(most)
+    return cache, logits

@@ -113,6 +113,44 @@ def test_streaming_decode_after_compression_matches_reference(tiny, press):
     assert_same_kept(store, cache)
 
 
+# decode-time policies that evict by a score (not a ring), each with the knobs that make it evict in a
+# short run; the press keeps the same number of tokens per head (snapkv), per-head budgets (adakv)
+# under adakv, and one set for every head (tova) under the policies that score over all heads
+DECODE_POLICIES = {
+    "h2o": dict(), "scissorhands": dict(history=4), "tova": dict(), "knorm": dict(), "lsh": dict(lsh_bits=8, recent=2),
+    "random": dict(seed=5), "snapkv": dict(window=4), "pyramidkv": dict(window=4, pyramid_beta=2.0),
+    "rkv": dict(), "gvote": dict(window=4, gvote_p=0.5, gvote_samples=2), "h2o+staged": dict(lazy=2, slack=2),
+    "streaming+staged": dict(lazy=2, slack=2),
+}
+
+
+@pytest.mark.parametrize("policy", list(DECODE_POLICIES) + ["adakv"])
+def test_policy_decode_after_compression_matches_reference(tiny, policy):
+    """An evicting decode-time policy after the press: the prompt is prefilled under that policy (its
+    state built over every token), the press's choice kept with that state, the store resized to the
+    kept tokens plus the policy's capacity; decoding past that evicts by the policy. Engine and
+    reference keep the same tokens and their logits agree within TOL at every step."""
+    _, eng, ref = tiny
+    name = policy.split("+")[0]
+    knobs = DECODE_POLICIES.get(policy, dict())
+    press = {"adakv": "adakv", "tova": "tova", "gvote": "tova"}.get(name, "snapkv")
+    positions = "original" if policy in ("tova", "lsh", "gvote") else "reindexed"
+    budget = dict(compress_budget=24) if press == "tova" else dict(compress_ratio=0.25)
+    kv = KVConfig(policy=name, capacity=8, sinks=2, positions=positions, compress=press, compress_window=8, **budget,
+                  **knobs)
+    ids = prompt_ids(7)
+    store, le = compress_prefill(eng, ids, kv, room=0)
+    cache, lr = reference_compress_prefill(ref, ids, kv, room=0)
+    assert_same_kept(store, cache)
+    spec = store.spec
+    pressed = [il for il in range(spec.n_layer) if not spec.window[il]]
+    assert max(int(store.count[il].max()) for il in pressed) < PROMPT_LEN // 2, "the press released tokens"
+    before = store.stats()["evicted_total"]
+    decode_both(eng, store, ref, cache, le, lr, 14)          # past the capacity: the policy evicts
+    assert store.stats()["evicted_total"] > before, "the policy evicted while decoding"
+    assert_same_kept(store, cache)
+
+
 def test_chat_turn_compresses_its_own_tokens(tiny):
     """A second prompt after a compressed store (a chat session's next turn): the earlier kept tokens
     stay, the new ones are pressed; engine and reference agree through both turns."""
@@ -134,6 +172,25 @@ def test_chat_turn_compresses_its_own_tokens(tiny):
                 assert before[il][h] <= now, "earlier turns are kept as they were"
                 assert 0 < len(now - before[il][h]) < len(second)
     decode_both(eng, store2, ref, cache2, le, lr, 3)
+
+
+@pytest.mark.parametrize("policy, press", [("h2o", "snapkv"), ("adakv", "adakv")])
+def test_chat_turn_under_an_evicting_policy(tiny, policy, press):
+    """A chat session's second turn under an evicting decode-time policy: the store is resized up to
+    hold the new turn, the turn's tokens are pressed, the store resized down; the policy's state of
+    the first turn's tokens carries through. Engine and reference agree through both turns, the
+    policy evicting in between."""
+    _, eng, ref = tiny
+    kv = KVConfig(policy=policy, capacity=6, sinks=2, compress=press, compress_ratio=0.3, compress_window=8)
+    first, second = prompt_ids(8, 64), prompt_ids(9, 40)
+    store, le = compress_prefill(eng, first, kv, room=0)
+    cache, lr = reference_compress_prefill(ref, first, kv, room=0)
+    decode_both(eng, store, ref, cache, le, lr, 9)            # past the capacity
+    store2, le = compress_prefill(eng, second, kv, room=0, prior=store)
+    cache2, lr = reference_compress_prefill(ref, second, kv, room=0, prior=cache)
+    assert_same_kept(store2, cache2)
+    decode_both(eng, store2, ref, cache2, le, lr, 9)
+    assert_same_kept(store2, cache2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +263,10 @@ def test_budget_over_the_prompt_keeps_everything(tiny):
     (dict(compress="snapkv", compress_ratio=0.0), r"compress_ratio must be in \(0, 1\]"),
     (dict(compress="snapkv", compress_budget=0), "compress_budget must be >= 1"),
     (dict(compress="snapkv", compress_ratio=0.5, compress_pool=4), "compress_pool must be an odd"),
-    (dict(compress="snapkv", compress_ratio=0.5, policy="h2o", capacity=64), "decodes under policy full or streaming"),
+    (dict(compress="adakv", compress_ratio=0.5, policy="h2o", capacity=64), "use a ring policy"),
+    (dict(compress="gvote", policy="tova", capacity=64), "use a ring policy"),
+    (dict(compress="snapkv", compress_ratio=0.5, policy="tova", capacity=64), "the heads must hold the same tokens"),
+    (dict(compress="snapkv", compress_ratio=0.5, policy="h2o"), "needs a capacity"),
     (dict(max_prompt=100), "needs a press"),
     (dict(compress_ratio=0.5), "needs a press"),
     (dict(compress_overflow="stream", policy="streaming", capacity=64), "compress_overflow needs a press"),
@@ -271,6 +331,27 @@ def test_chat_session_compresses_each_turn_and_saves(smol, tmp_path):
     assert loaded.kv_stats()["released"] == second["released"]
     a = s.send("Thanks.", max_tokens=4, stream=False).tokens
     b = loaded.send("Thanks.", max_tokens=4, stream=False).tokens
+    assert a == b
+
+
+def test_chat_session_under_h2o_after_compression_saves_and_loads(smollm2_path, tmp_path):
+    """SmolLM2, a chat session compressing each turn with snapkv and decoding under h2o (capacity 16):
+    the policy evicts while answering; a session saved after the second turn loads with the same
+    store (stats included) and answers the third turn exactly as the live one."""
+    llm = ringllm.LLM(smollm2_path, n_threads=1, progress=False,
+                      kv=KVConfig(policy="h2o", capacity=16, compress="snapkv", compress_ratio=0.3,
+                                  compress_window=16, max_prompt=600))
+    s = llm.chat_session()
+    s.send(story(120) + "\nWho is speaking?", max_tokens=24, stream=False, ignore_eos=True)
+    first = s.kv_stats()
+    assert first["policy"] == "h2o" and first["released"] > 0 and first["evicted_total"] > 0
+    s.send("And then? " + story(40), max_tokens=24, stream=False, ignore_eos=True)
+    second = s.kv_stats()
+    assert second["tokens_seen"] == len(s.tokens) and second["evicted_total"] > first["evicted_total"]
+    loaded = type(s).load(llm, s.save(tmp_path / "h2o.session"))
+    assert loaded.kv_stats() == second
+    a = s.send("Thanks.", max_tokens=24, stream=False, ignore_eos=True).tokens
+    b = loaded.send("Thanks.", max_tokens=24, stream=False, ignore_eos=True).tokens
     assert a == b
 
 

@@ -1,5 +1,6 @@
 """The KV store's verbs beyond write: fork (an independent copy that decodes exactly as the original),
-evict (tokens chosen by the caller leave a policy layer), and adoption by an engine (a store fed to
+evict (tokens chosen by the caller leave a policy layer), resized (a copy with other per-layer
+capacities, its tokens and policy state carried), and adoption by an engine (a store fed to
 an engine that did not lay it out is adopted first, or refused when its layout cannot be)."""
 from __future__ import annotations
 
@@ -46,6 +47,45 @@ def test_fork_decodes_like_the_original(tiny, policy):
         for x, y in zip(getattr(a, name), getattr(b, name)):
             assert not np.shares_memory(x, y)
             np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "rkv", "gvote", "adakv"])
+def test_resized_carries_every_token_and_its_state(tiny, policy):
+    """A store resized up and back down is the store it was, array for array, and decodes as it; the
+    larger copy holds more before the policy evicts. Under rkv the key sums, under gvote the recent
+    queries (per-layer state) come along."""
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    L = tiny.spec.n_layer
+    kv = KVConfig(capacity=16, policy=policy, sinks=2, recent=2, window=4, gvote_samples=2)
+    a = eng.new_store(kv)
+    eng.prefill(IDS[:24], a)                        # evicted down to 16
+    big = a.resized([24] * L)
+    assert big.layer_capacity == [24] * L and big.adopter is None
+    back = big.resized([16] * L)
+    for name in a.array_fields:
+        for x, y in zip(getattr(a, name), getattr(back, name)):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+    for t in IDS[24:34]:
+        np.testing.assert_array_equal(eng.step(t, a).copy(), eng.step(t, back))
+    evicted, held = big.stats()["evicted_total"], sum(int(c.sum()) for c in big.count)
+    eng.prefill(IDS[24:30], big)                    # 16 + 6 held: the larger copy has room for them all
+    assert big.stats()["evicted_total"] == evicted
+    assert sum(int(c.sum()) for c in big.count) == held + 6 * L * tiny.spec.n_head_kv
+
+
+def test_resized_refuses_what_it_cannot_carry(tiny):
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    L = tiny.spec.n_layer
+    st = eng.new_store(KVConfig(capacity=16, policy="h2o", sinks=2))
+    eng.prefill(IDS[:20], st)
+    with pytest.raises(ConfigError, match="holds 16 tokens, more than its 12 slots"):
+        st.resized([12] * L)
+    with pytest.raises(ConfigError, match=f"needs {L} values"):
+        st.resized([16] * (L + 1))
+    st.begin_journal(2)
+    with pytest.raises(ConfigError, match="journal"):
+        st.resized([32] * L)
+    st.commit()
 
 
 def test_fork_during_a_journal_is_refused(tiny):
