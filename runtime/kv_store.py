@@ -66,7 +66,9 @@ from ringllm.runtime.kv_types import STORE_DTYPE, row_width
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
+from ringllm.runtime.policies.base import Policy
 from ringllm.runtime.rope import LAYOUTS, rebase_limit, relayout_keys
+from ringllm.runtime.rope_kernels import rope_rows_at
 
 # ---------------------------------------------------------------------------------------------
 # Store
@@ -551,8 +553,9 @@ class KVStore:
         slots (n_kv, m) ints (an occupied slot: its token leaves; a free one: count, count + 1, ...),
         k_rows, v_rows (m, n_kv, head_dim) float32, seqs (m,) increasing and newer than every held
         token (keys laid out as the layer's RoPE strategy stores them: on a "rebased" layer, rotated at
-        their logical position). Ranks/positions updated; the new slots' score/aux/hist zeroed (under
-        rkv, score = 1/|k| and ksum rebuilt)."""
+        their logical position). Ranks/positions updated; the new slots' score/aux/hist zeroed, then
+        what the policy computes from a key at insert (Policy.on_replace: knorm's norm, lsh's code;
+        under rkv, score = 1/|k| and ksum rebuilt)."""
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         seqs = np.ascontiguousarray(seqs, dtype=np.int64).reshape(-1)
         nkv, hd = self.spec.n_head_kv, self.spec.head_dim
@@ -568,6 +571,21 @@ class KVStore:
                         v_rows, seqs, self.reindexed, self.rope_mode(il) == "rebased", np.empty(seqs.size, np.int64))
         if self.ksum[il].shape[0] > 0:     # rkv's sum of unit keys: rebuilt (m new keys, m leaving)
             key_sums(self.ksum[il], self.k[il], self.score[il], self.count[il])
+        if type(self.policy_impl).on_replace is not Policy.on_replace and self.uses_policy(il):
+            self.policy_impl.on_replace(self, il, slots, self._keys_before_rope(il, slots, k_rows))
+
+    def _keys_before_rope(self, il: int, slots: np.ndarray, k_rows: np.ndarray) -> np.ndarray:
+        """k_rows (m, n_kv, hd) as replace_many took them, brought back to before RoPE: a "rebased"
+        layer's rows were rotated at their slots' kbase (rope_kernels.rope_rows_at, angles in f64)."""
+        if self.rope_mode(il) != "rebased":
+            return k_rows
+        out = k_rows.copy()
+        tmp = np.zeros(self.spec.head_dim + self.spec.rotary_dim, np.float32)
+        for h in range(slots.shape[0]):
+            for i, slot in enumerate(slots[h]):
+                rope_rows_at(out[i, h:h + 1], -int(self.kbase[il][h, slot]), self.layer_inv_freq[il],
+                             self.layer_inv_scale[il], self.spec.rotary_dim, tmp)
+        return out
 
     def begin_journal(self, max_tokens: int):
         """Journal the next (up to) max_tokens tokens fed, so that rollback(n_keep) can take the last

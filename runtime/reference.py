@@ -199,6 +199,54 @@ class ReferenceCache:
             self.query_history[il][seq] = q.copy()
             self.query_history[il].pop(seq - self.kv.window, None)
 
+    def keep_only(self, il: int, keep: list) -> None:
+        """Layer il's head h keeps its tokens keep[h] (indices into its ordered tokens) with their
+        policy state, the rest leave (a press's choice, or evict's complement); per-head lists stay
+        lists, stacked heads stay stacked (then every head keeps equally many)."""
+        lc = self.layers[il]
+        nkv = len(keep)
+        k = [np.asarray(lc.k[h])[keep[h]] for h in range(nkv)]
+        v = [np.asarray(lc.v[h])[keep[h]] for h in range(nkv)]
+        seq = [np.asarray(lc.seq[h])[keep[h]] for h in range(nkv)]
+        state = {name: [np.asarray(a[h])[keep[h]] for h in range(nkv)] for name, a in lc.state.items()}
+        if lc.ragged:
+            lc.k, lc.v, lc.seq, lc.state = k, v, seq, state
+        else:
+            lc.k, lc.v, lc.seq = np.stack(k), np.stack(v), np.stack(seq)
+            lc.state = {name: np.stack(a) for name, a in state.items()}
+
+    def evict(self, il: int, seqs) -> None:
+        """The reference of KVStore.evict: the tokens of sequence indices `seqs` leave every head of
+        layer il that holds them."""
+        drop = np.asarray(seqs, np.int64)
+        lc = self.layers[il]
+        self.keep_only(il, [np.flatnonzero(~np.isin(np.asarray(lc.seq[h]), drop)) for h in range(len(lc.seq))])
+
+    def replace(self, il: int, seqs_out, k: np.ndarray, v: np.ndarray, seqs_in) -> None:
+        """The reference of KVStore.replace_many: the tokens `seqs_out` leave every head of layer il,
+        then tokens `seqs_in` (newer than any held) enter one by one: k, v (m, n_kv, hd) f32, keys
+        before RoPE, their policy state zero, then what the policy computes from the key at insert
+        (after_insert: knorm's norm, lsh's code). Nothing is attended: no attention state moves."""
+        self.evict(il, seqs_out)
+        lc = self.layers[il]
+        nkv = len(lc.seq)
+        for i, s in enumerate(np.asarray(seqs_in, np.int64)):
+            if lc.ragged:
+                for h in range(nkv):
+                    lc.k[h] = np.concatenate([lc.k[h], k[i, h][None]])
+                    lc.v[h] = np.concatenate([lc.v[h], v[i, h][None]])
+                    lc.seq[h] = np.append(lc.seq[h], s)
+                    for a in lc.state.values():
+                        a[h] = np.concatenate([a[h], np.zeros((1,) + a[h].shape[1:], a[h].dtype)])
+            else:
+                lc.k = np.concatenate([lc.k, k[i][:, None]], axis=1)
+                lc.v = np.concatenate([lc.v, v[i][:, None]], axis=1)
+                lc.seq = np.concatenate([lc.seq, np.full((nkv, 1), s, np.int64)], axis=1)
+                lc.state = {name: np.concatenate([a, np.zeros((nkv, 1) + a.shape[2:], a.dtype)], axis=1)
+                            for name, a in lc.state.items()}
+            if lc.policy:
+                self.impl.after_insert(lc, il, k[i])
+
     def rounded_kv(self, il: int, k: np.ndarray, v: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """k, v (n_kv, hd) as the store holds them under the KV types (module docstring), keys given
         and returned before RoPE."""

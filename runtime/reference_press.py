@@ -284,21 +284,6 @@ def reference_compress_prefill(ref, ids, kv: KVConfig, room: int, prior: Referen
     return out, logits
 
 
-def _cut_heads(lc, keep: list[np.ndarray]) -> None:
-    """Keep head h's tokens keep[h] (indices into its ordered tokens) in layer cache lc, with their
-    policy state; per-head lists stay lists, stacked heads stay stacked (equal counts)."""
-    nkv = len(keep)
-    k = [np.asarray(lc.k[h])[keep[h]] for h in range(nkv)]
-    v = [np.asarray(lc.v[h])[keep[h]] for h in range(nkv)]
-    seq = [np.asarray(lc.seq[h])[keep[h]] for h in range(nkv)]
-    state = {name: [np.asarray(a[h])[keep[h]] for h in range(nkv)] for name, a in lc.state.items()}
-    if lc.ragged:
-        lc.k, lc.v, lc.seq, lc.state = k, v, seq, state
-    else:
-        lc.k, lc.v, lc.seq = np.stack(k), np.stack(v), np.stack(seq)
-        lc.state = {name: np.stack(a) for name, a in state.items()}
-
-
 def _reference_policy_compress(ref, ids, kv: KVConfig, prior: ReferenceCache | None):
     """reference_compress_prefill under an evicting decode-time policy: the prompt goes through a cache
     of that policy whose pressed layers have room for all of it (its state, h2o's masses and the
@@ -337,7 +322,7 @@ def _reference_policy_compress(ref, ids, kv: KVConfig, prior: ReferenceCache | N
             n_h = np.asarray(lc.seq[h]).size
             new = n_h - m + np.asarray(chosen[h], np.int64)
             keep.append(np.concatenate([np.arange(n_h - m), new]).astype(np.int64))
-        _cut_heads(lc, keep)
+        cache.keep_only(il, keep)
         most.append(max(x.size for x in keep))
         lc.capacity, lc.sinks, lc.recent = most[-1] + budgets[il], kv.sinks, kv.resolved_recent
     cache.kv = kv.decode_config(max(most[il] + budgets[il] for il in range(s.n_layer)))

@@ -80,6 +80,10 @@ class Policy:
     def on_insert(self, store, il: int, k_pre: np.ndarray, q_pre: np.ndarray) -> None:
         pass
 
+    def on_replace(self, store, il: int, slots: np.ndarray, k_pre: np.ndarray) -> None:
+        """on_insert for the tokens KVStore.replace_many put in slots (n_kv, m) of layer il, keys
+        k_pre (m, n_kv, hd) before RoPE: the per-slot state a policy computes from a key at insert."""
+
     def observe(self, store, il: int, mass: np.ndarray, seq: int) -> None:
         pass
 

@@ -33,3 +33,7 @@ class KNorm(Policy):
 
     def on_insert(self, store, il, k_pre, q_pre):
         _store_norms(store.score[il], store.count[il], k_pre)
+
+    def on_replace(self, store, il, slots, k_pre):
+        for i in range(k_pre.shape[0]):       # _store_norms writes at "count - 1": slot + 1 per head
+            _store_norms(store.score[il], slots[:, i] + 1, k_pre[i])

@@ -74,3 +74,8 @@ class LSH(Policy):
     def on_insert(self, store, il, k_pre, q_pre):
         simhash_rows(self.k_codes, k_pre, self.proj[il])
         _store_codes(store.aux[il], store.count[il], self.k_codes)
+
+    def on_replace(self, store, il, slots, k_pre):
+        for i in range(k_pre.shape[0]):       # _store_codes writes at "count - 1": slot + 1 per head
+            simhash_rows(self.k_codes, np.ascontiguousarray(k_pre[i]), self.proj[il])
+            _store_codes(store.aux[il], slots[:, i] + 1, self.k_codes)
