@@ -31,6 +31,19 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_cut_path(smollm2_path, tmp_path_factory) -> str:
+    """A tiny model with a real tokenizer and chat template: SmolLM2's first 2 of 30 layers, every
+    other tensor and key as they are (bench/truncated_gguf.py). Its answers are not SmolLM2's; it
+    serves the short soaks, which measure the runtime (memory, files, reloads), not the model."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from truncated_gguf import truncate
+    out = str(tmp_path_factory.mktemp("smollm2_cut") / "smollm2-2layers.gguf")
+    truncate(smollm2_path, 2, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def gemma3_path() -> str:
     from ringllm.models.bundled import gemma3_model_path
     try:
