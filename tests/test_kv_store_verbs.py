@@ -88,6 +88,38 @@ def test_resized_refuses_what_it_cannot_carry(tiny):
     st.commit()
 
 
+@pytest.mark.parametrize("policy", ["knorm", "lsh"])
+def test_replace_many_gives_new_tokens_their_key_state(tiny, policy):
+    """A token replace_many puts in a slot gets the per-slot state its policy computes from the key at
+    insert (knorm's norm grid, lsh's SimHash code of the key before RoPE), not zero: the rows go in
+    rotated at their positions on these "rebased" layers and are brought back before the policy sees
+    them. The same key written through the engine's path gets the same state."""
+    from ringllm.runtime.policies.lsh import simhash_rows
+    from ringllm.runtime.reference_rope import layer_freqs, rope
+
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    spec = tiny.spec
+    st = eng.new_store(KVConfig(capacity=16, policy=policy, sinks=0, recent=2, lsh_bits=16))
+    eng.prefill(IDS[:10], st)
+    il, nkv, hd = 1, spec.n_head_kv, spec.head_dim
+    assert st.rope_mode(il) == "rebased"
+    k_pre = np.random.default_rng(3).standard_normal((1, nkv, hd)).astype(np.float32) * 3
+    pos = np.array([int(st.count[il][0]) - 1 if st.reindexed else 10])     # one token leaves, one enters
+    rows = np.stack([rope(k_pre[:, h], pos, spec.rotary_dim, layer_freqs(spec, il), spec.rope_scale[il])
+                     for h in range(nkv)], axis=1).astype(np.float32)
+    slots = np.array([[2], [5]])
+    st.replace_many(il, slots, rows, np.zeros_like(rows), [10])
+    for h in range(nkv):
+        slot = slots[h, 0]
+        if policy == "knorm":
+            want = np.floor(256.0 * np.log2(np.sqrt((k_pre[0, h].astype(np.float64) ** 2).sum())) + 0.5)
+            assert st.score[il][h, slot] == want
+        else:
+            code = np.zeros(1, np.int64)
+            simhash_rows(code, k_pre[0, h:h + 1], st.policy_impl.proj[il])
+            assert st.aux[il][h, slot] == code[0] != 0
+
+
 def test_fork_during_a_journal_is_refused(tiny):
     eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
     st = eng.new_store(KVConfig(capacity=16, policy="h2o", sinks=2))
