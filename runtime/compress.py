@@ -293,7 +293,7 @@ def policy_transient(engine, kv: KVConfig, m: int, prior: KVStore | None) -> KVS
     held = [0] * spec.n_layer if prior is None else [int(c.max()) for c in prior.count]
     caps = [spec.window[il] or held[il] + m for il in range(spec.n_layer)]
     if prior is None:       # the policy's recent window as kv's capacity sets it, not the larger store's
-        decode_kv = replace(kv.decode_config(max(caps)), recent=kv.resolved_recent)
+        decode_kv = replace(kv.decode_config(max(max(caps), kv.capacity)), recent=kv.resolved_recent)
         return engine.adopt_store(KVStore(spec, decode_kv, layer_capacity=caps))
     return engine.adopt_store(prior.resized(caps))
 

@@ -411,7 +411,10 @@ class KVStore:
         if self.journal is not None:
             raise ConfigError("resized during a rollback journal: commit() or rollback() first")
         caps = [int(c) for c in layer_capacity]
-        dst = KVStore(self.spec, replace(self.kv, capacity=max(caps) if caps else 1), layer_capacity=caps)
+        # the config's capacity stays at least what it was (its recent window and sinks were checked
+        # against it); the layers take caps
+        capacity = max(caps + [self.kv.capacity or 1])
+        dst = KVStore(self.spec, replace(self.kv, capacity=capacity), layer_capacity=caps)
         for il in range(self.spec.n_layer):
             if dst.layer_ring[il] != self.layer_ring[il] or (
                     self.layer_ring[il] and dst.layer_capacity[il] != self.layer_capacity[il]):

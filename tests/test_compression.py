@@ -193,6 +193,21 @@ def test_chat_turn_under_an_evicting_policy(tiny, policy, press):
     assert_same_kept(store2, cache2)
 
 
+def test_prompts_shorter_than_the_policy_capacity(tiny):
+    """A prompt (and a chat turn) shorter than the decode-time policy's capacity and recent window:
+    the transient and resized stores keep the config's capacity, so h2o's recent window (capacity/2)
+    still fits; engine and reference agree."""
+    _, eng, ref = tiny
+    kv = KVConfig(policy="h2o", capacity=64, compress="snapkv", compress_ratio=0.5, compress_window=4)
+    store, le = compress_prefill(eng, prompt_ids(10, 12), kv, room=0)
+    cache, lr = reference_compress_prefill(ref, prompt_ids(10, 12), kv, room=0)
+    decode_both(eng, store, ref, cache, le, lr, 3)
+    store2, le = compress_prefill(eng, prompt_ids(11, 9), kv, room=0, prior=store)
+    cache2, lr = reference_compress_prefill(ref, prompt_ids(11, 9), kv, room=0, prior=cache)
+    assert_same_kept(store2, cache2)
+    decode_both(eng, store2, ref, cache2, le, lr, 3)
+
+
 # ---------------------------------------------------------------------------------------------
 # The presses' definitions (kvpress) on cases checked by hand
 # ---------------------------------------------------------------------------------------------
