@@ -291,7 +291,8 @@ def policy_transient(engine, kv: KVConfig, m: int, prior: KVStore | None) -> KVS
     session's) is resized up, its state carried."""
     spec = engine.spec
     held = [0] * spec.n_layer if prior is None else [int(c.max()) for c in prior.count]
-    caps = [spec.window[il] or held[il] + m for il in range(spec.n_layer)]
+    floor = kv.sinks + kv.resolved_recent + 1        # a policy layer keeps one slot evictable (KVStore)
+    caps = [spec.window[il] or max(held[il] + m, floor) for il in range(spec.n_layer)]
     if prior is None:       # the policy's recent window as kv's capacity sets it, not the larger store's
         decode_kv = replace(kv.decode_config(max(max(caps), kv.capacity)), recent=kv.resolved_recent)
         return engine.adopt_store(KVStore(spec, decode_kv, layer_capacity=caps))
@@ -330,6 +331,9 @@ def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, r
     resized to policy_capacities: in place when `consume` (the caller drops it), else on a fork."""
     spec = engine.spec
     m = cap.m
+    if not kv.ring and transient.policy != kv.policy:
+        raise ConfigError(f"press_store: decode-time policy {kv.policy!r} needs a transient store of that policy "
+                          f"(prefill_whole with decode_kv), not {transient.policy!r}")
     if kv.compress_window < cap.end - cap.first:      # a capture wider than this press's window
         cap = cap.narrowed(kv.compress_window)
     keep, kept_total, candidates = [], 0, 0
@@ -352,12 +356,10 @@ def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, r
         caps = decode_capacities(kv, most, room, spec.n_ctx)
         decode = transplant(transient, keep, kv.decode_config(max(caps)), engine, layer_capacity=caps)
     else:
-        if transient.policy != kv.policy:
-            raise ConfigError(f"press_store: decode-time policy {kv.policy!r} needs a transient store of that policy "
-                              f"(prefill_whole with decode_kv), not {transient.policy!r}")
         work = transient if consume else transient.fork()
         evict_unkept(work, keep)
-        decode = engine.adopt_store(work.resized(policy_capacities(work, kv, most)))
+        caps = policy_capacities(work, kv, most)
+        decode = engine.adopt_store(work.resized(caps, capacity=max(caps + [kv.capacity])))
         decode.released = decode.n_seen - max(int(c.max()) for c in decode.count)
     decode.press_stats = {"press": kv.compress, "prompt_tokens": int(m),
                           "kept_share": kept_total / candidates if candidates else 1.0}

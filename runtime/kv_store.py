@@ -58,7 +58,7 @@ import numpy as np
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, keep_after
 from ringllm.runtime.key_sum import key_sums
-from ringllm.runtime.kv_codec import decode, encode
+from ringllm.runtime.kv_codec import decode, encode, round_trip
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
 from ringllm.runtime.host_memory import lazy_zeros, small_pages
@@ -139,6 +139,12 @@ class KVStore:
                 raise ConfigError(f"layer_capacity needs {spec.n_layer} values in 1..{self.capacity}; got "
                                   f"{layer_capacity!r}")
             budgets = self.layer_capacity_override = caps
+            floor = self.sinks + self.recent
+            for il, cap in enumerate(caps):
+                w = spec.window[il]
+                if not kv.ring and not (w and w <= cap) and cap <= floor:
+                    raise ConfigError(f"layer_capacity[{il}] = {cap} must be above sinks + recent = {floor} on a "
+                                      "policy layer: at least one slot must be evictable")
         self.layer_capacity: list[int] = []      # tokens kept after pruning (C_l)
         self.layer_sinks: list[int] = []
         self.layer_ring: list[bool] = []         # True: the streaming ring kernel serves this layer
@@ -398,7 +404,7 @@ class KVStore:
         if self.ksum[il].shape[0] > 0:
             key_sums(self.ksum[il], self.k[il], self.score[il], self.count[il])
 
-    def resized(self, layer_capacity: list[int]) -> "KVStore":
+    def resized(self, layer_capacity: list[int], capacity: int | None = None) -> "KVStore":
         """A copy of this store whose layer il keeps layer_capacity[il] tokens (KVStore(layer_capacity=)),
         holding the same tokens in the same slots with their positions and policy state: the per-slot
         arrays cut or extended at the slot axis, the per-layer ones (counts, evictions, gvote's
@@ -407,14 +413,21 @@ class KVStore:
         tokens plus the policy's capacity (runtime/compress.py); a chat turn resizes the other way.
         A ring layer (a sliding window) keeps its capacity and a policy layer stays a policy layer
         with slots for what each head holds; ConfigError otherwise, or during a rollback journal. The copy
-        belongs to no engine yet."""
+        belongs to no engine yet. capacity: the copy's KVConfig.capacity (default: the larger of this
+        store's and the largest layer's); the policy's recent window stays this store's whatever it is
+        (a default derived from the capacity, h2o's capacity/2, is pinned), so the copy protects the
+        tokens this store protects."""
         if self.journal is not None:
             raise ConfigError("resized during a rollback journal: commit() or rollback() first")
-        caps = [int(c) for c in layer_capacity]
-        # the config's capacity stays at least what it was (its recent window and sinks were checked
-        # against it); the layers take caps
-        capacity = max(caps + [self.kv.capacity or 1])
-        dst = KVStore(self.spec, replace(self.kv, capacity=capacity), layer_capacity=caps)
+        try:
+            caps = [int(c) for c in layer_capacity]
+        except (TypeError, ValueError):
+            raise ConfigError(f"resized: layer_capacity must be integers, got {layer_capacity!r}") from None
+        capacity = max(caps + [self.kv.capacity or 1]) if capacity is None else int(capacity)
+        kv = replace(self.kv, capacity=capacity)
+        if self.kv.policy != "full":
+            kv = replace(kv, recent=self.kv.resolved_recent)
+        dst = KVStore(self.spec, kv, layer_capacity=caps)
         for il in range(self.spec.n_layer):
             if dst.layer_ring[il] != self.layer_ring[il] or (
                     self.layer_ring[il] and dst.layer_capacity[il] != self.layer_capacity[il]):
@@ -578,8 +591,12 @@ class KVStore:
             self.policy_impl.on_replace(self, il, slots, self._keys_before_rope(il, slots, k_rows))
 
     def _keys_before_rope(self, il: int, slots: np.ndarray, k_rows: np.ndarray) -> np.ndarray:
-        """k_rows (m, n_kv, hd) as replace_many took them, brought back to before RoPE: a "rebased"
-        layer's rows were rotated at their slots' kbase (rope_kernels.rope_rows_at, angles in f64)."""
+        """k_rows (m, n_kv, hd) as replace_many took them, brought back to before RoPE and as the store
+        holds them: a "rebased" layer's rows were rotated at their slots' kbase (rope_kernels.rope_rows_at,
+        angles in f64); quantized keys (always before RoPE on policy layers) rounded through their type,
+        as the write path hands the policy the key as stored."""
+        if self.kv.quantized_keys:
+            return round_trip(k_rows, self.kv.k_type)
         if self.rope_mode(il) != "rebased":
             return k_rows
         out = k_rows.copy()

@@ -225,12 +225,14 @@ class ReferenceCache:
     def replace(self, il: int, seqs_out, k: np.ndarray, v: np.ndarray, seqs_in) -> None:
         """The reference of KVStore.replace_many: the tokens `seqs_out` leave every head of layer il,
         then tokens `seqs_in` (newer than any held) enter one by one: k, v (m, n_kv, hd) f32, keys
-        before RoPE, their policy state zero, then what the policy computes from the key at insert
+        before RoPE (rounded to the KV types as insert rounds them), their policy state zero, then what the policy computes from the key at insert
         (after_insert: knorm's norm, lsh's code). Nothing is attended: no attention state moves."""
         self.evict(il, seqs_out)
         lc = self.layers[il]
         nkv = len(lc.seq)
+        k, v = np.array(k, np.float32), np.array(v, np.float32)
         for i, s in enumerate(np.asarray(seqs_in, np.int64)):
+            k[i], v[i] = self.rounded_kv(il, k[i], v[i], int(s))      # as the KV types hold them
             if lc.ragged:
                 for h in range(nkv):
                     lc.k[h] = np.concatenate([lc.k[h], k[i, h][None]])

@@ -303,7 +303,7 @@ def _reference_policy_compress(ref, ids, kv: KVConfig, prior: ReferenceCache | N
     for il, lc in enumerate(cache.layers):
         if not s.window[il]:
             held = max(np.asarray(x).size for x in lc.seq) if lc.ragged else int(lc.seq.shape[1])
-            lc.capacity = held + m
+            lc.capacity = max(held + m, kv.sinks + kv.resolved_recent + 1)
     w = min(kv.compress_window, m)
     win = _Window(s.n_layer, cache.n_seen + m - w, cache.n_seen + m)
     cache.query_hook = win

@@ -49,19 +49,21 @@ def test_fork_decodes_like_the_original(tiny, policy):
             np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "rkv", "gvote", "adakv"])
-def test_resized_carries_every_token_and_its_state(tiny, policy):
+@pytest.mark.parametrize("policy, recent", [("h2o", 2), ("h2o", None), ("rkv", 2), ("gvote", 2), ("adakv", 2)])
+def test_resized_carries_every_token_and_its_state(tiny, policy, recent):
     """A store resized up and back down is the store it was, array for array, and decodes as it; the
     larger copy holds more before the policy evicts. Under rkv the key sums, under gvote the recent
-    queries (per-layer state) come along."""
+    queries (per-layer state) come along; a recent window the capacity set (h2o's capacity/2) stays
+    the one it was."""
     eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
     L = tiny.spec.n_layer
-    kv = KVConfig(capacity=16, policy=policy, sinks=2, recent=2, window=4, gvote_samples=2)
+    kv = KVConfig(capacity=16, policy=policy, sinks=2, recent=recent, window=4, gvote_samples=2)
     a = eng.new_store(kv)
     eng.prefill(IDS[:24], a)                        # evicted down to 16
     big = a.resized([24] * L)
-    assert big.layer_capacity == [24] * L and big.adopter is None
-    back = big.resized([16] * L)
+    assert big.layer_capacity == [24] * L and big.adopter is None and big.recent == a.recent
+    back = big.resized([16] * L, capacity=16)
+    assert back.kv.capacity == 16 and back.recent == a.recent
     for name in a.array_fields:
         for x, y in zip(getattr(a, name), getattr(back, name)):
             np.testing.assert_array_equal(x, y, err_msg=name)
@@ -82,6 +84,10 @@ def test_resized_refuses_what_it_cannot_carry(tiny):
         st.resized([12] * L)
     with pytest.raises(ConfigError, match=f"needs {L} values"):
         st.resized([16] * (L + 1))
+    with pytest.raises(ConfigError, match="must be integers"):
+        st.resized(["x"] * L)
+    with pytest.raises(ConfigError, match=r"must be above sinks \+ recent = 10"):
+        KVStore(tiny.spec, KVConfig(capacity=64, policy="h2o", sinks=2, recent=8), layer_capacity=[10] * L)
     st.begin_journal(2)
     with pytest.raises(ConfigError, match="journal"):
         st.resized([32] * L)
