@@ -1,6 +1,7 @@
 """Shared bits of the benchmarks: machine description, result writing, llama.cpp anchor loading."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -40,11 +41,27 @@ def machine() -> dict:
     return out
 
 
-def write_results(name: str, payload: dict, markdown: str) -> None:
+def write_results(name: str, payload: dict, markdown: str, compress: bool = False) -> None:
+    """bench/results/NAME.json and NAME.md. compress: the JSON gzipped, without indentation, as
+    NAME.json.gz (a benchmark that keeps every instance's record, megabytes as indented text)."""
     os.makedirs(RESULTS, exist_ok=True)
     # crash-safe (temporary file, fsync, rename): a killed benchmark keeps the previous results
-    write_bytes(os.path.join(RESULTS, name + ".json"), json.dumps(payload, indent=2))
+    if compress:
+        data = gzip.compress(json.dumps(payload, separators=(",", ":")).encode("utf-8"), mtime=0)
+        write_bytes(os.path.join(RESULTS, name + ".json.gz"), data)
+    else:
+        write_bytes(os.path.join(RESULTS, name + ".json"), json.dumps(payload, indent=2))
     write_bytes(os.path.join(RESULTS, name + ".md"), markdown)
+
+
+def read_results(name: str) -> dict:
+    """The payload write_results wrote under NAME: NAME.json.gz when there is one, else NAME.json."""
+    path = os.path.join(RESULTS, name)
+    if os.path.exists(path + ".json.gz"):
+        with gzip.open(path + ".json.gz", "rt", encoding="utf-8") as fh:
+            return json.load(fh)
+    with open(path + ".json", encoding="utf-8") as fh:
+        return json.load(fh)
 
 
 def stream_chat(url: str, body: dict) -> dict:

@@ -18,11 +18,13 @@ applied to that same prefill (press_store) and decoded greedily, so a cell costs
 decode, not a prefill. Score: the share of the expected strings found in the answer (0/1 for the
 single-answer tasks). Memory: the share of the prompt's tokens kept, averaged over the pressed
 layers and kv heads (the seed's "average memory usage"); 100% is the uncompressed prompt.
+
+Results: bench/results/NAME.md and .png, and every instance's record (answer, score, timings) in
+NAME.json.gz; --merge reads those of earlier runs (or a plain NAME.json of older ones).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +32,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import RESULTS, machine, write_results  # noqa: E402
+from common import RESULTS, machine, read_results, write_results  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words", "qa_paragraph")
@@ -266,9 +268,11 @@ def sample_note(table: dict, lengths: list) -> str:
     per_length = {L: min(n for (l2, _), (_, _, n) in table.items() if l2 == L) for L in lengths}
     ok = [L for L, n in per_length.items() if n >= 100]
     short = [f"{L} ({n})" for L, n in per_length.items() if n < 100]
-    note = (f"Cells at {', '.join(map(str, ok))} tokens hold 100+ instances each. " if ok else "")
-    return note + (f"Fewer than the 100+ per cell the full run takes at: {', '.join(short)} (the time budget of "
-                   "this 2-core machine)." if short else "")
+    said = [f"Cells at {', '.join(map(str, ok))} tokens hold 100+ instances each."] if ok else []
+    if short:
+        said.append(f"Fewer than the 100+ per cell the full run takes at: {', '.join(short)} (the time budget of "
+                    "this 2-core machine).")
+    return " ".join(said)
 
 
 def summarize(payload: dict) -> tuple[dict, str]:
@@ -283,8 +287,8 @@ def summarize(payload: dict) -> tuple[dict, str]:
                 table[(L, c)] = (float(np.mean([r["score"] for r in rs])), float(np.mean([r["kept_share"] for r in rs])),
                                  len(rs))
     tasks = list(dict.fromkeys(r["task"] for r in recs))
-    n_inst = {(L, t): len({r["instance"] for r in recs if r["length"] == L and r["task"] == t}) for L in lengths
-              for t in tasks}
+    n_inst = {(L, t): len({(r.get("seed"), r["instance"]) for r in recs if r["length"] == L and r["task"] == t})
+              for L in lengths for t in tasks}
     md = [f"# Prompt compression on RULER-style tasks: accuracy against average KV memory ({payload['model']})", "",
           f"Machine: {payload['machine'].get('cpu')}, {payload['machine'].get('cores')} cores (shared with other work). "
           f"Command: `{payload['command']}`. Seed {payload['seed']}; positions {payload.get('positions', 'reindexed')}; "
@@ -356,14 +360,17 @@ def main(argv=None):
     ap.add_argument("--merge", default=None, help="comma-separated result names to merge into --name")
     args = ap.parse_args(argv)
     if args.merge:
-        parts = [json.load(open(os.path.join(RESULTS, n + ".json"))) for n in args.merge.split(",")]
-        payload = {**parts[0], "records": [r for p in parts for r in p["records"]],
+        parts = [read_results(n) for n in args.merge.split(",")]
+        # each record keeps its run's seed: runs with other seeds draw other instances under the same numbers
+        records = [{**r, "seed": r.get("seed", p["seed"])} for p in parts for r in p["records"]]
+        seeds = sorted({r["seed"] for r in records})
+        payload = {**parts[0], "records": records, "seed": seeds[0] if len(seeds) == 1 else ", ".join(map(str, seeds)),
                    "wall_s": sum(p["wall_s"] for p in parts),
                    "command": " ; ".join(p["command"] for p in parts)}
     else:
         payload = run(args)
     table, md = summarize(payload)
-    write_results(args.name, payload, md)
+    write_results(args.name, payload, md, compress=True)
     plot(payload, table, os.path.join(RESULTS, args.name + ".png"))
     print(md)
 
