@@ -78,6 +78,17 @@ from ringllm.runtime.rope_kernels import rope_rows_at
 SLOT_AXIS = {"k": 1, "v": 1, "rk": 1, "hist": 2, "seq": 1, "rank": 1, "pos": 1, "kbase": 1, "score": 1, "aux": 1}
 
 
+def copy_slots(dst: np.ndarray, src: np.ndarray, axis: int | None) -> None:
+    """dst's first slots = src's, along the slot axis `axis` (SLOT_AXIS; as many as both have: a
+    snapshot's arrays hold the slots ever written, a resized store's more or fewer); None: the whole
+    array (per-layer state without slots)."""
+    if axis is None:
+        dst[...] = src
+        return
+    cut = (slice(None),) * axis + (slice(0, min(src.shape[axis], dst.shape[axis])),)
+    dst[cut] = src[cut]
+
+
 class StoreSnapshot:
     """A KVStore's state cut to the slots it has written (KVStore.snapshot / from_snapshot): kv,
     n_seen, the layers' RoPE layouts, arrays {field: [per-layer array]} (slot fields cut to
@@ -440,14 +451,8 @@ class KVStore:
                                   f"{dst.layer_physical[il]} slots at capacity {dst.layer_capacity[il]}")
         dst.layer_rope_mode = list(self.layer_rope_mode) if self.layer_rope_mode is not None else None
         for name in self.array_fields:
-            axis = SLOT_AXIS.get(name)
             for src, out in zip(getattr(self, name), getattr(dst, name)):
-                if axis is None:
-                    out[...] = src
-                else:
-                    n = min(src.shape[axis], out.shape[axis])
-                    cut = (slice(None),) * axis + (slice(0, n),)
-                    out[cut] = src[cut]
+                copy_slots(out, src, SLOT_AXIS.get(name))
         dst.n_seen, dst.released, dst.ring_rope = self.n_seen, self.released, self.ring_rope
         dst.press_stats = dict(self.press_stats)
         return dst
@@ -516,12 +521,8 @@ class KVStore:
         store.ring_rope, store.released = snap.meta["ring_rope"], snap.meta["released"]
         store.press_stats = dict(snap.meta["press_stats"])
         for name, per_layer in snap.arrays.items():
-            axis = SLOT_AXIS.get(name)
             for src, dst in zip(per_layer, getattr(store, name)):
-                if axis is None:
-                    dst[...] = src
-                else:
-                    dst[(slice(None),) * axis + (slice(0, src.shape[axis]),)] = src
+                copy_slots(dst, src, SLOT_AXIS.get(name))
         store.n_seen = snap.n_seen
         return store
 

@@ -84,6 +84,25 @@ class LayerCache:
     ragged: bool = False  # adakv: k, v, seq and every state entry are lists of per-head arrays
 
 
+def _append(lc: LayerCache, k: np.ndarray, v: np.ndarray, seq: int) -> None:
+    """Token `seq` joins every head of lc, newest: k, v (n_kv, hd) (keys before RoPE), its policy
+    state zero (per-head lists on a ragged layer, stacked arrays on the others)."""
+    if lc.ragged:
+        for h in range(len(lc.seq)):
+            lc.k[h] = np.concatenate([lc.k[h], k[h][None]])
+            lc.v[h] = np.concatenate([lc.v[h], v[h][None]])
+            lc.seq[h] = np.append(lc.seq[h], seq)
+            for a in lc.state.values():
+                a[h] = np.concatenate([a[h], np.zeros((1,) + a[h].shape[1:], a[h].dtype)])
+        return
+    nkv = lc.seq.shape[0]
+    lc.k = np.concatenate([lc.k, k[:, None, :]], axis=1)
+    lc.v = np.concatenate([lc.v, v[:, None, :]], axis=1)
+    lc.seq = np.concatenate([lc.seq, np.full((nkv, 1), seq, np.int64)], axis=1)
+    lc.state = {name: np.concatenate([a, np.zeros((nkv, 1) + a.shape[2:], a.dtype)], axis=1)
+                for name, a in lc.state.items()}
+
+
 def _ragged(nkv: int, hd: int, state: dict) -> tuple[list, list, list, dict]:
     """Empty per-head lists (k, v, seq, state) of a layer whose heads hold different numbers of tokens."""
     return ([np.zeros((0, hd), np.float32) for _ in range(nkv)], [np.zeros((0, hd), np.float32) for _ in range(nkv)],
@@ -164,12 +183,12 @@ class ReferenceCache:
         elif lc.ragged:
             drop = self.impl.layer_victims(lc, il, n_drop) if n_drop > 0 else [np.zeros(0, np.int64)] * len(lc.seq)
         if lc.ragged:
-            for h, d in enumerate(drop):       # per head: shift the victims out, append the new token
-                lc.k[h] = np.concatenate([np.delete(lc.k[h], d, axis=0), k[h][None]])
-                lc.v[h] = np.concatenate([np.delete(lc.v[h], d, axis=0), v[h][None]])
-                lc.seq[h] = np.append(np.delete(lc.seq[h], d), seq)
+            for h, d in enumerate(drop):       # per head: shift the victims out, then append the new token
+                lc.k[h], lc.v[h] = np.delete(lc.k[h], d, axis=0), np.delete(lc.v[h], d, axis=0)
+                lc.seq[h] = np.delete(lc.seq[h], d)
                 for a in lc.state.values():
-                    a[h] = np.concatenate([np.delete(a[h], d, axis=0), np.zeros((1,) + a[h].shape[1:], a[h].dtype)])
+                    a[h] = np.delete(a[h], d, axis=0)
+            _append(lc, k, v, seq)
             if q is not None:
                 self.query_history[il][seq] = q.copy()
                 self.query_history[il].pop(seq - self.kv.window, None)
@@ -187,12 +206,7 @@ class ReferenceCache:
             lc.v = np.stack([lc.v[h, kp] for h, kp in enumerate(keep)])
             lc.seq = np.stack([lc.seq[h, kp] for h, kp in enumerate(keep)])
             lc.state = {name: np.stack([a[h, kp] for h, kp in enumerate(keep)]) for name, a in lc.state.items()}
-        nkv = lc.seq.shape[0]
-        lc.k = np.concatenate([lc.k, k[:, None, :]], axis=1)
-        lc.v = np.concatenate([lc.v, v[:, None, :]], axis=1)
-        lc.seq = np.concatenate([lc.seq, np.full((nkv, 1), seq, np.int64)], axis=1)
-        lc.state = {name: np.concatenate([a, np.zeros((nkv, 1) + a.shape[2:], a.dtype)], axis=1)
-                    for name, a in lc.state.items()}
+        _append(lc, k, v, seq)
         if lc.policy:
             self.impl.after_insert(lc, il, k)
         if q is not None and lc.policy:
@@ -225,29 +239,16 @@ class ReferenceCache:
     def replace(self, il: int, seqs_out, k: np.ndarray, v: np.ndarray, seqs_in) -> None:
         """The reference of KVStore.replace_many: the tokens `seqs_out` leave every head of layer il,
         then tokens `seqs_in` (newer than any held) enter one by one: k, v (m, n_kv, hd) f32, keys
-        before RoPE (rounded to the KV types as insert rounds them), their policy state zero, then what the policy computes from the key at insert
-        (after_insert: knorm's norm, lsh's code). Nothing is attended: no attention state moves."""
+        before RoPE (rounded to the KV types as insert rounds them), their policy state zero, then
+        what the policy computes from the key at insert (after_insert: knorm's norm, lsh's code).
+        Nothing is attended: no attention state moves."""
         self.evict(il, seqs_out)
         lc = self.layers[il]
-        nkv = len(lc.seq)
-        k, v = np.array(k, np.float32), np.array(v, np.float32)
         for i, s in enumerate(np.asarray(seqs_in, np.int64)):
-            k[i], v[i] = self.rounded_kv(il, k[i], v[i], int(s))      # as the KV types hold them
-            if lc.ragged:
-                for h in range(nkv):
-                    lc.k[h] = np.concatenate([lc.k[h], k[i, h][None]])
-                    lc.v[h] = np.concatenate([lc.v[h], v[i, h][None]])
-                    lc.seq[h] = np.append(lc.seq[h], s)
-                    for a in lc.state.values():
-                        a[h] = np.concatenate([a[h], np.zeros((1,) + a[h].shape[1:], a[h].dtype)])
-            else:
-                lc.k = np.concatenate([lc.k, k[i][:, None]], axis=1)
-                lc.v = np.concatenate([lc.v, v[i][:, None]], axis=1)
-                lc.seq = np.concatenate([lc.seq, np.full((nkv, 1), s, np.int64)], axis=1)
-                lc.state = {name: np.concatenate([a, np.zeros((nkv, 1) + a.shape[2:], a.dtype)], axis=1)
-                            for name, a in lc.state.items()}
+            k_i, v_i = self.rounded_kv(il, np.asarray(k[i], np.float32), np.asarray(v[i], np.float32), int(s))
+            _append(lc, k_i, v_i, int(s))
             if lc.policy:
-                self.impl.after_insert(lc, il, k[i])
+                self.impl.after_insert(lc, il, k_i)
 
     def rounded_kv(self, il: int, k: np.ndarray, v: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """k, v (n_kv, hd) as the store holds them under the KV types (module docstring), keys given
