@@ -22,8 +22,10 @@ from ringllm.native.cuda_lib import (ACTIVATIONS, DEVICE_KV_TYPES, DEVICE_POLICI
                                      check_status, ffi_lib, matrix_blocks, uniform_draw)
 from ringllm.runtime.errors import ConfigError, UnsupportedModelError
 from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.kv_store import layer_layout
 from ringllm.runtime.kv_types import STORE_DTYPE, check_kv_type, row_width
 from ringllm.runtime.model_spec import ModelSpec
+from ringllm.runtime.policies import make_policy
 from ringllm.runtime.qtensor import QTensor
 
 __all__ = ["CUDAEngine", "CUDAStore"]
@@ -84,18 +86,10 @@ class CUDAStore:
         self.capacity, self.sinks = int(capacity), int(sinks)
         self.recent = kv.resolved_recent if kv.policy != "full" else 0
         self.reindexed = kv.positions == "reindexed"
-        self.layer_capacity, self.layer_sinks, self.layer_ring, self.layer_physical = [], [], [], []
-        for il in range(spec.n_layer):
-            cap, s = self.capacity, self.sinks
-            ring = kv.policy in ("full", "streaming") and not kv.staged
-            w = spec.window[il]
-            if w and w <= cap:
-                cap, s, ring = w, 0, True
-            self.layer_capacity.append(cap)
-            self.layer_sinks.append(s)
-            self.layer_ring.append(ring)
-            self.layer_physical.append(cap if ring else KVConfig(capacity=cap, policy="streaming", sinks=0, lazy=kv.lazy,
-                                                                 slack=kv.slack, max_drop=kv.max_drop).physical_capacity)
+        policy = make_policy(kv, spec)   # the CPU store's layer budgets (pyramidkv) and head slots (adakv)
+        (self.layer_capacity, self.layer_sinks, self.layer_ring,
+         self.layer_physical) = layer_layout(spec, kv, policy, policy.layer_budgets(self.capacity, spec.n_layer),
+                                             self.sinks)
         if max(self.layer_physical) >= 2 ** 31 // max(1, spec.n_head_kv * batch):   # int32 slot indices
             raise ConfigError(f"capacity {self.capacity} x batch {batch} is too large for the cuda backend")
         proj = None
@@ -114,6 +108,9 @@ class CUDAStore:
         p.recent, p.lazy, p.slack, p.max_drop, p.lsh_bits = self.recent, kv.lazy, kv.slack, kv.max_drop, kv.lsh_bits
         p.history, p.seed = kv.history, kv.seed % 2 ** 64     # np.uint64(seed) on the CPU: two's complement
         p.shift = int(kv.update == "shift")
+        p.window, p.pool, p.rkv_lambda = kv.window, kv.pool, kv.rkv_lambda
+        if policy.ragged:
+            p.head_floor = policy.head_floor(self.capacity)
         p.batch = batch
         for name, a in arrays.items():
             setattr(p, name, c_ptr(ffi, "int *", a))

@@ -78,6 +78,30 @@ from ringllm.runtime.rope_kernels import rope_rows_at
 SLOT_AXIS = {"k": 1, "v": 1, "rk": 1, "hist": 2, "seq": 1, "rank": 1, "pos": 1, "kbase": 1, "score": 1, "aux": 1}
 
 
+def layer_layout(spec: ModelSpec, kv: KVConfig, policy: Policy, budgets: list[int],
+                 sinks: int) -> tuple[list[int], list[int], list[bool], list[int]]:
+    """Per layer: (capacity C_l, sinks, ring, physical slots P_l) of a store with these budgets (the
+    policy's layer_budgets, or a compressed prompt's capacities). A sliding-window layer whose window
+    fits its budget is a ring of the window with no sinks; ring layers (full/streaming without staging)
+    have P_l = C_l; policy layers have the staging settings' physical capacity, and under a ragged
+    policy (adakv) the most one head can hold (head_slots). The CPU and CUDA stores share it."""
+    caps, sinks_l, rings, phys = [], [], [], []
+    for il in range(spec.n_layer):
+        cap, s, ring = budgets[il], sinks, kv.ring
+        w = spec.window[il]
+        if w and w <= cap:
+            cap, s, ring = w, 0, True
+        p = cap if ring else KVConfig(capacity=cap, policy="streaming", sinks=0, lazy=kv.lazy, slack=kv.slack,
+                                      max_drop=kv.max_drop).physical_capacity
+        if not ring and policy.ragged:   # adakv: one head may hold more
+            p = policy.head_slots(cap, p)
+        caps.append(cap)
+        sinks_l.append(s)
+        rings.append(ring)
+        phys.append(p)
+    return caps, sinks_l, rings, phys
+
+
 def copy_slots(dst: np.ndarray, src: np.ndarray, axis: int | None) -> None:
     """dst's first slots = src's, along the slot axis `axis` (SLOT_AXIS; as many as both have: a
     snapshot's arrays hold the slots ever written, a resized store's more or fewer); None: the whole
@@ -156,24 +180,9 @@ class KVStore:
                 if not kv.ring and not (w and w <= cap) and cap <= floor:
                     raise ConfigError(f"layer_capacity[{il}] = {cap} must be above sinks + recent = {floor} on a "
                                       "policy layer: at least one slot must be evictable")
-        self.layer_capacity: list[int] = []      # tokens kept after pruning (C_l)
-        self.layer_sinks: list[int] = []
-        self.layer_ring: list[bool] = []         # True: the streaming ring kernel serves this layer
-        phys: list[int] = []
-        for il in range(spec.n_layer):
-            cap, s = budgets[il], self.sinks
-            w = spec.window[il]
-            ring = kv.ring
-            if w and w <= cap:
-                cap, s, ring = w, 0, True
-            self.layer_capacity.append(cap)
-            self.layer_sinks.append(s)
-            self.layer_ring.append(ring)
-            p = cap if ring else KVConfig(capacity=cap, policy="streaming", sinks=0, lazy=kv.lazy, slack=kv.slack,
-                                          max_drop=kv.max_drop).physical_capacity
-            if not ring and self.policy_impl.ragged:   # adakv: one head may hold more
-                p = self.policy_impl.head_slots(cap, p)
-            phys.append(p)
+        # tokens kept after pruning (C_l), sinks, ring layers (the streaming ring kernel serves them), slots
+        self.layer_capacity, self.layer_sinks, self.layer_ring, phys = layer_layout(spec, kv, self.policy_impl,
+                                                                                    budgets, self.sinks)
         self.layer_physical = phys
         hw = self.policy_impl.history_width
         with small_pages():           # a new store's first token would fault in huge pages (host_memory.py)

@@ -686,6 +686,14 @@ DEVICE_POLICY_CONFIGS = {
     "staged_knorm_shift": dict(policy="knorm", sinks=4, lazy=4, slack=2, update="shift"),
     "staged": dict(policy="streaming", sinks=4, lazy=8, slack=4, max_drop=6),
     "staged_h2o": dict(policy="h2o", sinks=4, lazy=4, slack=2),
+    "snapkv": dict(policy="snapkv", sinks=4),
+    "pyramidkv": dict(policy="pyramidkv", sinks=4),
+    "rkv": dict(policy="rkv", sinks=4),
+    "adakv": dict(policy="adakv", sinks=4),
+    "staged_snapkv": dict(policy="snapkv", sinks=4, lazy=4, slack=2, positions="original"),
+    "staged_adakv": dict(policy="adakv", sinks=4, lazy=4, slack=2, max_drop=3),
+    "staged_rkv_shift": dict(policy="rkv", sinks=4, lazy=4, slack=2, update="shift"),
+    "snapkv_shift": dict(policy="snapkv", sinks=4, update="shift"),
 }
 
 
@@ -701,7 +709,11 @@ def test_greedy_1000_tokens_match_cpu_per_policy(smollm2, name):
     device: knorm (1/256 octave) and h2o/tova (1/4096 octave) compare them on a log grid so that
     rounding-level differences tie, but a value within rounding of a grid boundary lands on either
     side of it, as an lsh code bit whose dot product is within rounding of 0 does; one victim choice
-    can then differ without any token changing."""
+    can then differ without any token changing. The window policies (snapkv, pyramidkv, rkv, adakv)
+    keep their window totals as exact integers (fixed point) and compare pooled masses (rkv: its
+    scores) on the same grids; pyramidkv's per-layer budgets and adakv's per-head slots are the CPU
+    store's (kv_store.layer_layout), and adakv's heads hold different numbers of tokens, compared head
+    by head."""
     from ringllm.runtime.engine import CPUEngine
 
     kv = KVConfig(capacity=64, **DEVICE_POLICY_CONFIGS[name])
@@ -738,7 +750,11 @@ BATCH_CONFIGS = {
     "random_staged": dict(policy="random", sinks=4, lazy=4, slack=2, seed=5),
     "streaming_shift": dict(policy="streaming", sinks=4, update="shift"),
     "split_attention": dict(policy="h2o", sinks=4, capacity=300),     # P > 256: the split-K attention path,
-}                                                                       # evicting (a 320-token prompt)
+                                                                        # evicting (a 320-token prompt)
+    "snapkv_staged": dict(policy="snapkv", sinks=4, lazy=4, slack=2, positions="original"),
+    "rkv": dict(policy="rkv", sinks=4),
+    "adakv": dict(policy="adakv", sinks=4),                             # one layer-wide choice per sequence
+}
 
 
 @gpu

@@ -90,6 +90,12 @@
 #define RL_POLICY_LSH 5        /* largest Hamming distance of SimHash codes, query vs key */
 #define RL_POLICY_SCISSORHANDS 6  /* most steps unimportant (weight below 1/n) over the history window */
 #define RL_POLICY_RANDOM 7     /* lowest splitmix64 draw of (seed, layer, kv head, new token, token) */
+#define RL_POLICY_SNAPKV 8     /* lowest attention mass of the last `window` queries, max-pooled over `pool`
+                                  neighbouring tokens (1/4096-octave log grid) */
+#define RL_POLICY_PYRAMIDKV 8  /* snapkv's scores; its per-layer budgets are the caller's layer_capacity */
+#define RL_POLICY_RKV 9        /* lowest lambda * importance - (1 - lambda) * redundancy (R-KV) */
+#define RL_POLICY_ADAKV 10     /* snapkv's scores, one layer-wide choice over all kv heads (heads hold
+                                  different numbers of tokens; each keeps at least head_floor) */
 
 /* ---------------------------------------------------------------------------------------------
  * Library and devices
@@ -221,9 +227,16 @@ typedef struct {
                                    (block_q8_0 along head_dim, head_dim a multiple of 32); a row of
                                    head_dim values takes 4 * head_dim, 2 * head_dim or
                                    head_dim / 32 * 34 bytes */
+    int window;                 /* observation window w, 1..4096 (snapkv, pyramidkv, rkv, adakv): a slot's score
+                                   is the mass the last w queries gave it (summed over the GQA group) */
+    int pool;                   /* odd max-pooling kernel over neighbouring tokens (snapkv, pyramidkv, adakv) */
+    double rkv_lambda;          /* weight of importance against redundancy in [0, 1] (rkv) */
+    int head_floor;             /* tokens each kv head keeps at least (adakv), >= sinks + recent + 1 */
 } rl_store_params;
 
 /* Allocate an empty store for model m (rl_model_ready must have succeeded).
+ * Under adakv a head may hold up to P_l slots while the layer as a whole keeps C_l per head on average
+ * (the caller sizes P_l: runtime/policies/adakv.py head_slots).
  * RL_ERR_ARG: C_l < 1, P_l < C_l, sinks_l >= C_l on a ring layer, sinks_l + recent >= C_l on a policy
  * layer, lsh_proj missing, a k_type / v_type other than f32, f16, q8_0 (the message names them),
  * q8_0 with head_dim % 32 != 0, ... */

@@ -79,8 +79,14 @@ struct LayerStore {
     uint8_t *k, *v;        // (n_kv, P) rows of kv_row_bytes(k_type / v_type, hd) bytes: keys before RoPE, values
     int32_t *seq;          // (n_kv, P) sequence index held, -1 empty
     int32_t *rank;         // (n_kv, P) rank by sequence index among held (= position when reindexed)
-    double *score;         // (n_kv, P) policy score (accumulated mass, latest mean, key norm)
-    uint64_t *aux;         // (n_kv, P) SimHash code of the key (lsh)
+    double *score;         // (n_kv, P) policy score (accumulated mass, latest mean, key norm; rkv: 1/|k|)
+    uint64_t *aux;         // (n_kv, P) SimHash code of the key (lsh), history bits (scissorhands), window
+                           // mass total in fixed point, an int64 (snapkv, rkv, adakv: window_fixed)
+    float *hist;           // (n_kv, w, P) window policies: mass the slot got from each of the last w queries
+                           // (column = query's sequence index mod w), else NULL
+    int64_t *ksum;         // (n_kv, hd) rkv: sum of the held unit keys in units of 2^-40, else NULL
+    double *work;          // (n_kv, 2P) window policies' scratch: masses by rank, then pooled (or rkv's keys)
+    int32_t *drops;        // (n_kv,) adakv: victims of the next write per head (chosen for the layer), else NULL
     int32_t *count;        // (n_kv,) occupied slots, always [0, count)
     int64_t *evicted;      // (n_kv,) tokens evicted
     int32_t *victims;      // (n_kv, P) scratch: chosen victims
@@ -99,7 +105,20 @@ struct StorePolicy {
     int policy, reindexed, recent, lazy, slack, max_drop, lsh_bits, history;
     uint64_t seed;
     int shift;             // 1: the shift-and-append baseline (ordered slots), 0: in place
+    int window, pool;      // observation window w, pooling kernel (snapkv, rkv, adakv)
+    int head_floor;        // adakv: tokens each head keeps at least
+    double lam;            // rkv: weight of importance against redundancy
 };
+
+// kv heads of one sequence adakv's layer-wide choice takes (kv_write.cu adakv_select_kernel)
+constexpr int ADAKV_MAX_HEADS = 64;
+// head_dim of rkv's key sum in shared memory (kv_write.cu kv_write_kernel)
+constexpr int MAX_HEAD_DIM = 512;
+
+// The window policies (a per-slot mass history: LayerStore.hist, aux as its fixed-point total).
+__host__ __device__ inline bool window_policy(int policy) {
+    return policy == RL_POLICY_SNAPKV || policy == RL_POLICY_RKV || policy == RL_POLICY_ADAKV;
+}
 
 // Blocks of `threads` covering n elements (elementwise launches).
 inline unsigned grid_for(int64_t n, int threads) { return (unsigned)((n + threads - 1) / threads); }
@@ -150,9 +169,13 @@ void launch_pick(int32_t *token, const float *logits, int n, const float *params
 void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const float *v_new, const float *q_new,
                      const float *proj, const int64_t *n_seen, int t, int n_kv, int n_head, int hd, int kv_per_seq,
                      cudaStream_t st);
-// the policy's record of the attention step just taken (h2o, tova, scissorhands; a no-op for the others)
-void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, int n_seq,
-                    cudaStream_t st);
+// the policy's record of the attention step just taken (h2o, tova, scissorhands, the window policies; a
+// no-op for the others); token t of the chunk, n_seen the sequences' counters
+void launch_observe(LayerStore L, StorePolicy pol, const float *weights, const int64_t *n_seen, int t, int n_head,
+                    int n_kv, int n_seq, cudaStream_t st);
+// adakv: the next write's victims of every head of a layer, one choice per sequence over its kv heads
+// (L.drops, L.victims); a no-op for the other policies
+void launch_select(LayerStore L, StorePolicy pol, int n_kv, int n_seq, cudaStream_t st);
 
 // attention.cu
 // out (n_head, hd), weights (n_head, P); path RL_ATTEND_AUTO | _SINGLE | _SPLIT (include/ringllm_cuda.h).

@@ -97,11 +97,12 @@ static void layer(rl_model *m, rl_store *s, int il, int T, int64_t n_before, int
                             n_before + T <= ROPE_TABLE_POSITIONS && prefill_fits(hd);
     const int qpos_mode = s->pol.reindexed ? RL_QPOS_COUNT : RL_QPOS_SEQ;
     if (nseq > 1) {   // a batch step: the same three launches over nseq x the heads (common.cuh)
+        if (policy_layer) launch_select(L, s->pol, nkv * nseq, nseq, st);
         launch_kv_write(L, s->pol, m->k, m->v, m->q, proj, s->n_seen, 0, nkv * nseq, nh * nseq, hd, nkv, st);
         launch_attend(m->att, s->weights, s->att_part, m->q, L.k, L.v, L.k_type, L.v_type, pos, L.count, s->n_seen, 0,
                       qpos_mode, nh * nseq, nkv * nseq, L.P, hd, p.rotary_dim, m->rope_scale[il], inv_freq,
                       m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale, nkv, RL_ATTEND_AUTO, st);
-        if (policy_layer) launch_observe(L, s->pol, s->weights, nh * nseq, nkv * nseq, nseq, st);
+        if (policy_layer) launch_observe(L, s->pol, s->weights, s->n_seen, 0, nh * nseq, nkv * nseq, nseq, st);
     }
     if (chunk_mode) {
         launch_kv_append(L, m->k, m->v, (int)n_before, T, nkv, hd, st);
@@ -109,11 +110,12 @@ static void layer(rl_model *m, rl_store *s, int il, int T, int64_t n_before, int
                               (int)n_before, T, nh, nkv, L.P, hd, p.rotary_dim, m->rope_tab[il], p.attn_scale, st);
     }
     for (int t = 0; nseq == 1 && !chunk_mode && t < T; t++) {   // decode semantics: write (evicting first), attend, observe
+        if (policy_layer) launch_select(L, s->pol, nkv, 1, st);
         launch_kv_write(L, s->pol, m->k + t * nk, m->v + t * nk, m->q + t * nq, proj, s->n_seen, t, nkv, nh, hd, nkv, st);
         launch_attend(m->att + t * nq, s->weights, s->att_part, m->q + t * nq, L.k, L.v, L.k_type, L.v_type, pos,
                       L.count, s->n_seen, t, qpos_mode, nh, nkv, L.P, hd, p.rotary_dim, m->rope_scale[il], inv_freq,
                       m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale, nkv, RL_ATTEND_AUTO, st);
-        if (policy_layer) launch_observe(L, s->pol, s->weights, nh, nkv, 1, st);
+        if (policy_layer) launch_observe(L, s->pol, s->weights, s->n_seen, t, nh, nkv, 1, st);
     }
     if (m->fused && !p.sandwich_norm && !p.parallel_residual) {
         // x += out(att); x += ffn(ffn_norm(x)): both residual adds in the projections' epilogues

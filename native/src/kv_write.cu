@@ -48,15 +48,102 @@ __device__ __forceinline__ uint64_t random_base(uint64_t seed, int il, int h, in
     return splitmix64(splitmix64(splitmix64(seed) ^ (uint64_t)(il * 1024 + h)) ^ (uint64_t)seq_new);
 }
 
+// A window policy's mass in fixed point: round(m x 2^48) as int64 (runtime/policies/snapkv.py
+// mass_fixed): window totals are integer sums, the same in any order.
+constexpr double MASS_FIXED = 281474976710656.0;   // 2^48
+__device__ __forceinline__ int64_t mass_fixed(float m) {
+    return (int64_t)floor(__dadd_rn(__dmul_rn((double)m, MASS_FIXED), 0.5));
+}
+
+// One component of a unit key in rkv's key sum: round(x * inv * 2^40) as int64 (runtime/key_sum.py
+// key_sum_move); the same bits when the key enters and when it leaves.
+constexpr double KEY_SUM_FIXED = 1099511627776.0;  // 2^40
+__device__ __forceinline__ int64_t unit_fixed(float x, double inv) {
+    return (int64_t)floor(__dadd_rn(__dmul_rn(__dmul_rn((double)x, inv), KEY_SUM_FIXED), 0.5));
+}
+
+// runtime/eviction.py grid_value: GRID_LOG for masses, GRID_ABS for signed O(1) scores (KEY_GRID 4096).
+__device__ __forceinline__ double grid_log(double x) { return floor(4096.0 * log2(x + 1e-30) + 0.5); }
+__device__ __forceinline__ double grid_abs(double x) { return floor(x * 4096.0 + 0.5); }
+
+// Block-wide max of one double per thread (red: blockDim.x doubles of shared memory); every thread
+// gets the result.
+__device__ double block_max_f64(double x, double *red) {
+    red[threadIdx.x] = x;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) red[threadIdx.x] = fmax(red[threadIdx.x], red[threadIdx.x + stride]);
+        __syncthreads();
+    }
+    const double r = red[0];
+    __syncthreads();
+    return r;
+}
+
+// The window policies' scores of head h (n held slots; runtime/policies/snapkv.py pooled_keys): its
+// scratch row work (2P) gets the window totals by rank, work[r] = tot x 2^-48 of the slot of rank r,
+// then work[P + r] = their max over the ranks within pool / 2 of r (clipped to [0, n)). Max is exact:
+// the same values as the CPU's, whatever the order. Called by the whole block.
+__device__ void pool_by_rank(const LayerStore &L, int h, int n, int pool) {
+    const int P = L.P;
+    double *w = L.work + (int64_t)h * 2 * P;
+    const int32_t *rank = L.rank + h * P;
+    const int64_t *tot = reinterpret_cast<const int64_t *>(L.aux) + h * P;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) w[rank[j]] = (double)tot[j] * (1.0 / MASS_FIXED);
+    __syncthreads();
+    const int half = pool / 2;
+    for (int r = threadIdx.x; r < n; r += blockDim.x) {
+        double m = w[r];
+        for (int o = 1; o <= half; o++) {
+            if (r + o < n) m = fmax(m, w[r + o]);
+            if (r - o >= 0) m = fmax(m, w[r - o]);
+        }
+        w[P + r] = m;
+    }
+    __syncthreads();
+}
+
+// rkv's victim keys of head h into work[j] (runtime/policies/rkv.py rkv_keys), on the grid: lambda I_j -
+// (1 - lambda) R_j, I_j = window total / the head's largest, R_j = ((k_j . S) / |k_j| - 1) / (n - 1),
+// S the sum of the held unit keys (ksum x 2^-40), 1/|k_j| in score[j]. s: hd doubles of shared memory,
+// red: blockDim.x doubles. Called by the whole block.
+template <int KT>
+__device__ void rkv_keys(const LayerStore &L, int h, int n, int hd, double lam, const uint8_t *K, int64_t krb,
+                         double *s, double *red) {
+    const int P = L.P;
+    const int64_t *tot = reinterpret_cast<const int64_t *>(L.aux) + h * P;
+    double top = 0.0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) top = fmax(top, (double)tot[j]);
+    top = block_max_f64(top, red);
+    top = top > 0.0 ? 1.0 / top : 0.0;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) s[d] = (double)L.ksum[(int64_t)h * hd + d] / KEY_SUM_FIXED;
+    __syncthreads();
+    const double *inv = L.score + h * P;
+    double *key = L.work + (int64_t)h * 2 * P;
+    const double denom = n - 1 > 1 ? (double)(n - 1) : 1.0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const uint8_t *kj = K + j * krb;
+        double dot = 0.0;
+        for (int d = 0; d < hd; d++) dot += (double)kv_get<KT>(kj, d) * s[d];
+        const double red_j = (dot * inv[j] - 1.0) / denom;
+        key[j] = grid_abs(lam * (double)tot[j] * top - (1.0 - lam) * red_j);
+    }
+    __syncthreads();
+}
+
 // Victim key of slot j: the lowest key among unprotected slots goes (ties -> older token).
 // Attention masses (h2o, tova) are compared on runtime/eviction.py's grid (GRID_LOG, KEY_GRID = 4096
 // steps per octave): masses that differ only by rounding tie, and the older token goes, as on the CPU.
 // scissorhands: minus the count of unimportant steps in the slot's history bits (aux); random: the
 // top 53 bits of splitmix64(rbase ^ seq) (the CPU's draw before its scaling to [0, 1), same order).
+// snapkv: the pooled window mass of the slot's rank (work[P + rank], pool_by_rank) on the log grid;
+// rkv: work[j] (rkv_keys, on its grid already).
 __device__ __forceinline__ double victim_key(int policy, int j, const int32_t *seq, const double *score,
                                              const uint64_t *aux, const uint64_t *qcode, int group,
-                                             uint64_t rbase) {
+                                             uint64_t rbase, const double *work, const int32_t *rank, int P) {
     switch (policy) {
+        case RL_POLICY_SNAPKV: return grid_log(work[P + rank[j]]);
+        case RL_POLICY_RKV: return work[j];
         case RL_POLICY_SCISSORHANDS: return -(double)__popcll(aux[j]);
         case RL_POLICY_RANDOM: return (double)(splitmix64(rbase ^ (uint64_t)(int64_t)seq[j]) >> 11);
         case RL_POLICY_H2O:
@@ -114,7 +201,8 @@ __device__ __forceinline__ void move_kv_rows_down(uint8_t *base, int64_t row_byt
 // slots flagged in taken (victims lists them) moves every survivor down over them, in place (K and
 // V rows, seq, score, aux), as an ordered cache does. The destinations are staged in L.scratch
 // (shift_scratch_bytes per head). Leaves count unchanged.
-__device__ void compact_ordered(LayerStore L, int h, int n, int got, const int32_t *victims, int64_t krb, int64_t vrb) {
+__device__ void compact_ordered(LayerStore L, int h, int n, int got, const int32_t *victims, int64_t krb, int64_t vrb,
+                                int w) {
     const int P = L.P, tid = threadIdx.x;
     uint8_t *K = L.k + (int64_t)h * P * krb, *V = L.v + (int64_t)h * P * vrb;
     int32_t *seq = L.seq + h * P, *rank = L.rank + h * P;
@@ -149,6 +237,17 @@ __device__ void compact_ordered(LayerStore L, int h, int n, int got, const int32
         }
         __syncthreads();
     }
+    for (int i = 0; L.hist && i < w; i++) {       // the window policies' masses, one window column at a time
+        float *col = L.hist + ((int64_t)h * w + i) * P;
+        for (int j0 = 0; j0 < n; j0 += blockDim.x) {
+            const int j = j0 + tid;
+            const int d = j < n && dest[j] != j ? dest[j] : -1;
+            const float x = d >= 0 ? col[j] : 0.0f;
+            __syncthreads();
+            if (d >= 0) col[d] = x;
+            __syncthreads();
+        }
+    }
     const int kept = n - got;
     for (int j = tid; j < n; j += blockDim.x) {
         if (j >= kept) seq[j] = -1;
@@ -181,6 +280,7 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     __shared__ int red_seq[KV_THREADS], red_j[KV_THREADS];
     __shared__ uint8_t bits[MAX_GROUP * 64];
     __shared__ uint64_t qcode[MAX_GROUP];
+    __shared__ double s_sum[MAX_HEAD_DIM];   // rkv: the key sum as float64, then the new key's 1/|k|
     __shared__ int s_got, s_stop;
 
     if (L.ring) {
@@ -194,7 +294,7 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
                 taken[L.sinks] = 1;
             }
             __syncthreads();
-            compact_ordered(L, h, n, 1, victims, krb, vrb);
+            compact_ordered(L, h, n, 1, victims, krb, vrb, pol.window);
             if (tid == 0) taken[L.sinks] = 0;
             slot = rank_new = n - 1;
         } else if (n >= L.C) {
@@ -218,10 +318,20 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     }
 
     // Policy layer: evict n_drop tokens (staged eviction), lowest victim key first.
-    const int held = n + 1;
-    const int n_drop = held - keep_after(held, L.C, pol.lazy, pol.slack, pol.max_drop);
-    if (tid == 0) s_got = 0;
-    if (n_drop > 0) {
+    // adakv: the victims were chosen for the whole layer (adakv_select_kernel), drops[h] of them in victims
+    const int held = n + 1, w = pol.window;
+    const bool given = pol.policy == RL_POLICY_ADAKV;
+    const int n_drop = given ? L.drops[h] : held - keep_after(held, L.C, pol.lazy, pol.slack, pol.max_drop);
+    if (tid == 0) s_got = given ? n_drop : 0;
+    if (n_drop > 0 && given) {   // flag them as the rounds below would (compact_ordered reads the flags)
+        for (int j = tid; j < n; j += blockDim.x) taken[j] = 0;
+        __syncthreads();
+        for (int m = tid; m < n_drop; m += blockDim.x) taken[victims[m]] = 1;
+    }
+    if (n_drop > 0 && !given) {
+        if (pol.policy == RL_POLICY_SNAPKV) pool_by_rank(L, h, n, pol.pool);
+        if (pol.policy == RL_POLICY_RKV) rkv_keys<KT>(L, h, n, hd, pol.lam, K, krb, s_sum, red_key);
+        const double *work = L.work ? L.work + (int64_t)h * 2 * P : nullptr;
         if (pol.policy == RL_POLICY_LSH) {   // codes of the new token's group queries (pre-RoPE)
             const int nb = pol.lsh_bits;
             for (int gi = tid; gi < group * nb; gi += blockDim.x) {
@@ -246,7 +356,7 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
             for (int j = tid; j < n; j += blockDim.x) {
                 const int r = rank[j];
                 if (r < L.sinks || r >= n - pol.recent || taken[j]) continue;
-                const double kj = victim_key(pol.policy, j, seq, score, aux, qcode, group, rbase);
+                const double kj = victim_key(pol.policy, j, seq, score, aux, qcode, group, rbase, work, rank, P);
                 if (bj < 0 || kj < bk || (kj == bk && seq[j] < bs)) {
                     bk = kj;
                     bs = seq[j];
@@ -283,10 +393,20 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
             __syncthreads();
             if (s_stop) break;
         }
-        __syncthreads();
+    }
+    __syncthreads();
+    if (n_drop > 0) {
         const int got = s_got;
+        if (pol.policy == RL_POLICY_RKV) {   // the victims' unit keys leave the head's sum
+            for (int d = tid; d < hd; d += blockDim.x) {
+                int64_t acc = 0;
+                for (int m = 0; m < got; m++) acc += unit_fixed(kv_get<KT>(K + victims[m] * krb, d), score[victims[m]]);
+                L.ksum[(int64_t)h * hd + d] -= acc;
+            }
+            __syncthreads();
+        }
         if (pol.shift) {
-            compact_ordered(L, h, n, got, victims, krb, vrb);
+            compact_ordered(L, h, n, got, victims, krb, vrb, pol.window);
         } else {
             // ranks drop by the number of victims older than the token (positions follow when reindexed)
             for (int j = tid; j < n; j += blockDim.x) {
@@ -318,6 +438,10 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
                         score[j] = score[last];
                         aux[j] = aux[last];
                     }
+                    for (int i = tid; L.hist && i < w; i += blockDim.x) {
+                        float *col = L.hist + ((int64_t)h * w + i) * P;
+                        col[j] = col[last];
+                    }
                 }
                 __syncthreads();
                 if (tid == 0) seq[last] = -1;
@@ -337,6 +461,21 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
         const int nb = pol.lsh_bits;
         for (int i = tid; i < nb; i += blockDim.x) bits[i] = simhash_bit<KT>(proj + (int64_t)i * hd, kheld, hd);
     }
+    for (int i = tid; L.hist && i < w; i += blockDim.x) L.hist[((int64_t)h * w + i) * P + slot] = 0.0f;
+    if (pol.policy == RL_POLICY_RKV) {   // the new key's 1/|k| (float64 of the values held), its unit key enters
+        __syncthreads();
+        if (tid == 0) {
+            double nrm = 0.0;
+            for (int d = 0; d < hd; d++) {
+                const double x = (double)kv_get<KT>(kheld, d);
+                nrm += x * x;
+            }
+            s_sum[0] = 1.0 / fmax(sqrt(nrm), 1e-30);
+        }
+        __syncthreads();
+        const double inv = s_sum[0];
+        for (int d = tid; d < hd; d += blockDim.x) L.ksum[(int64_t)h * hd + d] += unit_fixed(kv_get<KT>(kheld, d), inv);
+    }
     __syncthreads();
     if (tid == 0) {
         seq[slot] = seq_new;
@@ -355,6 +494,7 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
         if (pol.policy == RL_POLICY_LSH)
             for (int i = 0; i < pol.lsh_bits; i++)
                 if (bits[i]) code |= 1ull << i;
+        if (pol.policy == RL_POLICY_RKV) sc = s_sum[0];
         score[slot] = sc;
         aux[slot] = code;
         L.count[h] = slot + 1;
@@ -408,6 +548,133 @@ __global__ void observe_tova_kernel(LayerStore L, const float *weights, int grou
     }
 }
 
+// The window policies (snapkv, pyramidkv, rkv, adakv; runtime/policies/snapkv.py record_window): the
+// step's mass, summed over the group's query heads in float32, enters column (the query's sequence
+// index) mod w of each slot's window, and the slot's total (aux, int64 fixed point) moves by the new
+// entry minus the one it replaces. One block per kv head (of all sequences of a batch).
+__global__ void observe_window_kernel(LayerStore L, const float *weights, const int64_t *n_seen, int t, int group,
+                                      int kv_per_seq, int w) {
+    const int h = blockIdx.x, n = L.count[h], P = L.P;
+    const int col = (int)((n_seen[h / kv_per_seq] + t) % w);
+    int64_t *tot = reinterpret_cast<int64_t *>(L.aux) + (int64_t)h * P;
+    float *hc = L.hist + ((int64_t)h * w + col) * P;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float m = 0.0f;
+        for (int g = 0; g < group; g++) m += weights[(int64_t)(h * group + g) * P + j];
+        tot[j] += mass_fixed(m) - mass_fixed(hc[j]);
+        hc[j] = m;
+    }
+}
+
+// ==============================================================================================
+// adakv: one layer-wide choice of the next write's victims (runtime/policies/adakv.py select_drops)
+// ==============================================================================================
+
+// The lowest candidate of head h (ranks [lo, hi) of its pooled masses work[P + r], on the log grid)
+// after (g0, r0) in (grid key, rank) order: *g, *r (r = -1: none). Called by the whole block; red_key,
+// red_r: blockDim.x entries of shared memory.
+__device__ void next_candidate(const double *work, int P, int lo, int hi, double g0, int r0, double *g, int *r,
+                               double *red_key, int *red_r) {
+    double bg = 0.0;
+    int br = -1;
+    for (int x = lo + threadIdx.x; x < hi; x += blockDim.x) {
+        const double gx = grid_log(work[P + x]);
+        if (gx < g0 || (gx == g0 && x <= r0)) continue;   // taken already
+        if (br < 0 || gx < bg || (gx == bg && x < br)) {
+            bg = gx;
+            br = x;
+        }
+    }
+    red_key[threadIdx.x] = bg;
+    red_r[threadIdx.x] = br;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            const int o = red_r[threadIdx.x + stride];
+            const double og = red_key[threadIdx.x + stride];
+            const int me = red_r[threadIdx.x];
+            if (o >= 0 && (me < 0 || og < red_key[threadIdx.x] || (og == red_key[threadIdx.x] && o < me))) {
+                red_key[threadIdx.x] = og;
+                red_r[threadIdx.x] = o;
+            }
+        }
+        __syncthreads();
+    }
+    *g = red_key[0];
+    *r = red_r[0];
+    __syncthreads();
+}
+
+// One block per sequence, over its kv_per_seq heads h0..: how many victims the layer gives (staged
+// eviction on the layer totals: the held tokens of all heads plus the one entering each, capacity,
+// lazy, slack and max_drop times the heads), then the victims one at a time, each the lowest pooled
+// window mass on the log grid among the heads' unprotected slots (ties -> the older token, then the
+// lower head), a head that would fall to head_floor giving no more. drops[h] <- head h's count,
+// victims[h, :drops[h]] <- their slots, in the order chosen.
+__global__ void __launch_bounds__(KV_THREADS) adakv_select_kernel(LayerStore L, StorePolicy pol, int kv_per_seq) {
+    const int h0 = blockIdx.x * kv_per_seq, nkv = kv_per_seq, P = L.P, tid = threadIdx.x;
+    __shared__ double red_key[KV_THREADS];
+    __shared__ int red_r[KV_THREADS];
+    __shared__ double s_g[ADAKV_MAX_HEADS];
+    __shared__ int s_r[ADAKV_MAX_HEADS], s_drop[ADAKV_MAX_HEADS];
+    __shared__ int s_best;
+    int held = nkv;
+    for (int i = 0; i < nkv; i++) held += L.count[h0 + i];
+    const int n_total = held - keep_after(held, L.C * nkv, pol.lazy * nkv, pol.slack * nkv, pol.max_drop * nkv);
+    if (tid < nkv) s_drop[tid] = 0;
+    __syncthreads();
+    if (n_total > 0) {
+        for (int i = 0; i < nkv; i++) {   // pooled masses by rank, then each rank's slot beside them
+            const int h = h0 + i, n = L.count[h];
+            pool_by_rank(L, h, n, pol.pool);
+            double *w = L.work + (int64_t)h * 2 * P;
+            for (int j = tid; j < n; j += blockDim.x) w[L.rank[h * P + j]] = (double)j;
+            double g;
+            int r;
+            next_candidate(w, P, L.sinks, n - pol.recent, -INFINITY, -1, &g, &r, red_key, red_r);
+            if (tid == 0) {
+                s_g[i] = g;
+                s_r[i] = r;
+            }
+        }
+        __syncthreads();
+        for (int got = 0; got < n_total; got++) {
+            if (tid == 0) {
+                int best = -1, best_seq = 0;
+                for (int i = 0; i < nkv; i++) {
+                    const int h = h0 + i;
+                    if (s_r[i] < 0 || L.count[h] + 1 - s_drop[i] <= pol.head_floor) continue;
+                    const int sq = L.seq[h * P + (int)L.work[(int64_t)h * 2 * P + s_r[i]]];
+                    if (best < 0 || s_g[i] < s_g[best] || (s_g[i] == s_g[best] && sq < best_seq)) {
+                        best = i;
+                        best_seq = sq;
+                    }
+                }
+                s_best = best;
+                if (best >= 0) {
+                    const int h = h0 + best;
+                    L.victims[h * P + s_drop[best]] = (int)L.work[(int64_t)h * 2 * P + s_r[best]];
+                    s_drop[best] += 1;
+                }
+            }
+            __syncthreads();
+            const int best = s_best;
+            if (best < 0) break;
+            const int h = h0 + best;
+            double g;
+            int r;
+            next_candidate(L.work + (int64_t)h * 2 * P, P, L.sinks, L.count[h] - pol.recent, s_g[best], s_r[best], &g,
+                           &r, red_key, red_r);
+            if (tid == 0) {
+                s_g[best] = g;
+                s_r[best] = r;
+            }
+            __syncthreads();
+        }
+    }
+    if (tid < nkv) L.drops[h0 + tid] = s_drop[tid];
+}
+
 }  // namespace
 
 // ==============================================================================================
@@ -423,8 +690,16 @@ void launch_kv_write(LayerStore L, StorePolicy pol, const float *k_new, const fl
     });
 }
 
-void launch_observe(LayerStore L, StorePolicy pol, const float *weights, int n_head, int n_kv, int n_seq,
-                    cudaStream_t st) {
+void launch_select(LayerStore L, StorePolicy pol, int n_kv, int n_seq, cudaStream_t st) {
+    if (pol.policy == RL_POLICY_ADAKV && !L.ring) adakv_select_kernel<<<n_seq, KV_THREADS, 0, st>>>(L, pol, n_kv / n_seq);
+}
+
+void launch_observe(LayerStore L, StorePolicy pol, const float *weights, const int64_t *n_seen, int t, int n_head,
+                    int n_kv, int n_seq, cudaStream_t st) {
+    if (window_policy(pol.policy)) {
+        observe_window_kernel<<<n_kv, 128, 0, st>>>(L, weights, n_seen, t, n_head / n_kv, n_kv / n_seq, pol.window);
+        return;
+    }
     if (pol.policy == RL_POLICY_H2O) observe_h2o_kernel<<<n_kv, 128, 0, st>>>(L, weights, n_head / n_kv);
     else if (pol.policy == RL_POLICY_TOVA)
         observe_tova_kernel<<<n_seq, 256, 0, st>>>(L, weights, n_head / n_kv, n_kv / n_seq);

@@ -17,6 +17,7 @@ static void store_release(rl_store *s) {
     for (auto &L : s->layers) {
         dev_free(L.k); dev_free(L.v); dev_free(L.seq); dev_free(L.rank); dev_free(L.score); dev_free(L.aux);
         dev_free(L.count); dev_free(L.evicted); dev_free(L.victims); dev_free(L.taken); dev_free(L.scratch);
+        dev_free(L.hist); dev_free(L.ksum); dev_free(L.work); dev_free(L.drops);
     }
     dev_free(s->proj);
     dev_free(s->weights);
@@ -52,6 +53,9 @@ static int clear_heads(rl_store *s, int64_t heads, int n_counters) {
         RL_CK(cudaMemsetAsync(L.v, 0, slots * s->v_row, s->m->stream));
         RL_CK(cudaMemsetAsync(L.count, 0, heads * sizeof(int32_t), s->m->stream));
         RL_CK(cudaMemsetAsync(L.evicted, 0, heads * sizeof(int64_t), s->m->stream));
+        if (L.hist) RL_CK(cudaMemsetAsync(L.hist, 0, slots * s->pol.window * sizeof(float), s->m->stream));
+        if (L.ksum) RL_CK(cudaMemsetAsync(L.ksum, 0, heads * s->m->p.head_dim * sizeof(int64_t), s->m->stream));
+        if (L.drops) RL_CK(cudaMemsetAsync(L.drops, 0, heads * sizeof(int32_t), s->m->stream));
     }
     RL_CK(cudaMemsetAsync(s->n_seen, 0, n_counters * sizeof(int64_t), s->m->stream));
     RL_CK(cudaStreamSynchronize(s->m->stream));
@@ -84,6 +88,10 @@ rl_store seq_view(const rl_store *s, int b) {
         L.count += h0;
         L.evicted += h0;
         if (L.scratch) L.scratch += h0 * shift_scratch_bytes(L.P);
+        if (L.hist) L.hist += slots * s->pol.window;
+        if (L.ksum) L.ksum += h0 * s->m->p.head_dim;
+        if (L.work) L.work += 2 * slots;
+        if (L.drops) L.drops += h0;
     }
     v.n_seen = s->n_seen + b;
     v.n_seen_host = s->seen_host[b];
@@ -110,7 +118,7 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
     const rl_model_params &p = m->p;
     if (!sp->layer_capacity || !sp->layer_physical || !sp->layer_sinks || !sp->layer_ring)
         return rl_fail(RL_ERR_ARG, "rl_store_init: per-layer arrays must not be NULL");
-    if (sp->policy < RL_POLICY_FULL || sp->policy > RL_POLICY_RANDOM)
+    if (sp->policy < RL_POLICY_FULL || sp->policy > RL_POLICY_ADAKV)
         return rl_fail(RL_ERR_ARG, "rl_store_init: unknown policy %d", sp->policy);
     if (sp->policy == RL_POLICY_SCISSORHANDS && (sp->history < 1 || sp->history > 64))
         return rl_fail(RL_ERR_ARG, "rl_store_init: scissorhands needs history in 1..64, got %d", sp->history);
@@ -120,6 +128,24 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         return rl_fail(RL_ERR_ARG, "rl_store_init: batch %d must be in 0..min(n_batch %d, 1024)", sp->batch, p.n_batch);
     if (sp->policy == RL_POLICY_LSH && (!sp->lsh_proj || sp->lsh_bits < 1 || sp->lsh_bits > 64))
         return rl_fail(RL_ERR_ARG, "rl_store_init: lsh needs lsh_proj and lsh_bits in 1..64");
+    if (window_policy(sp->policy)) {
+        const int group = p.n_head / p.n_head_kv;
+        if (sp->window < 1 || (int64_t)sp->window * group > 16384)   // the fixed-point totals must fit int64
+            return rl_fail(RL_ERR_ARG, "rl_store_init: window %d must be in 1..%d (window x GQA group <= 16384)",
+                           sp->window, 16384 / group);
+        if (sp->pool < 1 || sp->pool % 2 == 0)
+            return rl_fail(RL_ERR_ARG, "rl_store_init: pool must be an odd integer >= 1, got %d", sp->pool);
+    }
+    if (sp->policy == RL_POLICY_RKV && p.head_dim > MAX_HEAD_DIM)
+        return rl_fail(RL_ERR_ARG, "rl_store_init: rkv takes head_dim up to %d, the model has %d", MAX_HEAD_DIM,
+                       p.head_dim);
+    if (sp->policy == RL_POLICY_RKV && !(sp->rkv_lambda >= 0.0 && sp->rkv_lambda <= 1.0))
+        return rl_fail(RL_ERR_ARG, "rl_store_init: rkv_lambda must be in [0, 1], got %g", sp->rkv_lambda);
+    if (sp->policy == RL_POLICY_ADAKV) {
+        if (p.n_head_kv > ADAKV_MAX_HEADS)
+            return rl_fail(RL_ERR_ARG, "rl_store_init: adakv takes at most %d kv heads, the model has %d",
+                           ADAKV_MAX_HEADS, p.n_head_kv);
+    }
     RL_TRY(check_kv_type(sp->k_type, "k_type", p.head_dim, "rl_store_init"));
     RL_TRY(check_kv_type(sp->v_type, "v_type", p.head_dim, "rl_store_init"));
     for (int il = 0; il < p.n_layer; il++) {
@@ -132,12 +158,16 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         if (!sp->layer_ring[il] && S + sp->recent >= C)   // else a write could find no victim and overflow
             return rl_fail(RL_ERR_ARG, "rl_store_init: layer %d: sinks %d + recent %d must be below the capacity %d",
                            il, S, sp->recent, C);
+        if (!sp->layer_ring[il] && sp->policy == RL_POLICY_ADAKV && sp->head_floor <= S + sp->recent)
+            return rl_fail(RL_ERR_ARG, "rl_store_init: layer %d: adakv head_floor %d must exceed sinks %d + recent %d",
+                           il, sp->head_floor, S, sp->recent);
     }
     RL_CK(cudaSetDevice(p.device));
     rl_store *s = new rl_store();
     s->m = m;
     s->pol = StorePolicy{sp->policy, sp->reindexed ? 1 : 0, sp->recent, sp->lazy, sp->slack, sp->max_drop,
-                         sp->lsh_bits, sp->history, sp->seed, sp->shift ? 1 : 0};
+                         sp->lsh_bits, sp->history, sp->seed, sp->shift ? 1 : 0,
+                         window_policy(sp->policy) ? sp->window : 0, sp->pool, sp->head_floor, sp->rkv_lambda};
     s->k_type = sp->k_type;
     s->v_type = sp->v_type;
     s->k_row = kv_row_bytes(sp->k_type, p.head_dim);
@@ -171,6 +201,14 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         if (st == RL_OK) st = dev_alloc(&L.taken, slots, what);
         if (st == RL_OK && s->pol.shift)   // compact_ordered's destinations (kv_write.cu)
             st = dev_alloc(&L.scratch, nkv * shift_scratch_bytes(L.P), "cudaMalloc (shift scratch)");
+        if (!L.ring && window_policy(s->pol.policy)) {   // the window masses, the pooling / keys scratch
+            if (st == RL_OK) st = dev_alloc(&L.hist, slots * s->pol.window, "cudaMalloc (window masses)");
+            if (st == RL_OK) st = dev_alloc(&L.work, 2 * slots, "cudaMalloc (policy scratch)");
+        }
+        if (!L.ring && s->pol.policy == RL_POLICY_RKV && st == RL_OK)
+            st = dev_alloc(&L.ksum, nkv * hd, "cudaMalloc (key sums)");
+        if (!L.ring && s->pol.policy == RL_POLICY_ADAKV && st == RL_OK)
+            st = dev_alloc(&L.drops, nkv, "cudaMalloc (adakv drops)");
     }
     const int nh = p.n_head * s->batch;
     if (st == RL_OK) st = dev_alloc(&s->weights, (int64_t)nh * s->max_p, "cudaMalloc (attention weights)");
@@ -248,6 +286,9 @@ extern "C" int rl_store_bytes(rl_store *s, int64_t *out) {
         const int64_t heads = (int64_t)p.n_head_kv * s->batch, slots = heads * L.P;
         t += slots * (s->k_row + s->v_row + 4 + 4 + 8 + 8 + 4 + 1) + heads * (4 + 8);
         if (L.scratch) t += heads * shift_scratch_bytes(L.P);
+        if (L.hist) t += slots * s->pol.window * 4 + 2 * slots * 8;
+        if (L.ksum) t += heads * p.head_dim * 8;
+        if (L.drops) t += heads * 4;
     }
     *out = t;
     return RL_OK;
