@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from common import llama_cpp_last_logits, machine, write_results  # noqa: E402
 
-POLICIES = ("streaming", "h2o", "tova", "knorm", "lsh", "scissorhands", "random")   # the device policies
+POLICIES = ("streaming", "h2o", "tova", "knorm", "lsh", "scissorhands", "random", "snapkv", "pyramidkv", "rkv", "adakv",
+            "gvote")   # the device policies
 
 
 def decode_bytes(m) -> int:

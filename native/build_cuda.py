@@ -33,8 +33,8 @@ INCLUDE = os.path.join(HERE, "include")
 MODULE = "ringllm.native._ringllm_cuda"
 LIB_NAME = "ringllm_cuda"
 LIB_FILE = f"lib{LIB_NAME}.so"
-CUDA_SOURCES = ("api.cu", "attention.cu", "forward.cu", "kernels.cu", "kv_write.cu", "model.cu", "prefill.cu", "quant.cu",
-                "store.cu")
+CUDA_SOURCES = ("api.cu", "attention.cu", "forward.cu", "gvote.cu", "kernels.cu", "kv_write.cu", "model.cu", "prefill.cu",
+                "quant.cu", "store.cu")
 DEFAULT_ARCHS = ("80", "90")
 
 

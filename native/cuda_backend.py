@@ -109,6 +109,7 @@ class CUDAStore:
         p.history, p.seed = kv.history, kv.seed % 2 ** 64     # np.uint64(seed) on the CPU: two's complement
         p.shift = int(kv.update == "shift")
         p.window, p.pool, p.rkv_lambda = kv.window, kv.pool, kv.rkv_lambda
+        p.gvote_samples, p.gvote_p = kv.gvote_samples, kv.gvote_p
         if policy.ragged:
             p.head_floor = policy.head_floor(self.capacity)
         p.batch = batch

@@ -39,7 +39,7 @@ HEADER = os.path.join(HERE, "include", "ringllm_cuda.h")
 RL_OK, RL_ERR_NO_CUDA, RL_ERR_NO_DEVICE, RL_ERR_CUDA, RL_ERR_ARG, RL_ERR_OOM, RL_ERR_STATE = range(7)
 
 DEVICE_POLICIES = {"full": 0, "streaming": 1, "h2o": 2, "tova": 3, "knorm": 4, "lsh": 5, "scissorhands": 6, "random": 7,
-                   "snapkv": 8, "pyramidkv": 8, "rkv": 9, "adakv": 10}
+                   "snapkv": 8, "pyramidkv": 8, "rkv": 9, "adakv": 10, "gvote": 11}
 # KV store element types the device holds (KVConfig k_type / v_type, runtime/kv_types.py) -> their
 # GGML codes, rl_store_params k_type / v_type (RL_TYPE_F32, RL_TYPE_F16, RL_TYPE_Q8_0)
 DEVICE_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}

@@ -694,6 +694,8 @@ DEVICE_POLICY_CONFIGS = {
     "staged_adakv": dict(policy="adakv", sinks=4, lazy=4, slack=2, max_drop=3),
     "staged_rkv_shift": dict(policy="rkv", sinks=4, lazy=4, slack=2, update="shift"),
     "snapkv_shift": dict(policy="snapkv", sinks=4, update="shift"),
+    "gvote": dict(policy="gvote", sinks=4),
+    "gvote_original": dict(policy="gvote", sinks=4, positions="original", gvote_samples=4),
 }
 
 
@@ -713,7 +715,9 @@ def test_greedy_1000_tokens_match_cpu_per_policy(smollm2, name):
     keep their window totals as exact integers (fixed point) and compare pooled masses (rkv: its
     scores) on the same grids; pyramidkv's per-layer budgets and adakv's per-head slots are the CPU
     store's (kv_store.layer_layout), and adakv's heads hold different numbers of tokens, compared head
-    by head."""
+    by head. gvote's votes are integer counts of nuclei whose float64 running masses are summed in the
+    CPU's order; a synthetic query's float64 Box-Muller draw (device log/sin/cos against the host's) is
+    rounded to float32, so the rare draw that rounds apart moves one vote."""
     from ringllm.runtime.engine import CPUEngine
 
     kv = KVConfig(capacity=64, **DEVICE_POLICY_CONFIGS[name])
@@ -754,6 +758,7 @@ BATCH_CONFIGS = {
     "snapkv_staged": dict(policy="snapkv", sinks=4, lazy=4, slack=2, positions="original"),
     "rkv": dict(policy="rkv", sinks=4),
     "adakv": dict(policy="adakv", sinks=4),                             # one layer-wide choice per sequence
+    "gvote": dict(policy="gvote", sinks=4),
 }
 
 

@@ -96,6 +96,8 @@
 #define RL_POLICY_RKV 9        /* lowest lambda * importance - (1 - lambda) * redundancy (R-KV) */
 #define RL_POLICY_ADAKV 10     /* snapkv's scores, one layer-wide choice over all kv heads (heads hold
                                   different numbers of tokens; each keeps at least head_floor) */
+#define RL_POLICY_GVOTE 11     /* adaptive budget (the new query's top-p nucleus), fewest votes of
+                                  gvote_samples synthetic queries from the last `window` queries */
 
 /* ---------------------------------------------------------------------------------------------
  * Library and devices
@@ -227,11 +229,14 @@ typedef struct {
                                    (block_q8_0 along head_dim, head_dim a multiple of 32); a row of
                                    head_dim values takes 4 * head_dim, 2 * head_dim or
                                    head_dim / 32 * 34 bytes */
-    int window;                 /* observation window w, 1..4096 (snapkv, pyramidkv, rkv, adakv): a slot's score
-                                   is the mass the last w queries gave it (summed over the GQA group) */
+    int window;                 /* observation window w (snapkv, pyramidkv, rkv, adakv: a slot's score is the mass
+                                   the last w queries gave it, summed over the GQA group, w x group <= 16384;
+                                   gvote: the queries its Gaussian is fitted to, 1..4096) */
     int pool;                   /* odd max-pooling kernel over neighbouring tokens (snapkv, pyramidkv, adakv) */
     double rkv_lambda;          /* weight of importance against redundancy in [0, 1] (rkv) */
     int head_floor;             /* tokens each kv head keeps at least (adakv), >= sinks + recent + 1 */
+    int gvote_samples;          /* synthetic queries S, 1..64 (gvote) */
+    double gvote_p;             /* nucleus mass p in (0, 1] (gvote) */
 } rl_store_params;
 
 /* Allocate an empty store for model m (rl_model_ready must have succeeded).

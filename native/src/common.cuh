@@ -4,7 +4,8 @@
 //                fused epilogues), embedding kernels
 //   kernels.cu   norms, activations, residual adds, token choice
 //   kv_write.cu  KV writes with eviction (victims chosen on the device), the shift-and-append
-//                baseline, the policies' record of each attention step (observe)
+//                baseline, the policies' record of each attention step (observe), adakv's choice
+//   gvote.cu     gvote's budget and votes before an evicting write, its query history
 //   attention.cu the decode attention step (one block per query head, or split-K and a merge), the
 //                RoPE table
 //   prefill.cu   chunk mode of the prefill on ring layers: a chunk's KV write and causal attention
@@ -17,6 +18,7 @@
 //                the host dispatch on them (with_kv_types)
 //   rope.cuh     RoPE cos/sin of the attention kernels (table or float64 sincos)
 //   reduce.cuh   warp and block reductions
+//   policy_math.cuh  staged eviction's keep_after, splitmix64 (kv_write.cu, gvote.cu)
 //
 // Launchers take the destination first (house style), then inputs, then sizes, then the stream,
 // and return nothing: forward.cu checks cudaGetLastError after each group of launches.
@@ -86,7 +88,12 @@ struct LayerStore {
                            // (column = query's sequence index mod w), else NULL
     int64_t *ksum;         // (n_kv, hd) rkv: sum of the held unit keys in units of 2^-40, else NULL
     double *work;          // (n_kv, 2P) window policies' scratch: masses by rank, then pooled (or rkv's keys)
-    int32_t *drops;        // (n_kv,) adakv: victims of the next write per head (chosen for the layer), else NULL
+    int32_t *drops;        // (n_kv,) adakv: victims of the next write per head (chosen for the layer); gvote:
+                           // each sequence's budget at its first kv head; else NULL
+    float *qhist;          // gvote: (B x n_head, w, hd) the last w queries (before RoPE), column = seq mod w
+    double *gv_w;          // gvote: (B x n_head x (S + 1), gv_p2) weights of each nucleus (store-wide scratch)
+    int32_t *gv_i;         // gvote: their slots, sorted with them
+    int gv_p2;             // gvote: the scratch rows' length, a power of two >= every layer's P
     int32_t *count;        // (n_kv,) occupied slots, always [0, count)
     int64_t *evicted;      // (n_kv,) tokens evicted
     int32_t *victims;      // (n_kv, P) scratch: chosen victims
@@ -108,6 +115,8 @@ struct StorePolicy {
     int window, pool;      // observation window w, pooling kernel (snapkv, rkv, adakv)
     int head_floor;        // adakv: tokens each head keeps at least
     double lam;            // rkv: weight of importance against redundancy
+    int gv_samples;        // gvote: synthetic queries S
+    double gv_p;           // gvote: nucleus mass p
 };
 
 // kv heads of one sequence adakv's layer-wide choice takes (kv_write.cu adakv_select_kernel)
@@ -118,6 +127,11 @@ constexpr int MAX_HEAD_DIM = 512;
 // The window policies (a per-slot mass history: LayerStore.hist, aux as its fixed-point total).
 __host__ __device__ inline bool window_policy(int policy) {
     return policy == RL_POLICY_SNAPKV || policy == RL_POLICY_RKV || policy == RL_POLICY_ADAKV;
+}
+
+// The policies whose victims are chosen for a whole layer before its write (launch_select).
+__host__ __device__ inline bool layer_choice_policy(int policy) {
+    return policy == RL_POLICY_ADAKV || policy == RL_POLICY_GVOTE;
 }
 
 // Blocks of `threads` covering n elements (elementwise launches).
@@ -176,6 +190,15 @@ void launch_observe(LayerStore L, StorePolicy pol, const float *weights, const i
 // adakv: the next write's victims of every head of a layer, one choice per sequence over its kv heads
 // (L.drops, L.victims); a no-op for the other policies
 void launch_select(LayerStore L, StorePolicy pol, int n_kv, int n_seq, cudaStream_t st);
+
+// gvote.cu: before a write (token t of the chunk, q (n_seq x n_head, hd) its query rows before RoPE),
+// each sequence's budget (L.drops[h0]) and votes (L.work, h0's row) when the write must evict; after
+// the attention, the query rows into the history (L.qhist). n_head, n_kv: of all sequences.
+void launch_gvote_votes(LayerStore L, StorePolicy pol, const float *q, const int64_t *n_seen, int t, int n_head,
+                        int n_kv, int n_seq, int hd, int rotary_dim, double rope_scale, const double *inv_freq,
+                        const float2 *tab, int n_tab, double attn_scale, cudaStream_t st);
+void launch_gvote_record(LayerStore L, StorePolicy pol, const float *q, const int64_t *n_seen, int t, int n_head,
+                         int n_seq, int hd, cudaStream_t st);
 
 // attention.cu
 // out (n_head, hd), weights (n_head, P); path RL_ATTEND_AUTO | _SINGLE | _SPLIT (include/ringllm_cuda.h).

@@ -62,6 +62,30 @@ static void ffn(rl_model *m, int il, int T, bool add = false) {
     }
 }
 
+// Before a policy layer's write of token t (q: its query rows, nseq sequences): what is chosen for the
+// whole layer at once (adakv's victims, gvote's budget and votes).
+static void before_write(rl_model *m, rl_store *s, int il, const float *q, int t, int nseq) {
+    const rl_model_params &p = m->p;
+    LayerStore &L = s->layers[il];
+    if (s->pol.policy == RL_POLICY_GVOTE)
+        launch_gvote_votes(L, s->pol, q, s->n_seen, t, p.n_head * nseq, p.n_head_kv * nseq, nseq, p.head_dim,
+                           p.rotary_dim, m->rope_scale[il], m->d_inv_freq + (int64_t)il * (p.rotary_dim / 2 + 1),
+                           m->rope_tab[il], ROPE_TABLE_POSITIONS, (double)p.attn_scale, m->stream);
+    else
+        launch_select(L, s->pol, p.n_head_kv * nseq, nseq, m->stream);
+}
+
+// After a policy layer's attention step: the policy's record of it (the weights in s->weights; gvote
+// keeps the query rows instead).
+static void after_attend(rl_model *m, rl_store *s, int il, const float *q, int t, int nseq) {
+    const rl_model_params &p = m->p;
+    LayerStore &L = s->layers[il];
+    if (s->pol.policy == RL_POLICY_GVOTE)
+        launch_gvote_record(L, s->pol, q, s->n_seen, t, p.n_head * nseq, nseq, p.head_dim, m->stream);
+    else
+        launch_observe(L, s->pol, s->weights, s->n_seen, t, p.n_head * nseq, p.n_head_kv * nseq, nseq, m->stream);
+}
+
 // n_before: tokens fed through the store before this chunk (the host's count: chunk mode's condition)
 // Layer il over the T rows of m->x: T tokens of one sequence (nseq = 1), or one token of each of the
 // nseq = T sequences of a batch store (every row writes and attends its own sequence's heads).
@@ -97,12 +121,12 @@ static void layer(rl_model *m, rl_store *s, int il, int T, int64_t n_before, int
                             n_before + T <= ROPE_TABLE_POSITIONS && prefill_fits(hd);
     const int qpos_mode = s->pol.reindexed ? RL_QPOS_COUNT : RL_QPOS_SEQ;
     if (nseq > 1) {   // a batch step: the same three launches over nseq x the heads (common.cuh)
-        if (policy_layer) launch_select(L, s->pol, nkv * nseq, nseq, st);
+        if (policy_layer) before_write(m, s, il, m->q, 0, nseq);
         launch_kv_write(L, s->pol, m->k, m->v, m->q, proj, s->n_seen, 0, nkv * nseq, nh * nseq, hd, nkv, st);
         launch_attend(m->att, s->weights, s->att_part, m->q, L.k, L.v, L.k_type, L.v_type, pos, L.count, s->n_seen, 0,
                       qpos_mode, nh * nseq, nkv * nseq, L.P, hd, p.rotary_dim, m->rope_scale[il], inv_freq,
                       m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale, nkv, RL_ATTEND_AUTO, st);
-        if (policy_layer) launch_observe(L, s->pol, s->weights, s->n_seen, 0, nh * nseq, nkv * nseq, nseq, st);
+        if (policy_layer) after_attend(m, s, il, m->q, 0, nseq);
     }
     if (chunk_mode) {
         launch_kv_append(L, m->k, m->v, (int)n_before, T, nkv, hd, st);
@@ -110,12 +134,12 @@ static void layer(rl_model *m, rl_store *s, int il, int T, int64_t n_before, int
                               (int)n_before, T, nh, nkv, L.P, hd, p.rotary_dim, m->rope_tab[il], p.attn_scale, st);
     }
     for (int t = 0; nseq == 1 && !chunk_mode && t < T; t++) {   // decode semantics: write (evicting first), attend, observe
-        if (policy_layer) launch_select(L, s->pol, nkv, 1, st);
+        if (policy_layer) before_write(m, s, il, m->q + t * nq, t, 1);
         launch_kv_write(L, s->pol, m->k + t * nk, m->v + t * nk, m->q + t * nq, proj, s->n_seen, t, nkv, nh, hd, nkv, st);
         launch_attend(m->att + t * nq, s->weights, s->att_part, m->q + t * nq, L.k, L.v, L.k_type, L.v_type, pos,
                       L.count, s->n_seen, t, qpos_mode, nh, nkv, L.P, hd, p.rotary_dim, m->rope_scale[il], inv_freq,
                       m->rope_tab[il], ROPE_TABLE_POSITIONS, p.attn_scale, nkv, RL_ATTEND_AUTO, st);
-        if (policy_layer) launch_observe(L, s->pol, s->weights, s->n_seen, t, nh, nkv, 1, st);
+        if (policy_layer) after_attend(m, s, il, m->q + t * nq, t, 1);
     }
     if (m->fused && !p.sandwich_norm && !p.parallel_residual) {
         // x += out(att); x += ffn(ffn_norm(x)): both residual adds in the projections' epilogues

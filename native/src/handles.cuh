@@ -112,6 +112,8 @@ struct rl_store {
     float *weights = nullptr;    // (batch x n_head, max P) softmax weights of the last attention step
     float *att_part = nullptr;   // split-K attention scratch: attend_scratch_floats(batch x n_head, hd, max P)
     int64_t *n_seen = nullptr;   // (batch,) device counters of tokens fed
+    double *gv_w = nullptr;      // gvote's nucleus scratch, shared by the layers (LayerStore.gv_w, gv_i)
+    int32_t *gv_i = nullptr;
     int64_t n_seen_host = 0;     // tokens fed (a one-sequence store or a view of one sequence)
     int batch = 1;               // sequences (common.cuh: B x n_kv heads per layer array)
     std::vector<int64_t> seen_host;   // (batch,) tokens fed per sequence of a batch store

@@ -5,6 +5,7 @@
 // Victims are chosen as the CPU policies choose them, in the same order where ties matter. The
 // kernels that touch K / V rows are templates on the store's element types (KT, VT: kv_rows.cuh).
 #include "common.cuh"
+#include "policy_math.cuh"
 
 #include <float.h>
 #include <math.h>
@@ -18,28 +19,12 @@ namespace {
 constexpr int KV_THREADS = 256;
 constexpr int MAX_GROUP = 64;      // query heads per kv head (checked at model init)
 
-// Staged eviction, Algorithm 1 (runtime/kv_config.py keep_after)
-__device__ __forceinline__ int keep_after(int length, int cap, int lazy, int slack, int max_drop) {
-    if (length <= cap || length - cap < lazy) return length;
-    if (max_drop == 0) return cap;
-    const int k = length - max_drop > cap ? length - max_drop : cap;
-    return k < cap + slack ? k : cap + slack;
-}
-
 // SimHash bit i of the row x (hd values of type T): sign of proj[i] . x, summed in float32 in
 // index order with no FMA (runtime/policies/lsh.py simhash_rows).
 template <int T> __device__ __forceinline__ bool simhash_bit(const float *proj_i, const uint8_t *x, int hd) {
     float acc = 0.0f;
     for (int d = 0; d < hd; d++) acc = __fadd_rn(acc, __fmul_rn(proj_i[d], kv_get<T>(x, d)));
     return acc > 0.0f;
-}
-
-// One splitmix64 output for state x (runtime/policies/random_policy.py splitmix64).
-__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
 }
 
 // The random policy's draws at one eviction share this base: splitmix64 of (seed, layer il, kv head
@@ -143,6 +128,7 @@ __device__ __forceinline__ double victim_key(int policy, int j, const int32_t *s
                                              uint64_t rbase, const double *work, const int32_t *rank, int P) {
     switch (policy) {
         case RL_POLICY_SNAPKV: return grid_log(work[P + rank[j]]);
+        case RL_POLICY_GVOTE: return work[j];   // the sequence's votes (gvote.cu), compared as they are
         case RL_POLICY_RKV: return work[j];
         case RL_POLICY_SCISSORHANDS: return -(double)__popcll(aux[j]);
         case RL_POLICY_RANDOM: return (double)(splitmix64(rbase ^ (uint64_t)(int64_t)seq[j]) >> 11);
@@ -321,7 +307,13 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     // adakv: the victims were chosen for the whole layer (adakv_select_kernel), drops[h] of them in victims
     const int held = n + 1, w = pol.window;
     const bool given = pol.policy == RL_POLICY_ADAKV;
-    const int n_drop = given ? L.drops[h] : held - keep_after(held, L.C, pol.lazy, pol.slack, pol.max_drop);
+    int n_drop = given ? L.drops[h] : held - keep_after(held, L.C, pol.lazy, pol.slack, pol.max_drop);
+    const int h0 = h / kv_per_seq * kv_per_seq;   // the sequence's first kv head
+    if (pol.policy == RL_POLICY_GVOTE && n_drop > 0) {   // the budget may drop more than the capacity asks
+        const int budget = L.drops[h0], floor = L.sinks + pol.recent;
+        const int wanted = n - (budget > floor ? budget : floor);
+        n_drop = wanted > n_drop ? wanted : n_drop;
+    }
     if (tid == 0) s_got = given ? n_drop : 0;
     if (n_drop > 0 && given) {   // flag them as the rounds below would (compact_ordered reads the flags)
         for (int j = tid; j < n; j += blockDim.x) taken[j] = 0;
@@ -331,7 +323,8 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     if (n_drop > 0 && !given) {
         if (pol.policy == RL_POLICY_SNAPKV) pool_by_rank(L, h, n, pol.pool);
         if (pol.policy == RL_POLICY_RKV) rkv_keys<KT>(L, h, n, hd, pol.lam, K, krb, s_sum, red_key);
-        const double *work = L.work ? L.work + (int64_t)h * 2 * P : nullptr;
+        // gvote's votes are its sequence's, in its first kv head's row
+        const double *work = L.work ? L.work + (int64_t)(pol.policy == RL_POLICY_GVOTE ? h0 : h) * 2 * P : nullptr;
         if (pol.policy == RL_POLICY_LSH) {   // codes of the new token's group queries (pre-RoPE)
             const int nb = pol.lsh_bits;
             for (int gi = tid; gi < group * nb; gi += blockDim.x) {

@@ -17,8 +17,10 @@ static void store_release(rl_store *s) {
     for (auto &L : s->layers) {
         dev_free(L.k); dev_free(L.v); dev_free(L.seq); dev_free(L.rank); dev_free(L.score); dev_free(L.aux);
         dev_free(L.count); dev_free(L.evicted); dev_free(L.victims); dev_free(L.taken); dev_free(L.scratch);
-        dev_free(L.hist); dev_free(L.ksum); dev_free(L.work); dev_free(L.drops);
+        dev_free(L.hist); dev_free(L.ksum); dev_free(L.work); dev_free(L.drops); dev_free(L.qhist);
     }
+    dev_free(s->gv_w);
+    dev_free(s->gv_i);
     dev_free(s->proj);
     dev_free(s->weights);
     dev_free(s->att_part);
@@ -56,6 +58,10 @@ static int clear_heads(rl_store *s, int64_t heads, int n_counters) {
         if (L.hist) RL_CK(cudaMemsetAsync(L.hist, 0, slots * s->pol.window * sizeof(float), s->m->stream));
         if (L.ksum) RL_CK(cudaMemsetAsync(L.ksum, 0, heads * s->m->p.head_dim * sizeof(int64_t), s->m->stream));
         if (L.drops) RL_CK(cudaMemsetAsync(L.drops, 0, heads * sizeof(int32_t), s->m->stream));
+        if (L.qhist) {   // heads kv heads: heads / n_head_kv sequences of n_head query rows each
+            const int64_t rows = heads / s->m->p.n_head_kv * s->m->p.n_head;
+            RL_CK(cudaMemsetAsync(L.qhist, 0, rows * s->pol.window * s->m->p.head_dim * sizeof(float), s->m->stream));
+        }
     }
     RL_CK(cudaMemsetAsync(s->n_seen, 0, n_counters * sizeof(int64_t), s->m->stream));
     RL_CK(cudaStreamSynchronize(s->m->stream));
@@ -92,6 +98,12 @@ rl_store seq_view(const rl_store *s, int b) {
         if (L.ksum) L.ksum += h0 * s->m->p.head_dim;
         if (L.work) L.work += 2 * slots;
         if (L.drops) L.drops += h0;
+        if (L.qhist) L.qhist += (int64_t)b * s->m->p.n_head * s->pol.window * s->m->p.head_dim;
+        if (L.gv_w) {
+            const int64_t blocks = (int64_t)b * s->m->p.n_head * (s->pol.gv_samples + 1);
+            L.gv_w += blocks * L.gv_p2;
+            L.gv_i += blocks * L.gv_p2;
+        }
     }
     v.n_seen = s->n_seen + b;
     v.n_seen_host = s->seen_host[b];
@@ -118,7 +130,7 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
     const rl_model_params &p = m->p;
     if (!sp->layer_capacity || !sp->layer_physical || !sp->layer_sinks || !sp->layer_ring)
         return rl_fail(RL_ERR_ARG, "rl_store_init: per-layer arrays must not be NULL");
-    if (sp->policy < RL_POLICY_FULL || sp->policy > RL_POLICY_ADAKV)
+    if (sp->policy < RL_POLICY_FULL || sp->policy > RL_POLICY_GVOTE)
         return rl_fail(RL_ERR_ARG, "rl_store_init: unknown policy %d", sp->policy);
     if (sp->policy == RL_POLICY_SCISSORHANDS && (sp->history < 1 || sp->history > 64))
         return rl_fail(RL_ERR_ARG, "rl_store_init: scissorhands needs history in 1..64, got %d", sp->history);
@@ -136,9 +148,17 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         if (sp->pool < 1 || sp->pool % 2 == 0)
             return rl_fail(RL_ERR_ARG, "rl_store_init: pool must be an odd integer >= 1, got %d", sp->pool);
     }
-    if (sp->policy == RL_POLICY_RKV && p.head_dim > MAX_HEAD_DIM)
-        return rl_fail(RL_ERR_ARG, "rl_store_init: rkv takes head_dim up to %d, the model has %d", MAX_HEAD_DIM,
-                       p.head_dim);
+    if (sp->policy == RL_POLICY_GVOTE) {
+        if (sp->window < 1 || sp->window > 4096)
+            return rl_fail(RL_ERR_ARG, "rl_store_init: gvote's window must be in 1..4096, got %d", sp->window);
+        if (sp->gvote_samples < 1 || sp->gvote_samples > 64)
+            return rl_fail(RL_ERR_ARG, "rl_store_init: gvote_samples must be in 1..64, got %d", sp->gvote_samples);
+        if (!(sp->gvote_p > 0.0 && sp->gvote_p <= 1.0))
+            return rl_fail(RL_ERR_ARG, "rl_store_init: gvote_p must be in (0, 1], got %g", sp->gvote_p);
+    }
+    if ((sp->policy == RL_POLICY_RKV || sp->policy == RL_POLICY_GVOTE) && p.head_dim > MAX_HEAD_DIM)
+        return rl_fail(RL_ERR_ARG, "rl_store_init: rkv and gvote take head_dim up to %d, the model has %d",
+                       MAX_HEAD_DIM, p.head_dim);
     if (sp->policy == RL_POLICY_RKV && !(sp->rkv_lambda >= 0.0 && sp->rkv_lambda <= 1.0))
         return rl_fail(RL_ERR_ARG, "rl_store_init: rkv_lambda must be in [0, 1], got %g", sp->rkv_lambda);
     if (sp->policy == RL_POLICY_ADAKV) {
@@ -167,7 +187,8 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
     s->m = m;
     s->pol = StorePolicy{sp->policy, sp->reindexed ? 1 : 0, sp->recent, sp->lazy, sp->slack, sp->max_drop,
                          sp->lsh_bits, sp->history, sp->seed, sp->shift ? 1 : 0,
-                         window_policy(sp->policy) ? sp->window : 0, sp->pool, sp->head_floor, sp->rkv_lambda};
+                         window_policy(sp->policy) || sp->policy == RL_POLICY_GVOTE ? sp->window : 0, sp->pool,
+                         sp->head_floor, sp->rkv_lambda, sp->gvote_samples, sp->gvote_p};
     s->k_type = sp->k_type;
     s->v_type = sp->v_type;
     s->k_row = kv_row_bytes(sp->k_type, p.head_dim);
@@ -207,8 +228,25 @@ extern "C" int rl_store_init(rl_store **out, rl_model *m, const rl_store_params 
         }
         if (!L.ring && s->pol.policy == RL_POLICY_RKV && st == RL_OK)
             st = dev_alloc(&L.ksum, nkv * hd, "cudaMalloc (key sums)");
-        if (!L.ring && s->pol.policy == RL_POLICY_ADAKV && st == RL_OK)
-            st = dev_alloc(&L.drops, nkv, "cudaMalloc (adakv drops)");
+        if (!L.ring && layer_choice_policy(s->pol.policy) && st == RL_OK)
+            st = dev_alloc(&L.drops, nkv, "cudaMalloc (layer choice counts)");
+        if (!L.ring && s->pol.policy == RL_POLICY_GVOTE) {   // votes (a row per kv head), the query history
+            if (st == RL_OK) st = dev_alloc(&L.work, 2 * slots, "cudaMalloc (gvote votes)");
+            if (st == RL_OK)
+                st = dev_alloc(&L.qhist, (int64_t)s->batch * p.n_head * s->pol.window * hd, "cudaMalloc (gvote queries)");
+        }
+    }
+    if (st == RL_OK && s->pol.policy == RL_POLICY_GVOTE) {   // one nucleus scratch row per block of gvote.cu
+        int p2 = 1;
+        while (p2 < s->max_p) p2 <<= 1;
+        const int64_t n = (int64_t)s->batch * p.n_head * (s->pol.gv_samples + 1) * p2;
+        st = dev_alloc(&s->gv_w, n, "cudaMalloc (gvote scratch)");
+        if (st == RL_OK) st = dev_alloc(&s->gv_i, n, "cudaMalloc (gvote scratch)");
+        for (LayerStore &L : s->layers) {
+            L.gv_w = s->gv_w;
+            L.gv_i = s->gv_i;
+            L.gv_p2 = p2;
+        }
     }
     const int nh = p.n_head * s->batch;
     if (st == RL_OK) st = dev_alloc(&s->weights, (int64_t)nh * s->max_p, "cudaMalloc (attention weights)");
@@ -289,7 +327,10 @@ extern "C" int rl_store_bytes(rl_store *s, int64_t *out) {
         if (L.hist) t += slots * s->pol.window * 4 + 2 * slots * 8;
         if (L.ksum) t += heads * p.head_dim * 8;
         if (L.drops) t += heads * 4;
+        if (L.qhist) t += heads / p.n_head_kv * p.n_head * s->pol.window * p.head_dim * 4;
+        if (L.work && !L.hist) t += 2 * slots * 8;
     }
+    if (s->gv_w) t += (int64_t)s->batch * p.n_head * (s->pol.gv_samples + 1) * s->layers[0].gv_p2 * 12;
     *out = t;
     return RL_OK;
 }
