@@ -110,7 +110,9 @@ class CUDAStore:
         p.shift = int(kv.update == "shift")
         p.window, p.pool, p.rkv_lambda = kv.window, kv.pool, kv.rkv_lambda
         p.gvote_samples, p.gvote_p = kv.gvote_samples, kv.gvote_p
-        if policy.ragged:
+        if policy.ragged:      # one floor: adakv's policy layers all keep the base capacity (the CPU's per layer)
+            if any(c != self.capacity for c, ring in zip(self.layer_capacity, self.layer_ring) if not ring):
+                raise ConfigError("adakv on the cuda backend needs every policy layer at the store's capacity")
             p.head_floor = policy.head_floor(self.capacity)
         p.batch = batch
         for name, a in arrays.items():

@@ -308,6 +308,8 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     const int held = n + 1, w = pol.window;
     const bool given = pol.policy == RL_POLICY_ADAKV;
     int n_drop = given ? L.drops[h] : held - keep_after(held, L.C, pol.lazy, pol.slack, pol.max_drop);
+    __syncthreads();
+    if (given && tid == 0) L.drops[h] = 0;   // consumed: a write without a new choice evicts nothing
     const int h0 = h / kv_per_seq * kv_per_seq;   // the sequence's first kv head
     if (pol.policy == RL_POLICY_GVOTE && n_drop > 0) {   // the budget may drop more than the capacity asks
         const int budget = L.drops[h0], floor = L.sinks + pol.recent;
@@ -444,6 +446,7 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     }
     __syncthreads();
     const int slot = n - s_got;
+    if (slot >= P) __trap();   // every held token protected and no slot free: unreachable for valid stores
     kv_put<KT>(K + slot * krb, kn, hd);
     kv_put<VT>(V + slot * vrb, vn, hd);
     // the key as the store holds it: kn itself for f32, else the row just encoded (read back once
@@ -563,7 +566,7 @@ __global__ void observe_window_kernel(LayerStore L, const float *weights, const 
 // adakv: one layer-wide choice of the next write's victims (runtime/policies/adakv.py select_drops)
 // ==============================================================================================
 
-// The lowest candidate of head h (ranks [lo, hi) of its pooled masses work[P + r], on the log grid)
+// The lowest candidate of head h (ranks [lo, hi) of its pooled masses' grid keys work[P + r])
 // after (g0, r0) in (grid key, rank) order: *g, *r (r = -1: none). Called by the whole block; red_key,
 // red_r: blockDim.x entries of shared memory.
 __device__ void next_candidate(const double *work, int P, int lo, int hi, double g0, int r0, double *g, int *r,
@@ -571,7 +574,7 @@ __device__ void next_candidate(const double *work, int P, int lo, int hi, double
     double bg = 0.0;
     int br = -1;
     for (int x = lo + threadIdx.x; x < hi; x += blockDim.x) {
-        const double gx = grid_log(work[P + x]);
+        const double gx = work[P + x];
         if (gx < g0 || (gx == g0 && x <= r0)) continue;   // taken already
         if (br < 0 || gx < bg || (gx == bg && x < br)) {
             bg = gx;
@@ -617,11 +620,13 @@ __global__ void __launch_bounds__(KV_THREADS) adakv_select_kernel(LayerStore L, 
     if (tid < nkv) s_drop[tid] = 0;
     __syncthreads();
     if (n_total > 0) {
-        for (int i = 0; i < nkv; i++) {   // pooled masses by rank, then each rank's slot beside them
+        for (int i = 0; i < nkv; i++) {   // pooled masses by rank on the log grid, each rank's slot beside them
             const int h = h0 + i, n = L.count[h];
             pool_by_rank(L, h, n, pol.pool);
             double *w = L.work + (int64_t)h * 2 * P;
             for (int j = tid; j < n; j += blockDim.x) w[L.rank[h * P + j]] = (double)j;
+            for (int r = tid; r < n; r += blockDim.x) w[P + r] = grid_log(w[P + r]);
+            __syncthreads();
             double g;
             int r;
             next_candidate(w, P, L.sinks, n - pol.recent, -INFINITY, -1, &g, &r, red_key, red_r);
