@@ -69,6 +69,9 @@ class CUDAStore:
                 raise ConfigError(f"{what} {name!r} is not available on the cuda backend's KV store; available: "
                                   f"{', '.join(DEVICE_KV_TYPES)} (use backend='cpu' for {name})")
             check_kv_type(name, what, spec.head_dim)
+        if kv.compress is not None:
+            raise ConfigError(f"prompt compression (KVConfig.compress={kv.compress!r}) runs on the cpu and reference "
+                              "backends; the cuda backend's store takes the decode-time policies only")
         if kv.policy not in DEVICE_POLICIES:
             raise ConfigError(f"policy {kv.policy!r} is not available on the cuda backend; available: "
                               f"{', '.join(DEVICE_POLICIES)} (use backend='cpu' for the others)")

@@ -110,6 +110,12 @@ def test_cffi_module_imports_and_exports_every_function():
         assert getattr(mod.lib, f"RL_POLICY_{name.upper()}") == code, name
 
 
+def test_every_cpu_policy_has_a_device_code():
+    from ringllm.runtime.policies import REGISTRY
+
+    assert set(native.DEVICE_POLICIES) == set(REGISTRY)
+
+
 def test_cuda_library_compiled_and_linked_when_nvcc_exists():
     build = load_build_module()
     if build.find_nvcc() is None:
@@ -847,8 +853,8 @@ def test_store_options_and_stats(smollm2):
     from ringllm.runtime.engine import CPUEngine
 
     eng = CUDAEngine(smollm2.spec, smollm2.tensors)
-    with pytest.raises(ConfigError, match="not available on the cuda backend"):
-        eng.new_store(capacity=64, policy="snapkv")
+    with pytest.raises(ConfigError, match="prompt compression"):
+        eng.new_store(capacity=64, policy="snapkv", compress="snapkv", compress_ratio=0.5)
     st = eng.new_store(capacity=32, policy="streaming")
     eng.prefill(list(range(100)), st)
     cs = CPUEngine(smollm2.spec, smollm2.tensors).new_store(capacity=32, policy="streaming")
