@@ -14,7 +14,8 @@
 #           and bytes), on a random Gemma 3 270M bf16 checkpoint and on bench/synthetic_gguf.py's
 #           Qwen3-1.7B Q4_K_M, all written on the device.
 # Env: TEST_ARGS extra pytest arguments; TEST_TIMEOUT, T_SMOLLM2, T_GEMMA3, T_QWEN3, SANITIZE_TIMEOUT
-# seconds per stage; BENCH_MODELS (default "smollm2 gemma3 qwen3"); STREAM, HF_STREAM tokens per long
+# seconds per stage (T_SMOLLM2CUT: BENCH_MODELS smollm2cut, the 8-layer cut itself, for long streams);
+# BENCH_MODELS (default "smollm2 gemma3 qwen3"); STREAM, HF_STREAM tokens per long
 # stream (ringllm, transformers); CAPACITIES, POLICIES of the long streams (STREAM_CONCURRENT=1: all
 # at once, one thread and engine each); BATCH sizes of the batched decode runs ("" skips them);
 # REPEATS of each pp/tg figure.
@@ -83,6 +84,8 @@ if has bench; then
                          && bench_one smollm2 /tmp/models/smollm2-135m-tiled30.gguf "${T_SMOLLM2:-200}" "${HF_STREAM:-1000}" ;;
             gemma3) python3 bench/random_hf_checkpoint.py gemma3-270m /tmp/models/gemma3-270m-random > /dev/null 2>&1 \
                          && bench_one gemma3 /tmp/models/gemma3-270m-random "${T_GEMMA3:-200}" "${HF_STREAM:-1000}" ;;
+            # the 8-layer cut itself: long streams at a quarter of the launches per token
+            smollm2cut) bench_one smollm2cut "$SMOL" "${T_SMOLLM2CUT:-200}" "${HF_STREAM:-0}" ;;
             # transformers would dequantize the 1.7B Q4_K_M file in NumPy first: ringllm alone
             qwen3) bench_one qwen3 "$(RINGLLM_BENCH_CACHE=/tmp/models python3 bench/synthetic_gguf.py qwen3-1.7b)" \
                          "${T_QWEN3:-200}" 0 ;;
