@@ -39,7 +39,7 @@ from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_codec import decode, encode
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import KVStore
-from ringllm.runtime.press import LayerPrompt, choose_layer
+from ringllm.runtime.press import LayerPrompt, choose_layer, equal_counts
 from ringllm.runtime.reference_rope import layer_freqs, rope
 
 
@@ -340,6 +340,8 @@ def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, r
     for il in range(spec.n_layer):
         lp = prompts[il] if prompts is not None else layer_prompt(transient, il, cap, m)
         chosen = choose_layer(spec, il, lp, kv, query_weights(engine, il) if kv.compress == "gvote" else None)
+        if kv.equal_head_counts and not lp.windowed:      # a ragged press under a per-head evicting policy
+            chosen = equal_counts(chosen, m)
         row = []
         for h in range(spec.n_head_kv):
             slots = held_slots(transient, il, h)

@@ -29,7 +29,8 @@ POLICIES = ("full", "streaming", "h2o", "scissorhands", "tova", "knorm", "lsh", 
 POSITION_MODES = ("reindexed", "original")
 UPDATE_MODES = ("inplace", "shift")
 # prompt compression after prefill (runtime/press.py): the presses, and those that keep different
-# numbers of tokens per kv head (the decode-time policy must then take ragged heads: a ring, or adakv)
+# numbers of tokens per kv head (under a decode-time policy that evicts the same number from every
+# head, KVConfig.equal_head_counts, their heads are topped up to the layer's fullest: press.equal_counts)
 PRESSES = ("snapkv", "pyramidkv", "adakv", "gvote", "tova", "knorm", "streaming", "random")
 RAGGED_PRESSES = ("adakv", "gvote")
 # decode-time policies whose choice couples the kv heads of a layer (scores averaged over every head's
@@ -184,10 +185,6 @@ class KVConfig:
                  f"{', '.join(PRESSES)}")
             return
         need(self.compress in PRESSES, f"compress {self.compress!r} unknown; valid: {', '.join(PRESSES)}")
-        need(self.compress not in RAGGED_PRESSES or self.ring or self.policy == "adakv",
-             f"press {self.compress!r} keeps different numbers of tokens per kv head; decode-time policy "
-             f"{self.policy!r} evicts the same number from every head: use a ring policy (full, streaming) or adakv, "
-             "or a press with one budget for every head")
         need(self.policy not in HEAD_ALIGNED_POLICIES or self.compress in ALIGNED_PRESSES,
              f"decode-time policy {self.policy!r} scores each token over every kv head of a layer, so the heads must "
              f"hold the same tokens; press {self.compress!r} chooses per head: use press "
@@ -242,6 +239,13 @@ class KVConfig:
     @property
     def staged(self) -> bool:
         return bool(self.lazy or self.slack or self.max_drop)
+
+    @property
+    def equal_head_counts(self) -> bool:
+        """Whether the decode-time policy evicts the same number of tokens from every kv head of a layer
+        (every evicting policy but adakv): a ragged press (RAGGED_PRESSES) must then leave the heads of
+        a layer equally full."""
+        return not self.ring and self.policy != "adakv"
 
     @property
     def ring(self) -> bool:

@@ -272,6 +272,21 @@ def choose_layer(spec, il: int, lp: LayerPrompt, kv, weights=None) -> list:
     return [top_newest(scores[h], n_kept) for h in range(nkv)]
 
 
+def equal_counts(chosen: list, m: int) -> list:
+    """chosen (per kv head, ascending candidate indices into the last m) with every head topped up to
+    the layer's largest count by its newest candidates not chosen: the decode-time policies that evict
+    the same number of tokens from every head (KVConfig.equal_head_counts) take a ragged press's
+    choice this way. The press's own choice is kept whole; the top-up costs the memory of n_kv x the
+    fullest head instead of the sum."""
+    most = max(c.size for c in chosen)
+    out = []
+    for c in chosen:
+        rest = np.setdiff1d(np.arange(m), c, assume_unique=True)
+        extra = rest[rest.size - (most - c.size):] if most > c.size else rest[:0]
+        out.append(np.sort(np.concatenate([c, extra])))
+    return out
+
+
 def adakv_keep(scores: np.ndarray, n_kept: int, alpha: float) -> list:
     """Ada-KV's layer-wide choice over scores (n_kv, m): each head's floor(alpha x n_kept) best are
     safe, then the n_kv x n_kept best of the layer (ties: the newer token, then the lower head)."""

@@ -317,6 +317,12 @@ def _reference_policy_compress(ref, ids, kv: KVConfig, prior: ReferenceCache | N
             most.append(max(np.asarray(x).size for x in lc.seq))
             continue
         chosen = reference_choose(ref, cache, il, win, kv, m)
+        if kv.equal_head_counts:          # every head as full as the fullest: its newest unchosen tokens
+            fullest = max(len(c) for c in chosen)
+            for h, c in enumerate(chosen):
+                have = set(int(i) for i in c)
+                extra = [i for i in range(m - 1, -1, -1) if i not in have][:fullest - len(have)]
+                chosen[h] = np.array(sorted(have | set(extra)), np.int64)
         keep = []
         for h in range(s.n_head_kv):
             n_h = np.asarray(lc.seq[h]).size
