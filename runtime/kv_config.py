@@ -79,7 +79,8 @@ class KVConfig:
     the tokens to generate; any other policy: `capacity` is the room it keeps beside the kept prompt,
     per layer its own budget; an evicting policy carries the state it built over the whole prompt,
     h2o's masses, lsh's codes, ..., for the tokens the press kept). adakv and gvote keep different
-    numbers of tokens per kv head: they decode under full, streaming (unstaged) or adakv.
+    numbers of tokens per kv head; under full, streaming (unstaged) and adakv the heads stay so, under
+    the other policies each head is topped up to its layer's fullest (equal_head_counts).
     compress: one of PRESSES, or None (no compression).
     compress_budget: tokens each kv head keeps of the prompt (the per-layer mean for pyramidkv, the
         per-head mean for adakv); a budget above the prompt keeps everything.
