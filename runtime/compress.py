@@ -292,20 +292,30 @@ def policy_transient(engine, kv: KVConfig, m: int, prior: KVStore | None) -> KVS
     spec = engine.spec
     held = [0] * spec.n_layer if prior is None else [int(c.max()) for c in prior.count]
     floor = kv.sinks + kv.resolved_recent + 1        # a policy layer keeps one slot evictable (KVStore)
-    caps = [spec.window[il] or max(held[il] + m, floor) for il in range(spec.n_layer)]
+    caps = [window_capacity(spec, prior, il) if spec.window[il] else max(held[il] + m, floor) for il in range(spec.n_layer)]
     if prior is None:       # the policy's recent window as kv's capacity sets it, not the larger store's
         decode_kv = replace(kv.decode_config(max(max(caps), kv.capacity)), recent=kv.resolved_recent)
         return engine.adopt_store(KVStore(spec, decode_kv, layer_capacity=caps))
     return engine.adopt_store(prior.resized(caps))
 
 
+def window_capacity(spec, store: KVStore | None, il: int) -> int:
+    """The capacity a sliding-window layer il keeps in a compressed store (it is never pressed): a ring
+    of its window, unless `store` (a chat session's earlier store) holds it as a policy layer, as a
+    streamed turn (compress_overflow "stream") under staged streaming with a capacity below the window
+    builds it: then that layer and capacity, so the session's layers never change kind."""
+    if store is not None and not store.layer_ring[il]:
+        return store.layer_capacity[il]
+    return spec.window[il]
+
+
 def policy_capacities(store: KVStore, kv: KVConfig, most: list[int]) -> list[int]:
     """Per-layer capacities of a compressed store under an evicting decode-time policy: the most a
     head of the layer keeps plus the policy's own budget for the layer at kv.capacity (pyramidkv's
-    line, the capacity for the others); a sliding-window layer its window."""
+    line, the capacity for the others); a sliding-window layer what window_capacity says."""
     spec = store.spec
     budgets = store.policy_impl.layer_budgets(kv.capacity, spec.n_layer)
-    return [spec.window[il] or most[il] + budgets[il] for il in range(spec.n_layer)]
+    return [window_capacity(spec, store, il) if spec.window[il] else most[il] + budgets[il] for il in range(spec.n_layer)]
 
 
 def evict_unkept(store: KVStore, keep: list) -> None:

@@ -222,6 +222,27 @@ def test_chat_turn_under_an_evicting_policy(tiny, policy, press):
     assert_same_kept(store2, cache2)
 
 
+def test_chat_turn_pressed_after_a_streamed_turn_keeps_the_window_layers(tiny):
+    """A turn pressed after one that streamed (compress_overflow "stream") under staged streaming with
+    a capacity below the sliding window: the streamed store's window layers are policy layers of that
+    capacity, and the pressed turn keeps them so (compress.window_capacity) instead of making them
+    rings of the window. Engine and reference agree through the turn and while the policy evicts."""
+    _, eng, ref = tiny
+    kv = KVConfig(policy="streaming", capacity=6, sinks=2, lazy=2, slack=2, compress="snapkv", compress_ratio=0.3,
+                  compress_window=8, compress_overflow="stream")
+    first, second = prompt_ids(10, 40), prompt_ids(11, 30)
+    streamed = kv.decode_config(kv.capacity)          # what LLM streams a too-long turn through
+    store, cache = eng.new_store(streamed), ref.new_cache(streamed)
+    eng.prefill(first, store)
+    ref.forward(first, cache)
+    store2, le = compress_prefill(eng, second, kv, room=0, prior=store)
+    cache2, lr = reference_compress_prefill(ref, second, kv, room=0, prior=cache)
+    assert store2.layer_ring == store.layer_ring
+    assert_same_kept(store2, cache2)
+    decode_both(eng, store2, ref, cache2, le, lr, 9)
+    assert_same_kept(store2, cache2)
+
+
 def test_prompts_shorter_than_the_policy_capacity(tiny):
     """A prompt (and a chat turn) shorter than the decode-time policy's capacity and recent window:
     the transient and resized stores keep the config's capacity, so h2o's recent window (capacity/2)
