@@ -18,7 +18,8 @@ that policy with every pressed layer sized to hold the whole prompt (policy_tran
 evicted, and the policy builds its state over every token, as it would have with room for them),
 the press's losers leave it through KVStore.evict (each survivor's state moves with its slot), and
 KVStore.resized cuts each layer to the most a head keeps plus the policy's own budget at
-KVConfig.capacity (policy_capacities). A sliding-window layer is a ring of its window throughout.
+KVConfig.capacity (policy_capacities). A sliding-window layer is never pressed: a ring of its
+window, or the layer a chat session's earlier store made it (window_capacity).
 
 Key layouts: the transient store's ring layers hold keys as the engine's RoPE strategy writes them;
 transplant brings each key back to before RoPE (reference_rope, exact up to one float32 rotation)
@@ -286,13 +287,14 @@ def policy_transient(engine, kv: KVConfig, m: int, prior: KVStore | None) -> KVS
     """The transient store of a prompt compressed under an evicting decode-time policy: kv's policy,
     each layer sized to hold what `prior` holds there plus the m new tokens, so the prefill evicts
     nothing while the policy keeps its per-token state (h2o's masses, scissorhands' history, lsh's
-    codes, rkv's key sums, gvote's queries) for every token; a sliding-window layer is a ring of its
-    window, as in every compressed store (it is not pressed). prior (a store this path built, a chat
-    session's) is resized up, its state carried."""
+    codes, rkv's key sums, gvote's queries) for every token; a sliding-window layer (never pressed)
+    keeps window_capacity. prior (a store this path built, or streamed, a chat session's) is resized
+    up, its state carried."""
     spec = engine.spec
     held = [0] * spec.n_layer if prior is None else [int(c.max()) for c in prior.count]
     floor = kv.sinks + kv.resolved_recent + 1        # a policy layer keeps one slot evictable (KVStore)
-    caps = [window_capacity(spec, prior, il) if spec.window[il] else max(held[il] + m, floor) for il in range(spec.n_layer)]
+    caps = [window_capacity(spec, prior, il) if spec.window[il] else max(held[il] + m, floor)
+            for il in range(spec.n_layer)]
     if prior is None:       # the policy's recent window as kv's capacity sets it, not the larger store's
         decode_kv = replace(kv.decode_config(max(max(caps), kv.capacity)), recent=kv.resolved_recent)
         return engine.adopt_store(KVStore(spec, decode_kv, layer_capacity=caps))
@@ -303,7 +305,9 @@ def window_capacity(spec, store: KVStore | None, il: int) -> int:
     """The capacity a sliding-window layer il keeps in a compressed store (it is never pressed): a ring
     of its window, unless `store` (a chat session's earlier store) holds it as a policy layer, as a
     streamed turn (compress_overflow "stream") under staged streaming with a capacity below the window
-    builds it: then that layer and capacity, so the session's layers never change kind."""
+    builds it: then that layer and capacity, since KVStore.resized keeps each layer's kind. (A ring
+    decode-time policy rebuilds its store by transplant instead: there a pressed turn's window layers
+    are rings of the window again, whatever the turn before held.)"""
     if store is not None and not store.layer_ring[il]:
         return store.layer_capacity[il]
     return spec.window[il]

@@ -287,7 +287,8 @@ def reference_compress_prefill(ref, ids, kv: KVConfig, room: int, prior: Referen
 def _reference_policy_compress(ref, ids, kv: KVConfig, prior: ReferenceCache | None):
     """reference_compress_prefill under an evicting decode-time policy: the prompt goes through a cache
     of that policy whose pressed layers have room for all of it (its state, h2o's masses and the
-    rest, built over every token), a sliding-window layer a ring of its window; the press keeps its
+    rest, built over every token), a sliding-window layer a ring of its window (or, after a prior
+    cache, as that cache holds it: compress.window_capacity); the press keeps its
     choice of each layer's new tokens with their state; each pressed layer's capacity becomes the
     most a head keeps plus the policy's budget for the layer."""
     s = ref.spec

@@ -40,7 +40,9 @@ PRESS_KV = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+# llama: two kv heads, no windows; gemma3: one kv head, sliding windows; gemma2: two kv heads, sliding
+# windows and soft-capped attention (a ragged press next to window layers)
+@pytest.fixture(scope="module", params=["llama", "gemma3", "gemma2"])
 def tiny(request, tmp_path_factory):
     pytest.importorskip("transformers")
     from tiny_checkpoints import build_tiny
