@@ -34,9 +34,8 @@ UPDATE_MODES = ("inplace", "shift")
 PRESSES = ("snapkv", "pyramidkv", "adakv", "gvote", "tova", "knorm", "streaming", "random")
 RAGGED_PRESSES = ("adakv", "gvote")
 # decode-time policies whose choice couples the kv heads of a layer (scores averaged over every head's
-# slot j: the heads must hold the same tokens), and the presses that keep one set for every head
+# slot j: the heads must hold the same tokens; a press keeps one set for every head: KVConfig.aligned_heads)
 HEAD_ALIGNED_POLICIES = ("tova", "gvote")
-ALIGNED_PRESSES = ("tova", "streaming")
 # what a compressing call does with a prompt longer than it takes (KVConfig.compress_overflow)
 COMPRESS_OVERFLOW = ("error", "stream")
 
@@ -186,10 +185,6 @@ class KVConfig:
                  f"{', '.join(PRESSES)}")
             return
         need(self.compress in PRESSES, f"compress {self.compress!r} unknown; valid: {', '.join(PRESSES)}")
-        need(self.policy not in HEAD_ALIGNED_POLICIES or self.compress in ALIGNED_PRESSES,
-             f"decode-time policy {self.policy!r} scores each token over every kv head of a layer, so the heads must "
-             f"hold the same tokens; press {self.compress!r} chooses per head: use press "
-             f"{' or '.join(map(repr, ALIGNED_PRESSES))}, or another decode-time policy")
         need(self.ring or self.capacity is not None, f"a compressed prompt decoding under policy {self.policy!r} "
              "needs a capacity (the slots the policy keeps beside the kept prompt)")
         need(self.update == "inplace", "compress needs update 'inplace'")
@@ -240,6 +235,12 @@ class KVConfig:
     @property
     def staged(self) -> bool:
         return bool(self.lazy or self.slack or self.max_drop)
+
+    @property
+    def aligned_heads(self) -> bool:
+        """Whether the decode-time policy scores each token over every kv head of a layer (tova, gvote),
+        so the heads must hold the same tokens: a press then keeps one set for every head."""
+        return self.policy in HEAD_ALIGNED_POLICIES
 
     @property
     def equal_head_counts(self) -> bool:

@@ -242,13 +242,21 @@ def gvote_keep(spec, il: int, lp: LayerPrompt, kv, wq: np.ndarray, bq: np.ndarra
 
 def choose_layer(spec, il: int, lp: LayerPrompt, kv, weights=None) -> list:
     """Per kv head the candidate indices (0..m-1, into the head's last m slots) layer il keeps,
-    ascending. weights: (wq, bq, qnorm) of layer il for gvote."""
+    ascending. weights: (wq, bq, qnorm) of layer il for gvote.
+
+    Under a decode-time policy that scores each token over every kv head (KVConfig.aligned_heads:
+    tova, gvote) every head keeps one set: a press that scores per head takes the heads' mean score
+    (adakv then keeps its per-head mean budget), gvote the tokens any head's votes keep."""
     nkv, m, press = spec.n_head_kv, lp.m, kv.compress
     everything = [np.arange(m) for _ in range(nkv)]
     if lp.windowed or m <= 1:
         return everything
     if press == "gvote":
-        return gvote_keep(spec, il, lp, kv, *weights)
+        keep = gvote_keep(spec, il, lp, kv, *weights)
+        if kv.aligned_heads:
+            union = np.unique(np.concatenate(keep))
+            return [union.copy() for _ in range(nkv)]
+        return keep
     n_kept = n_kept_of(kv, m)
     if press == "pyramidkv":
         n_kept = pyramid_budget(n_kept, m, min(kv.compress_window, m - 1), kv.pyramid_beta, il, spec.n_layer)
@@ -257,7 +265,9 @@ def choose_layer(spec, il: int, lp: LayerPrompt, kv, weights=None) -> list:
     if press in ("snapkv", "pyramidkv"):
         scores = snapkv_scores(spec, il, lp, kv)
     elif press == "adakv":
-        return adakv_keep(snapkv_scores(spec, il, lp, kv), n_kept, kv.ada_floor)
+        scores = snapkv_scores(spec, il, lp, kv)
+        if not kv.aligned_heads:
+            return adakv_keep(scores, n_kept, kv.ada_floor)
     elif press == "tova":
         scores = np.tile(tova_scores(spec, il, lp), (nkv, 1))
     elif press == "knorm":
@@ -269,6 +279,9 @@ def choose_layer(spec, il: int, lp: LayerPrompt, kv, weights=None) -> list:
         scores = random_scores(kv.seed, il, nkv, m)
     else:
         raise ValueError(press)
+    if kv.aligned_heads:
+        one = top_newest(scores.mean(axis=0), n_kept)
+        return [one.copy() for _ in range(nkv)]
     return [top_newest(scores[h], n_kept) for h in range(nkv)]
 
 

@@ -183,14 +183,29 @@ def reference_choose(ref, cache, il: int, win: _Window, kv, m: int) -> list[np.n
     if s.window[il] or m <= 1:
         return [np.arange(m) for _ in range(nkv)]
     lay = _Layer(ref, cache, il, win)
+    aligned = kv.policy in ("tova", "gvote")     # the decode-time policy needs one token set per layer
     if kv.compress == "gvote":
-        return _gvote(ref, lay, kv, m)
+        keep = _gvote(ref, lay, kv, m)
+        if aligned:                              # every token some head's votes keep
+            union = sorted(set(int(i) for kh in keep for i in kh))
+            return [np.array(union, np.int64) for _ in range(nkv)]
+        return keep
     k = _budget(kv, m)
     if kv.compress == "pyramidkv":
         k = _pyramid(k, m, min(kv.compress_window, m - 1), kv.pyramid_beta, il, s.n_layer)
     if k >= m:
         return [np.arange(m) for _ in range(nkv)]
     press = kv.compress
+    if aligned and press in ("snapkv", "pyramidkv", "adakv", "knorm", "random"):   # the heads' mean score
+        if press == "knorm":
+            per_head = [[-float(np.sqrt(np.sum(x.astype(np.float64) ** 2))) for x in lay.kpre[h][-m:]]
+                        for h in range(nkv)]
+        elif press == "random":
+            per_head = [list(row) for row in random_scores(kv.seed, il, nkv, m)]
+        else:
+            per_head = _snapkv(lay, kv, m)
+        mean = [sum(per_head[h][i] for h in range(nkv)) / nkv for i in range(m)]
+        return [np.array(_best(mean, k)) for _ in range(nkv)]
     if press in ("snapkv", "pyramidkv"):
         return [np.array(_best(sc, k)) for sc in _snapkv(lay, kv, m)]
     if press == "adakv":
