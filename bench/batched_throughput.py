@@ -1,9 +1,9 @@
 """Batched decode throughput and memory: B concurrent streams of one model in one process.
 
     python bench/batched_throughput.py [--batches 1,2,4,8] [--steps 2000] [--memory-steps 10000]
-                                       [--capacity 512] [-t THREADS] [--name batched_throughput]
+                                       [--capacity 512] [--kv-type f32] [-t THREADS] [--name batched_throughput]
 
-Each stream has its own fixed store (streaming, 4 sinks, `capacity` tokens), is prefilled with its
+Each stream has its own fixed store (streaming, 4 sinks, `capacity` tokens, K and V rows of `kv-type`), is prefilled with its
 own 128-token slice of the novel, then decodes greedily; all B advance together through
 CPUEngine.step_batch (the projections over the B rows at once). Reported per B: total and
 per-stream tokens/s over `steps` steps, the ratio to B = 1. Memory: the B = 8 run goes on for
@@ -43,10 +43,11 @@ def weight_bytes(eng) -> int:
     return sum(bufs.values()) + sum(v.nbytes for v in eng.vecs.values()) + eng.embd.data.nbytes
 
 
-def run(eng, ids, B, steps, capacity, sample_every=500):
+def run(eng, ids, B, steps, capacity, kv_type="f32", sample_every=500):
     from ringllm.runtime.kv_config import KVConfig
 
-    stores = [eng.new_store(KVConfig(capacity=capacity, policy="streaming", sinks=4)) for _ in range(B)]
+    kv = KVConfig(capacity=capacity, policy="streaming", sinks=4, k_type=kv_type, v_type=kv_type)
+    stores = [eng.new_store(kv) for _ in range(B)]
     starts = [(2000 * i) % (len(ids) - 128) for i in range(B)]
     nxt = [int(np.argmax(eng.prefill(ids[s0:s0 + 128], st))) for s0, st in zip(starts, stores)]
     rss = [(0, proc_status_mb("VmRSS"))]
@@ -73,6 +74,8 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("--name", default="batched_throughput")
     ap.add_argument("--precision", choices=("f32", "q8"), default="f32", help="CPUEngine(precision=...)")
+    ap.add_argument("--kv-type", choices=("f32", "f16", "q8_0", "q4_0"), default="f32",
+                    help="KVConfig k_type = v_type of every stream's store")
     args = ap.parse_args()
     from ringllm.models.bundled import default_model_path
     from ringllm.models.loader import load_model
@@ -82,22 +85,23 @@ def main():
     model = load_model(path)
     eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads, precision=args.precision)
     ids = model.tokenizer.encode(open(DATA, encoding="utf-8").read()[:80000])
-    run(eng, ids, 2, 4, 16)                                   # compile every kernel before timing
-    rows = [run(eng, ids, int(b), args.steps, args.capacity) for b in args.batches.split(",")]
+    run(eng, ids, 2, 4, 16, args.kv_type)                     # compile every kernel before timing
+    rows = [run(eng, ids, int(b), args.steps, args.capacity, args.kv_type) for b in args.batches.split(",")]
     for r in rows:
         r["ratio_to_b1"] = r["total_tok_s"] / rows[0]["total_tok_s"]
         print(f"B={r['B']}: {r['total_tok_s']:.1f} tok/s total, {r['per_stream_tok_s']:.1f} per stream", flush=True)
-    mem = run(eng, ids, 8, args.memory_steps, args.capacity) if args.memory_steps else None
+    mem = run(eng, ids, 8, args.memory_steps, args.capacity, args.kv_type) if args.memory_steps else None
     weights_mb = os.path.getsize(path) / 2 ** 20
     engine_mb = weight_bytes(eng) / 2 ** 20
     res = {"machine": machine(), "threads": args.threads, "capacity": args.capacity, "model": os.path.basename(path),
-           "precision": args.precision,
+           "precision": args.precision, "kv_type": args.kv_type,
            "weights_file_mb": weights_mb, "engine_weights_mb": engine_mb, "rows": rows, "memory_run": mem, "peak_rss_mb": proc_status_mb("VmHWM")}
     md = [f"# Batched decode: B concurrent streams of {res['model']}, capacity {args.capacity} each, "
-          f"precision {args.precision}\n",
+          f"precision {args.precision}, KV {args.kv_type}\n",
           f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, {args.threads} threads. Command: "
           f"`python bench/batched_throughput.py --batches {args.batches} --steps {args.steps} --memory-steps "
-          f"{args.memory_steps} --capacity {args.capacity} --precision {args.precision} --name {args.name}`.\n",
+          f"{args.memory_steps} --capacity {args.capacity} --precision {args.precision} --kv-type {args.kv_type} "
+          f"--name {args.name}`.\n",
           "| B | total tok/s | per stream tok/s | vs B=1 | KV per stream MB |", "|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['B']} | {r['total_tok_s']:.1f} | {r['per_stream_tok_s']:.1f} | {r['ratio_to_b1']:.2f}x | "
