@@ -350,10 +350,12 @@ def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, r
                           f"(prefill_whole with decode_kv), not {transient.policy!r}")
     if kv.compress_window < cap.end - cap.first:      # a capture wider than this press's window
         cap = cap.narrowed(kv.compress_window)
-    keep, kept_total, candidates = [], 0, 0
+    keep, kept_total, chosen_total, candidates = [], 0, 0, 0
     for il in range(spec.n_layer):
         lp = prompts[il] if prompts is not None else layer_prompt(transient, il, cap, m)
         chosen = choose_layer(spec, il, lp, kv, query_weights(engine, il) if kv.compress == "gvote" else None)
+        if not lp.windowed:
+            chosen_total += sum(c.size for c in chosen)
         if kv.equal_head_counts and not lp.windowed:      # a ragged press under a per-head evicting policy
             chosen = equal_counts(chosen, m)
         row = []
@@ -377,6 +379,9 @@ def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, r
         caps = policy_capacities(work, kv, most)
         decode = engine.adopt_store(work.resized(caps, capacity=max(caps + [kv.capacity])))
         decode.released = decode.n_seen - max(int(c.max()) for c in decode.count)
+    # kept_share: the share of the prompt's tokens held per pressed head; chosen_share: the press's own
+    # choice (below kept_share where equal_counts topped ragged heads up)
     decode.press_stats = {"press": kv.compress, "prompt_tokens": int(m),
-                          "kept_share": kept_total / candidates if candidates else 1.0}
+                          "kept_share": kept_total / candidates if candidates else 1.0,
+                          "chosen_share": chosen_total / candidates if candidates else 1.0}
     return decode

@@ -180,6 +180,8 @@ def test_ragged_press_under_a_per_head_policy_matches_reference(tiny, policy, pr
     alone, _ = compress_prefill(eng, ids, KVConfig(policy="full", compress=press, compress_window=8, **budget), room=0)
     if store.spec.n_head_kv > 1:            # (one kv head, Gemma 3's: nothing to top up)
         assert any(len(set(alone.count[il].tolist())) > 1 for il in pressed), "the press alone leaves ragged heads"
+        stats = store.press_stats
+        assert stats["chosen_share"] == alone.press_stats["kept_share"] < stats["kept_share"], stats
 
 
 @pytest.mark.parametrize("policy, press", [("tova", "snapkv"), ("tova", "adakv"), ("gvote", "knorm"),
