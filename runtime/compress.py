@@ -356,8 +356,8 @@ def press_store(engine, transient: KVStore, cap: PrefillCapture, kv: KVConfig, r
         chosen = choose_layer(spec, il, lp, kv, query_weights(engine, il) if kv.compress == "gvote" else None)
         if not lp.windowed:
             chosen_total += sum(c.size for c in chosen)
-        if kv.equal_head_counts and not lp.windowed:      # a ragged press under a per-head evicting policy
-            chosen = equal_counts(chosen, m)
+            if kv.equal_head_counts:      # a ragged press under a per-head evicting policy
+                chosen = equal_counts(chosen, m)
         row = []
         for h in range(spec.n_head_kv):
             slots = held_slots(transient, il, h)

@@ -28,11 +28,8 @@ POLICIES = ("full", "streaming", "h2o", "scissorhands", "tova", "knorm", "lsh", 
             "adakv", "gvote", "rkv")
 POSITION_MODES = ("reindexed", "original")
 UPDATE_MODES = ("inplace", "shift")
-# prompt compression after prefill (runtime/press.py): the presses, and those that keep different
-# numbers of tokens per kv head (under a decode-time policy that evicts the same number from every
-# head, KVConfig.equal_head_counts, their heads are topped up to the layer's fullest: press.equal_counts)
+# prompt compression after prefill (runtime/press.py)
 PRESSES = ("snapkv", "pyramidkv", "adakv", "gvote", "tova", "knorm", "streaming", "random")
-RAGGED_PRESSES = ("adakv", "gvote")
 # decode-time policies whose choice couples the kv heads of a layer (scores averaged over every head's
 # slot j: the heads must hold the same tokens; a press keeps one set for every head: KVConfig.aligned_heads)
 HEAD_ALIGNED_POLICIES = ("tova", "gvote")
@@ -245,7 +242,7 @@ class KVConfig:
     @property
     def equal_head_counts(self) -> bool:
         """Whether the decode-time policy evicts the same number of tokens from every kv head of a layer
-        (every evicting policy but adakv): a ragged press (RAGGED_PRESSES) must then leave the heads of
+        (every evicting policy but adakv): a ragged press (adakv, gvote) must then leave the heads of
         a layer equally full."""
         return not self.ring and self.policy != "adakv"
 

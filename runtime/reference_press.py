@@ -183,7 +183,7 @@ def reference_choose(ref, cache, il: int, win: _Window, kv, m: int) -> list[np.n
     if s.window[il] or m <= 1:
         return [np.arange(m) for _ in range(nkv)]
     lay = _Layer(ref, cache, il, win)
-    aligned = kv.policy in ("tova", "gvote")     # the decode-time policy needs one token set per layer
+    aligned = kv.aligned_heads               # the decode-time policy needs one token set per layer
     if kv.compress == "gvote":
         keep = _gvote(ref, lay, kv, m)
         if aligned:                              # every token some head's votes keep

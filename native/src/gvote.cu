@@ -12,6 +12,7 @@
 // descending weight, ties to the lower slot, for the nucleus).
 #include "common.cuh"
 #include "policy_math.cuh"
+#include "reduce.cuh"
 #include "rope.cuh"
 
 #include <limits.h>
@@ -42,18 +43,6 @@ __device__ __forceinline__ float2 gv_cs(int64_t p, int i, int half, double scale
     double s, c;
     sincos(__dmul_rn(__dmul_rn((double)p, 1.0 / scale), inv_freq[i]), &s, &c);
     return make_float2((float)c, (float)s);
-}
-
-__device__ double block_max(double x, double *red) {
-    red[threadIdx.x] = x;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) red[threadIdx.x] = fmax(red[threadIdx.x], red[threadIdx.x + stride]);
-        __syncthreads();
-    }
-    const double r = red[0];
-    __syncthreads();
-    return r;
 }
 
 // (weight, slot) pairs sw, si of n2 entries (a power of two) sorted by descending weight, ties to the

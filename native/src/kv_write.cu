@@ -6,6 +6,7 @@
 // kernels that touch K / V rows are templates on the store's element types (KT, VT: kv_rows.cuh).
 #include "common.cuh"
 #include "policy_math.cuh"
+#include "reduce.cuh"
 
 #include <float.h>
 #include <math.h>
@@ -51,20 +52,6 @@ __device__ __forceinline__ int64_t unit_fixed(float x, double inv) {
 __device__ __forceinline__ double grid_log(double x) { return floor(4096.0 * log2(x + 1e-30) + 0.5); }
 __device__ __forceinline__ double grid_abs(double x) { return floor(x * 4096.0 + 0.5); }
 
-// Block-wide max of one double per thread (red: blockDim.x doubles of shared memory); every thread
-// gets the result.
-__device__ double block_max_f64(double x, double *red) {
-    red[threadIdx.x] = x;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) red[threadIdx.x] = fmax(red[threadIdx.x], red[threadIdx.x + stride]);
-        __syncthreads();
-    }
-    const double r = red[0];
-    __syncthreads();
-    return r;
-}
-
 // The window policies' scores of head h (n held slots; runtime/policies/snapkv.py pooled_keys): its
 // scratch row work (2P) gets the window totals by rank, work[r] = tot x 2^-48 of the slot of rank r,
 // then work[P + r] = their max over the ranks within pool / 2 of r (clipped to [0, n)). Max is exact:
@@ -91,7 +78,7 @@ __device__ void pool_by_rank(const LayerStore &L, int h, int n, int pool) {
 // rkv's victim keys of head h into work[j] (runtime/policies/rkv.py rkv_keys), on the grid: lambda I_j -
 // (1 - lambda) R_j, I_j = window total / the head's largest, R_j = ((k_j . S) / |k_j| - 1) / (n - 1),
 // S the sum of the held unit keys (ksum x 2^-40), 1/|k_j| in score[j]. s: hd doubles of shared memory,
-// red: blockDim.x doubles. Called by the whole block.
+// red: 32 doubles. Called by the whole block.
 template <int KT>
 __device__ void rkv_keys(const LayerStore &L, int h, int n, int hd, double lam, const uint8_t *K, int64_t krb,
                          double *s, double *red) {
@@ -99,7 +86,7 @@ __device__ void rkv_keys(const LayerStore &L, int h, int n, int hd, double lam, 
     const int64_t *tot = reinterpret_cast<const int64_t *>(L.aux) + h * P;
     double top = 0.0;
     for (int j = threadIdx.x; j < n; j += blockDim.x) top = fmax(top, (double)tot[j]);
-    top = block_max_f64(top, red);
+    top = block_max(top, red);
     top = top > 0.0 ? 1.0 / top : 0.0;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) s[d] = (double)L.ksum[(int64_t)h * hd + d] / KEY_SUM_FIXED;
     __syncthreads();
@@ -308,8 +295,10 @@ kv_write_kernel(LayerStore L, StorePolicy pol, const float *k_new, const float *
     const int held = n + 1, w = pol.window;
     const bool given = pol.policy == RL_POLICY_ADAKV;
     int n_drop = given ? L.drops[h] : held - keep_after(held, L.C, pol.lazy, pol.slack, pol.max_drop);
-    __syncthreads();
-    if (given && tid == 0) L.drops[h] = 0;   // consumed: a write without a new choice evicts nothing
+    if (given) {   // consumed (every thread has read it): a write without a new choice evicts nothing
+        __syncthreads();
+        if (tid == 0) L.drops[h] = 0;
+    }
     const int h0 = h / kv_per_seq * kv_per_seq;   // the sequence's first kv head
     if (pol.policy == RL_POLICY_GVOTE && n_drop > 0) {   // the budget may drop more than the capacity asks
         const int budget = L.drops[h0], floor = L.sinks + pol.recent;
