@@ -13,7 +13,10 @@ compilation or cache loading and the prompt all count:
 
 Runs alternate (cold, warm, warmup + after, llama.cpp) within each repeat; medians are reported.
 
-    python bench/startup.py [--repeats 3] [--threads 2] [--models smollm2,gemma3]
+    python bench/startup.py [--repeats 3] [--threads 2] [--models smollm2,gemma3,qwen3-1.7b]
+
+Synthetic shapes (bench/synthetic_gguf.py: random weights, Q4_K_M, the real model's shapes and
+vocabulary size) time what a 1-2B model's start costs: parsing, tokenizer, repacking a gigabyte.
 
 Writes bench/results/startup.{json,md}.
 """
@@ -42,15 +45,22 @@ llm(sys.argv[3], max_tokens=1, temperature=0.0)
 
 
 def _model_paths(names: list[str]) -> dict[str, str]:
+    """smollm2, gemma3: the bundled models; a bench/synthetic_gguf.py shape (llama-3.2-1b, qwen3-1.7b): its
+    random-weight Q4_K_M file in the real model's shapes, written on first use."""
     from ringllm.models.bundled import default_model_path, gemma3_model_path
+    from synthetic_gguf import SHAPES, synthetic_path
     found = {"smollm2": default_model_path, "gemma3": gemma3_model_path}
-    return {name: found[name]() for name in names}
+    unknown = [n for n in names if n not in found and n not in SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}; valid: {sorted(found) + sorted(SHAPES)}")
+    return {name: found[name]() if name in found else synthetic_path(name) for name in names}
 
 
 def _timed(cmd: list[str], cache_dir: str | None = None) -> tuple[float, str]:
     """Wall seconds of `cmd` as a fresh process (its stderr for the log); raises when it fails."""
     env = dict(os.environ)
     env.pop("RINGLLM_NUMBA_CACHE_BASE", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)      # Python's default, as a user's runs: modules load from bytecode
     if cache_dir is not None:
         env["NUMBA_CACHE_DIR"] = cache_dir
     t0 = time.perf_counter()
@@ -88,7 +98,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--models", default="smollm2,gemma3",
+                    help="comma-separated: smollm2, gemma3, or a synthetic shape (llama-3.2-1b, qwen3-1.7b)")
     args = ap.parse_args()
     paths = _model_paths(args.models.split(","))
     runs = {name: [] for name in paths}

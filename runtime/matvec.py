@@ -47,8 +47,8 @@ from ringllm.runtime.act_quant import ActQ8
 from ringllm.runtime.errors import ConfigError, UnsupportedModelError
 from ringllm.runtime.gemm import MATMUL_TILES, UNPACK_TILES
 from ringllm.runtime.matvec_kernels import KERNELS, PAR_MIN_WEIGHTS, ROWS_KERNELS, x_scales
-from ringllm.runtime.packing import pack_records
-from ringllm.runtime.packing_q8 import Q8_OWN_LAYOUT, pack_records_q8, q8_tile_rows
+from ringllm.runtime.packing_kernels import pack_records_fast, pack_records_q8_fast
+from ringllm.runtime.packing_q8 import Q8_OWN_LAYOUT, q8_tile_rows
 from ringllm.runtime.quant_tiles_q8 import q8_kernels
 from ringllm.runtime.reference_q8 import Q8_TYPES
 from ringllm.runtime.qtensor import QTensor
@@ -184,8 +184,8 @@ def pack(t, precision: str = "f32") -> PackedMatrix:
     n_rows = sum(d.shape[0] for d in datas)
     name = "+".join(p.name for p in parts)
     if precision == "q8" and qtype in Q8_TYPES:
-        return PackedMatrix(qtype, n_rows, n_cols, pack_records_q8(qtype, data, n_rows, n_cols), name, "q8")
-    return PackedMatrix(qtype, n_rows, n_cols, pack_records(qtype, data, n_rows, n_cols), name)
+        return PackedMatrix(qtype, n_rows, n_cols, pack_records_q8_fast(qtype, data, n_rows, n_cols), name, "q8")
+    return PackedMatrix(qtype, n_rows, n_cols, pack_records_fast(qtype, data, n_rows, n_cols), name)
 
 
 # ==================================================================================================

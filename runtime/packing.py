@@ -32,8 +32,8 @@ from ringllm.runtime.host_memory import release_array_pages
 from ringllm.runtime.quant_tiles import GROUP, tile_rows
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
 
-__all__ = ["SlabAllocator", "pack_records", "pack_in_chunks", "to_lanes", "build_records", "q6k_values",
-           "PACK_CHUNK_BYTES"]
+__all__ = ["SlabAllocator", "pack_records", "pack_in_chunks", "to_lanes", "build_records", "records_buffer",
+           "q6k_values", "PACK_CHUNK_BYTES"]
 
 
 # ==================================================================================================
@@ -169,12 +169,18 @@ def to_lanes(a: np.ndarray, n_tiles: int, groups: int, inner_first: int = 0) -> 
     return np.ascontiguousarray(a.transpose(order))
 
 
+def records_buffer(nbytes: int, alloc=None) -> np.ndarray:
+    """A uint8 (nbytes,) buffer for packed records: alloc(nbytes), or (alloc None) from the process's slab
+    allocator (zeroed)."""
+    return (alloc or _slabs.alloc)(nbytes)
+
+
 def build_records(n_tiles: int, nb: int, *parts: np.ndarray, alloc=None) -> np.ndarray:
-    """Concatenate per-(tile, block) parts, each (n_tiles, nb, ...), as bytes into one aligned buffer.
-    alloc(nbytes) -> uint8 (nbytes,) gives the buffer (None: the process's slab allocator)."""
+    """Concatenate per-(tile, block) parts, each (n_tiles, nb, ...), as bytes into one aligned buffer
+    (records_buffer(nbytes, alloc))."""
     views = [np.ascontiguousarray(p).view(np.uint8).reshape(n_tiles, nb, -1) for p in parts]
     size = sum(v.shape[-1] for v in views)
-    buf = (alloc or _slabs.alloc)(n_tiles * nb * size)
+    buf = records_buffer(n_tiles * nb * size, alloc)
     dst = buf.reshape(n_tiles, nb, size)
     o = 0
     for v in views:

@@ -1,4 +1,5 @@
-"""Packing for the q8 mode (NumPy, once at load): the record layouts of quant_tiles_q8.py.
+"""Packing for the q8 mode (NumPy, once at load; the oracle of packing_kernels.pack_records_q8_fast, which
+loading uses): the record layouts of quant_tiles_q8.py.
 
 The 4-bit types (Q4_0, Q4_1, Q4_K) keep the layout of the exact mode (packing.pack_records): their
 nibble dwords already split into bytes with one mask (low nibbles: columns 8s + 0, 2, 4, 6; high:
