@@ -1,16 +1,20 @@
 """The attention step's arithmetic eight keys at a time, with explicit 8-lane vectors (simd.py), for
 head_dim a multiple of 8: the inner loops of stored_attention's units.
 
-    rows8(arr, h, j, tile) -> (rows, base)
+    head_rows(arr, h, tile) -> rows;  rows8_at(arr, h, j, tile) -> base
         rows j .. j + 7 of head h of a store array as float32 values: rows[base + r * hd + d] is
-        value d of row j + r. f32 stores are read in place (rows is head h's rows, flat); the other
-        types are decoded into tile (8 hd,) f32 by kv_codec's row decoders and base is 0.
+        value d of row j + r. f32 stores are read in place (rows is head h's rows, flat, taken once
+        per span); the other types are decoded into tile (8 hd,) f32 by kv_codec's row decoders
+        (rows is tile, base 0).
     dot8(scores_row, j, qg, rows, base, hd)
         scores_row[j + r] = qg[:hd] . row r, r < 8
     axpy8(o, w_row, j, rows, base, hd)
         o[:hd] += w_row[j + r] * row r for r = 0 .. 7, in that order
-    prefetch_rows(arr, h, j, n)
-        hint the cache lines of rows j .. j + n - 1 of head h (a store array of any type)
+    dot8x2, axpy8x2
+        the same for two query heads of a GQA group at once: each row chunk loaded once for both,
+        every sum in the same order (the same bits as two single calls)
+    prefetch_rows(flat, width, j, n)
+        hint the cache lines of rows j .. j + n - 1 of one head (flat: arr[h].reshape(-1), any type)
 
 Why eight: a key's score is a sum over head_dim. One key at a time, each score ends in a horizontal
 reduction of an 8-lane vector (a chain of shuffles and adds) plus the loop and index bookkeeping
@@ -35,28 +39,48 @@ from ringllm.runtime.simd import prefetch, vbcast, vfma, vload, vstore, vsum8x8,
 PREFETCH_AHEAD = 32          # keys between the rows hinted and the rows read
 
 
-def rows8(arr, h, j, tile):
-    """(rows, base): rows j .. j + 7 of head h as float32 (module docstring)."""
+def head_rows(arr, h, tile):
+    """The float32 buffer rows8_at's offsets index: head h's rows themselves, flat, for an f32 store
+    array (read in place); else tile, which rows8_at decodes into. Taken once per span of slots:
+    a reshape per eight rows cost a quarter of the score loop's time."""
+    return arr[h].reshape(-1) if arr.dtype == np.float32 else tile
+
+
+def rows8_at(arr, h, j, tile):
+    """Offset into head_rows(arr, h, tile) of rows j .. j + 7 of head h as float32 values: j hd for f32
+    (nothing done), else 0 after decoding the eight rows into tile (kv_codec's row decoders)."""
     hd = tile.shape[0] // 8
     if arr.dtype == np.float32:
-        return arr[h].reshape(-1), j * hd
+        return j * hd
     for r in range(8):
         tile[r * hd:(r + 1) * hd] = decode(arr[h, j + r], hd)
-    return tile, 0
+    return 0
 
 
-@overload(rows8, inline="always")
-def _ov_rows8(arr, h, j, tile):
+@overload(head_rows, inline="always")
+def _ov_head_rows(arr, h, tile):
+    if arr.dtype == types.float32:
+        def impl_f32(arr, h, tile):
+            return arr[h].reshape(-1)
+        return impl_f32
+
+    def impl(arr, h, tile):
+        return tile
+    return impl
+
+
+@overload(rows8_at, inline="always")
+def _ov_rows8_at(arr, h, j, tile):
     if arr.dtype == types.float32:
         def impl_f32(arr, h, j, tile):
-            return arr[h].reshape(-1), j * arr.shape[2]
+            return j * arr.shape[2]
         return impl_f32
 
     def impl(arr, h, j, tile):
         hd = tile.shape[0] // 8
         for r in range(8):
             decode_row(tile[r * hd:(r + 1) * hd], arr[h, j + r])
-        return tile, 0
+        return 0
     return impl
 
 
@@ -78,6 +102,34 @@ def dot8(scores_row, j, qg, rows, base, hd):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def dot8x2(sa, sb, j, qa, qb, rows, base, hd):
+    """dot8 for two query heads at once (sa[j + r] = qa . row r, sb[j + r] = qb . row r): each row
+    chunk is loaded once for both; every score is summed exactly as dot8 sums it (the same bits)."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vzero()
+    for d in range(0, hd, 8):
+        qd, qe = vload(qa, d), vload(qb, d)
+        r = vload(rows, base + d)
+        a0, b0 = vfma(qd, r, a0), vfma(qe, r, b0)
+        r = vload(rows, base + hd + d)
+        a1, b1 = vfma(qd, r, a1), vfma(qe, r, b1)
+        r = vload(rows, base + 2 * hd + d)
+        a2, b2 = vfma(qd, r, a2), vfma(qe, r, b2)
+        r = vload(rows, base + 3 * hd + d)
+        a3, b3 = vfma(qd, r, a3), vfma(qe, r, b3)
+        r = vload(rows, base + 4 * hd + d)
+        a4, b4 = vfma(qd, r, a4), vfma(qe, r, b4)
+        r = vload(rows, base + 5 * hd + d)
+        a5, b5 = vfma(qd, r, a5), vfma(qe, r, b5)
+        r = vload(rows, base + 6 * hd + d)
+        a6, b6 = vfma(qd, r, a6), vfma(qe, r, b6)
+        r = vload(rows, base + 7 * hd + d)
+        a7, b7 = vfma(qd, r, a7), vfma(qe, r, b7)
+    vstore(sa, j, vsum8x8(a0, a1, a2, a3, a4, a5, a6, a7))
+    vstore(sb, j, vsum8x8(b0, b1, b2, b3, b4, b5, b6, b7))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def axpy8(o, w_row, j, rows, base, hd):
     """o[:hd] += w_row[j + r] * rows[base + r hd : base + (r + 1) hd] for r = 0 .. 7 (hd % 8 == 0)."""
     w0, w1, w2, w3 = vbcast(w_row, j), vbcast(w_row, j + 1), vbcast(w_row, j + 2), vbcast(w_row, j + 3)
@@ -94,10 +146,38 @@ def axpy8(o, w_row, j, rows, base, hd):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def prefetch_rows(arr, h, j, n):
-    """Hint the cache lines of rows j .. j + n - 1 of head h of a store array (n_kv, P, width), any
-    dtype; the caller keeps j + n <= P (a hint never faults, but the address must be computed)."""
-    flat = arr[h].reshape(-1)
-    step = 64 // arr.itemsize
-    for c in range(j * arr.shape[2], (j + n) * arr.shape[2], step):
+def axpy8x2(oa, ob, wa, wb, j, rows, base, hd):
+    """axpy8 for two query heads at once (oa += wa[j + r] row r, ob += wb[j + r] row r): each row chunk
+    is loaded once for both; every output is summed exactly as axpy8 sums it (the same bits)."""
+    a0, a1, a2, a3 = vbcast(wa, j), vbcast(wa, j + 1), vbcast(wa, j + 2), vbcast(wa, j + 3)
+    a4, a5, a6, a7 = vbcast(wa, j + 4), vbcast(wa, j + 5), vbcast(wa, j + 6), vbcast(wa, j + 7)
+    b0, b1, b2, b3 = vbcast(wb, j), vbcast(wb, j + 1), vbcast(wb, j + 2), vbcast(wb, j + 3)
+    b4, b5, b6, b7 = vbcast(wb, j + 4), vbcast(wb, j + 5), vbcast(wb, j + 6), vbcast(wb, j + 7)
+    for d in range(0, hd, 8):
+        r = vload(rows, base + d)
+        acc, bcc = vfma(a0, r, vload(oa, d)), vfma(b0, r, vload(ob, d))
+        r = vload(rows, base + hd + d)
+        acc, bcc = vfma(a1, r, acc), vfma(b1, r, bcc)
+        r = vload(rows, base + 2 * hd + d)
+        acc, bcc = vfma(a2, r, acc), vfma(b2, r, bcc)
+        r = vload(rows, base + 3 * hd + d)
+        acc, bcc = vfma(a3, r, acc), vfma(b3, r, bcc)
+        r = vload(rows, base + 4 * hd + d)
+        acc, bcc = vfma(a4, r, acc), vfma(b4, r, bcc)
+        r = vload(rows, base + 5 * hd + d)
+        acc, bcc = vfma(a5, r, acc), vfma(b5, r, bcc)
+        r = vload(rows, base + 6 * hd + d)
+        acc, bcc = vfma(a6, r, acc), vfma(b6, r, bcc)
+        r = vload(rows, base + 7 * hd + d)
+        vstore(oa, d, vfma(a7, r, acc))
+        vstore(ob, d, vfma(b7, r, bcc))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_rows(flat, width, j, n):
+    """Hint the cache lines of rows j .. j + n - 1 of one head of a store array, flat = arr[h].reshape(-1)
+    (any dtype, rows of `width` elements); the caller keeps j + n within the head (a hint never
+    faults, but the address must be computed)."""
+    step = 64 // flat.itemsize
+    for c in range(j * width, (j + n) * width, step):
         prefetch(flat, c)

@@ -25,7 +25,7 @@ Work scratch (stored_work): (3, n_units, max(n_head, 12), hd) f32, three row blo
 
     work[0, u, h0 + g]    query head h0 + g rotated at the unit's current offset, times scale
     work[1, u, h0 + g]    the unit's weighted value sum o for query head h0 + g
-    work[2, u, 0:8]       eight rows of a quantized store, decoded (kv_tile_math.rows8)
+    work[2, u, 0:8]       eight rows of a quantized store, decoded (kv_tile_math.rows8_at)
     work[2, u, 8]         cos (first rotary_dim/2) and sin (next rotary_dim/2) of the offset of its
                           first slot (later units with that offset copy them)
     work[2, u, 9]         m (first group entries) and l (next group entries)
@@ -44,7 +44,8 @@ from numba import njit, prange
 from ringllm.runtime.attention import cap_scores, exp_shifted, scale_group
 from ringllm.runtime.fast_exp import exp_f32
 from ringllm.runtime.kv_row_math import accumulate_row, group_scores_row
-from ringllm.runtime.kv_tile_math import PREFETCH_AHEAD, axpy8, dot8, prefetch_rows, rows8
+from ringllm.runtime.kv_tile_math import (PREFETCH_AHEAD, axpy8, axpy8x2, dot8, dot8x2, head_rows, prefetch_rows,
+                                          rows8_at)
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
@@ -75,17 +76,23 @@ def _rotate_group(qw, ang, q, h0, group, rotary_dim, scale):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc):
-    """scores[h0 + g, ja:jb] = qw[h0 + g] . key j (any KV type): eight keys at a time (kv_tile_math),
-    the rest one by one (kv_row_math); the keys PREFETCH_AHEAD slots on are hinted."""
+    """scores[h0 + g, ja:jb] = qw[h0 + g] . key j (any KV type): eight keys at a time (kv_tile_math), two
+    query heads per pass over them, the rest one by one (kv_row_math); the keys PREFETCH_AHEAD slots on
+    are hinted."""
     hd = qw.shape[1]
     tile = misc[:8].reshape(-1)
     j = ja
     if hd % 8 == 0:
+        rows, flat, width = head_rows(k_l, h, tile), k_l[h].reshape(-1), k_l.shape[2]
         while j + 8 <= jb:
             if j + PREFETCH_AHEAD + 8 <= jb:
-                prefetch_rows(k_l, h, j + PREFETCH_AHEAD, 8)
-            rows, base = rows8(k_l, h, j, tile)
-            for g in range(group):
+                prefetch_rows(flat, width, j + PREFETCH_AHEAD, 8)
+            base = rows8_at(k_l, h, j, tile)
+            g = 0
+            while g + 2 <= group:
+                dot8x2(scores[h0 + g], scores[h0 + g + 1], j, qw[h0 + g], qw[h0 + g + 1], rows, base, hd)
+                g += 2
+            if g < group:
                 dot8(scores[h0 + g], j, qw[h0 + g], rows, base, hd)
             j += 8
     while j < jb:
@@ -96,7 +103,7 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc):
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc):
     """ow[h0 + g] = sum over j in [j0, j1) of scores[h0 + g, j] * value j (any KV type), eight rows at
-    a time (kv_tile_math), the rest one by one (kv_row_math)."""
+    a time (kv_tile_math), two query heads per pass over them, the rest one by one (kv_row_math)."""
     hd = ow.shape[1]
     for g in range(group):
         o = ow[h0 + g]
@@ -105,11 +112,16 @@ def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc):
     tile = misc[:8].reshape(-1)
     j = j0
     if hd % 8 == 0:
+        rows, flat, width = head_rows(v_l, h, tile), v_l[h].reshape(-1), v_l.shape[2]
         while j + 8 <= j1:
             if j + PREFETCH_AHEAD + 8 <= j1:
-                prefetch_rows(v_l, h, j + PREFETCH_AHEAD, 8)
-            rows, base = rows8(v_l, h, j, tile)
-            for g in range(group):
+                prefetch_rows(flat, width, j + PREFETCH_AHEAD, 8)
+            base = rows8_at(v_l, h, j, tile)
+            g = 0
+            while g + 2 <= group:
+                axpy8x2(ow[h0 + g], ow[h0 + g + 1], scores[h0 + g], scores[h0 + g + 1], j, rows, base, hd)
+                g += 2
+            if g < group:
                 axpy8(ow[h0 + g], scores[h0 + g], j, rows, base, hd)
             j += 8
     while j < j1:
