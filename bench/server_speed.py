@@ -9,7 +9,9 @@ equal work). Per client count, streamed and not: total generated tokens/s over t
 the whole round (first request sent to last answer received), the slowest request against the
 median, and time to first token (streamed). In-process: the same model, `LLM.generate` with the
 same request in this process, one call before each server round (never at the same time as one),
-timed the same way (tokens over the call's wall time). Mean batch: the server's engine steps in the
+timed the same way (tokens over the call's wall time). Each client count first runs one round that
+is not counted: the server's first batch of that size loads kernels from the cache (or compiles
+them) and would otherwise land in the first measured round. Mean batch: the server's engine steps in the
 round, sequences per step (its /metrics histogram ringllm_batch_size, read before and after).
 Writes bench/results/server_speed.{json,md}.
 """
@@ -110,6 +112,7 @@ def main() -> int:
     with bench_server(serve_args, args.model, args.threads) as url:
         request(url, "warm up", 8, False)
         for n in [int(c) for c in args.clients.split(",")]:
+            round_of(url, n, args.tokens, False)    # not counted: the first batch of n (kernel loads, first uses)
             for stream in (False, True):
                 rounds = []
                 for i in range(args.repeats):      # in-process and server rounds alternate: same machine state

@@ -108,8 +108,8 @@ def warm_weight_type(qtype: GGMLType) -> None:
 
 # Cold-compile seconds per unit on a 2-core x86-64 (bench/results/startup_profile.md): the kernels every
 # model runs (attention, RoPE, norms, the store's write, embedding rows), each weight type's decode
-# matvec, each weight family's prefill matmul, and a policy's compiled layer step.
-_COMPILE_S = {"shared": 4.0, "matvec": 1.5, "matmul": 4.5, "policy_step": 40.0}
+# matvec and repacking kernel, each weight family's prefill matmul, and a policy's compiled layer step.
+_COMPILE_S = {"shared": 4.0, "matvec": 1.8, "matmul": 4.5, "policy_step": 40.0}
 
 
 def estimate_compile_seconds(qtypes, kv: KVConfig) -> float:
