@@ -41,8 +41,8 @@ PREFETCH_AHEAD = 32          # keys between the rows hinted and the rows read
 
 def head_rows(arr, h, tile):
     """The float32 buffer rows8_at's offsets index: head h's rows themselves, flat, for an f32 store
-    array (read in place); else tile, which rows8_at decodes into. Taken once per span of slots:
-    a reshape per eight rows cost a quarter of the score loop's time."""
+    array (read in place); else tile, which rows8_at decodes into. Taken once per span of slots, not
+    per eight rows: a reshape builds a new array header each time, inside the hottest loop."""
     return arr[h].reshape(-1) if arr.dtype == np.float32 else tile
 
 

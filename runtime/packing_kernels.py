@@ -1,11 +1,12 @@
 """Packing in Numba: file blocks -> the per-tile records of quant_tiles.py, for the common weight types.
 
 packing.py lays the records out with NumPy (the oracle: whole-array field extraction, lanes moved
-by transposes). That costs several passes over temporaries a few times the size of the rows, about
-0.1-0.6 GB/s, so a 1-2 GB model spent seconds of every start repacking. The kernels here write each
-record byte once, straight from the file's blocks, for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and
-Q6_K (every type of the Q4_K_M / Q5_K_M / Q8_0 / Q4_0 files people download); the other types
-keep the NumPy packing. tests/test_packing_kernels.py checks every byte against packing.py.
+by transposes), several passes over temporaries a few times the size of the rows, which made
+repacking the bulk of loading a large model. The kernels here write each record byte once, straight
+from the file's blocks, for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (every type of the
+Q4_K_M / Q5_K_M / Q8_0 / Q4_0 files people download) and for the q8 mode's own layouts
+(packing_q8.py); the other types keep the NumPy packing. tests/test_packing_kernels.py checks every
+byte against the NumPy packing.
 
 Record layout (packing.to_lanes / build_records): a tile holds 8 G rows (G groups of 8 lanes); per
 (tile, block column) a record concatenates parts, each a per-row field array of shape (A, B) (A
@@ -16,8 +17,9 @@ elements. Element (a, b) of the row in group g, lane l sits at byte
 
 Rows past the matrix's end (the last tile's padding) are zeros.
 
-Entry: pack_records_fast(qtype, data, n_rows, n_cols), the same contract and bytes as
-packing.pack_records, chunked the same way (packing.pack_in_chunks: file pages released as packed).
+Entries: pack_records_fast(qtype, data, n_rows, n_cols) and pack_records_q8_fast, the same contracts
+and bytes as packing.pack_records and packing_q8.pack_records_q8, chunked the same way
+(packing.pack_in_chunks: file pages released as packed).
 """
 from __future__ import annotations
 
