@@ -27,7 +27,8 @@ from ringllm.runtime.quant_tiles import (IQ4_LUT, QK, QK_K, REC_F16, REC_F32, RE
                                          REC_Q3_K, REC_Q4_0, REC_Q4_1, REC_Q4_K, REC_Q5_0, REC_Q5_1, REC_Q5_K,
                                          REC_Q6_K, REC_Q8_0)
 from ringllm.runtime.simd import (andf, iand, isrl, ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, ld_u8i, lut16,
-                                  srlf, vadd, vbcast, vfma, vload, vmul, vsplat, vstore, vsub, vzero)
+                                  srlf, vadd, vbcast, vfma, vload, vmul, vsplat, vstore, vsub, vzero, zbcast, zfma,
+                                  zload, zstore, zzero)
 
 __all__ = ["UNPACK_TILES", "MATMUL_TILES"]
 
@@ -349,64 +350,84 @@ def _gemm_1g(X, w, ld, go, t0, nt, tmp):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_3g4(X, w, t0, tmp):
-    """tmp[j, 0:24] = X[t0 + j] @ wt[:, 0:24] for j < 4 (w = wt flat, row stride 24): one pass with
-    12 accumulators (4 tokens x 3 groups)."""
+def _gemm_2g8(X, w, t0, tmp):
+    """tmp[j, 0:16] = X[t0 + j] @ wt[:, 0:16] for j < 8 (w = wt flat, row stride 16): one 16-lane
+    accumulator per token, each lane summing what _gemm_2g's four-token path sums for it, in the same
+    order (the same bits); on a CPU with AVX-512, one zmm operation where that path runs two ymm ones."""
     n_cols = X.shape[1]
     x0 = X[t0]
     x1 = X[t0 + 1]
     x2 = X[t0 + 2]
     x3 = X[t0 + 3]
-    a0 = vzero()
-    a1 = vzero()
+    x4 = X[t0 + 4]
+    x5 = X[t0 + 5]
+    x6 = X[t0 + 6]
+    x7 = X[t0 + 7]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zzero()
+    for c in range(n_cols):
+        wv = zload(w, 16 * c)
+        a0 = zfma(wv, zbcast(x0, c), a0)
+        a1 = zfma(wv, zbcast(x1, c), a1)
+        a2 = zfma(wv, zbcast(x2, c), a2)
+        a3 = zfma(wv, zbcast(x3, c), a3)
+        a4 = zfma(wv, zbcast(x4, c), a4)
+        a5 = zfma(wv, zbcast(x5, c), a5)
+        a6 = zfma(wv, zbcast(x6, c), a6)
+        a7 = zfma(wv, zbcast(x7, c), a7)
+    zstore(tmp, 0, a0)
+    zstore(tmp, 16, a1)
+    zstore(tmp, 32, a2)
+    zstore(tmp, 48, a3)
+    zstore(tmp, 64, a4)
+    zstore(tmp, 80, a5)
+    zstore(tmp, 96, a6)
+    zstore(tmp, 112, a7)
+
+
+@njit(cache=True, nogil=True)
+def _gemm_3g4(X, w, t0, tmp):
+    """tmp[j, 0:24] = X[t0 + j] @ wt[:, 0:24] for j < 4 (w = wt flat, row stride 24): one pass, per token
+    one 16-lane accumulator (rows 0-15) and one 8-lane (rows 16-23). On a CPU with AVX-512 the 16 lanes
+    are one zmm operation instead of two ymm ones; every lane sums the same products in the same order
+    either way (simd.py)."""
+    n_cols = X.shape[1]
+    x0 = X[t0]
+    x1 = X[t0 + 1]
+    x2 = X[t0 + 2]
+    x3 = X[t0 + 3]
+    a0 = zzero()
+    b0 = zzero()
+    c0 = zzero()
+    e0 = zzero()
     a2 = vzero()
-    b0 = vzero()
-    b1 = vzero()
     b2 = vzero()
-    c0 = vzero()
-    c1 = vzero()
     c2 = vzero()
-    e0 = vzero()
-    e1 = vzero()
     e2 = vzero()
     for c in range(n_cols):
-        w0 = vload(w, 24 * c)
-        w1 = vload(w, 24 * c + 8)
+        w0 = zload(w, 24 * c)
         w2 = vload(w, 24 * c + 16)
-        xv = vbcast(x0, c)
-        a0 = vfma(w0, xv, a0)
-        a1 = vfma(w1, xv, a1)
-        a2 = vfma(w2, xv, a2)
-        xv = vbcast(x1, c)
-        b0 = vfma(w0, xv, b0)
-        b1 = vfma(w1, xv, b1)
-        b2 = vfma(w2, xv, b2)
-        xv = vbcast(x2, c)
-        c0 = vfma(w0, xv, c0)
-        c1 = vfma(w1, xv, c1)
-        c2 = vfma(w2, xv, c2)
-        xv = vbcast(x3, c)
-        e0 = vfma(w0, xv, e0)
-        e1 = vfma(w1, xv, e1)
-        e2 = vfma(w2, xv, e2)
-    vstore(tmp, 0, a0)
-    vstore(tmp, 8, a1)
+        a0 = zfma(w0, zbcast(x0, c), a0)
+        a2 = vfma(w2, vbcast(x0, c), a2)
+        b0 = zfma(w0, zbcast(x1, c), b0)
+        b2 = vfma(w2, vbcast(x1, c), b2)
+        c0 = zfma(w0, zbcast(x2, c), c0)
+        c2 = vfma(w2, vbcast(x2, c), c2)
+        e0 = zfma(w0, zbcast(x3, c), e0)
+        e2 = vfma(w2, vbcast(x3, c), e2)
+    zstore(tmp, 0, a0)
     vstore(tmp, 16, a2)
-    vstore(tmp, 24, b0)
-    vstore(tmp, 32, b1)
+    zstore(tmp, 24, b0)
     vstore(tmp, 40, b2)
-    vstore(tmp, 48, c0)
-    vstore(tmp, 56, c1)
+    zstore(tmp, 48, c0)
     vstore(tmp, 64, c2)
-    vstore(tmp, 72, e0)
-    vstore(tmp, 80, e1)
+    zstore(tmp, 72, e0)
     vstore(tmp, 88, e2)
 
 
 @njit(cache=True, nogil=True)
 def _gemm_tile(out, X, wt, r0, tmp):
     """out[:, r0:r0 + ld] = X @ wt (X (T, n_cols), wt (n_cols, ld) float32 C-contiguous, ld = 16 or
-    24); rows of out past its end are dropped. tmp: float32 (4 * ld,) scratch."""
+    24); rows of out past its end are dropped. tmp: float32 (8 * ld,) scratch."""
     T = X.shape[0]
     ld = wt.shape[1]
     n_rows = out.shape[1]
@@ -416,7 +437,10 @@ def _gemm_tile(out, X, wt, r0, tmp):
         nt = min(4, T - t0)
         if nt == 3:
             nt = 2
-        if ld == 24 and nt == 4:
+        if ld == 16 and T - t0 >= 8:
+            nt = 8
+            _gemm_2g8(X, w, t0, tmp)
+        elif ld == 24 and nt == 4:
             _gemm_3g4(X, w, t0, tmp)
         else:
             _gemm_2g(X, w, ld, 0, t0, nt, tmp)
@@ -444,7 +468,7 @@ def _matmul_tiles(out, buf, X, kind, nb, wts):
     n_chunks = wts.shape[0]
     for ch in prange(n_chunks):
         wt = wts[ch]
-        tmp = np.empty(4 * rows, np.float32)
+        tmp = np.empty(8 * rows, np.float32)
         for t in range(ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks):
             unpack_tile(wt, 0, buf, kind, t, nb)
             _gemm_tile(out, X, wt, t * rows, tmp)

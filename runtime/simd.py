@@ -28,7 +28,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-__all__ = ["f32x8", "i32x8", "vzero", "vsplat", "vbcast", "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16",
+__all__ = ["f32x8", "i32x8", "f32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "vzero", "vsplat", "vbcast", "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16",
            "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma", "vadd", "vsub", "vmul", "isrl", "andf",
            "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand", "lut16", "bc_i32", "maddubs", "add16", "hadd16",
            "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane", "f16_round", "izero", "dpbusd", "TARGET_ARCH", "X86"]
@@ -52,9 +52,19 @@ class I32x8Type(types.Type):
         super().__init__(name="i32x8")
 
 
+class F32x16Type(types.Type):
+    """Sixteen float32 lanes (an LLVM <16 x float>: one zmm register where the CPU has AVX-512, two
+    ymm registers elsewhere; the lanes compute the same bits either way)."""
+
+    def __init__(self):
+        super().__init__(name="f32x16")
+
+
 f32x8 = F32x8Type()
 i32x8 = I32x8Type()
+f32x16 = F32x16Type()
 _VF = ir.VectorType(ir.FloatType(), 8)
+_VF16 = ir.VectorType(ir.FloatType(), 16)
 _VI = ir.VectorType(ir.IntType(32), 8)
 _I32 = ir.IntType(32)
 
@@ -72,6 +82,12 @@ class _F32x8Model(models.PrimitiveModel):
 class _I32x8Model(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
         super().__init__(dmm, fe_type, _VI)
+
+
+@register_model(F32x16Type)
+class _F32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VF16)
 
 
 def _elem_ptr(context, builder, arrty, arr, idx, idxty):
@@ -149,6 +165,54 @@ def vstore(typingctx, arr, idx, v):
         builder.store(args[2], builder.bitcast(p, _VF.as_pointer()), align=4)
         return context.get_dummy_value()
     return types.none(arr, idx, v), codegen
+
+
+# Sixteen lanes (f32x16): the float32 matmul's register tiles, where a CPU with AVX-512 runs one zmm
+# operation for two ymm ones; each lane's arithmetic is that of the eight-lane intrinsics above.
+
+@intrinsic
+def zzero(typingctx):
+    """f32x16 of zeros."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VF16, [0.0] * 16)
+    return f32x16(), codegen
+
+
+@intrinsic
+def zbcast(typingctx, arr, idx):
+    """f32x16 with arr[idx] (float32 1-D array) in every lane."""
+    def codegen(context, builder, sig, args):
+        s = builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), align=4)
+        v = builder.insert_element(ir.Constant(_VF16, ir.Undefined), s, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(v, ir.Constant(_VF16, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+    return f32x16(arr, idx), codegen
+
+
+@intrinsic
+def zload(typingctx, arr, idx):
+    """f32x16 from arr[idx:idx + 16] (float32 1-D array)."""
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return builder.load(builder.bitcast(p, _VF16.as_pointer()), align=4)
+    return f32x16(arr, idx), codegen
+
+
+@intrinsic
+def zstore(typingctx, arr, idx, v):
+    """arr[idx:idx + 16] = v (float32 1-D array)."""
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        builder.store(args[2], builder.bitcast(p, _VF16.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(arr, idx, v), codegen
+
+
+@intrinsic
+def zfma(typingctx, a, b, c):
+    """a * b + c, fused, lane by lane (f32x16)."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.fma.v16f32", _VF16, list(args))
+    return f32x16(a, b, c), codegen
 
 
 @intrinsic
