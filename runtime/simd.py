@@ -1,6 +1,7 @@
 """Numba intrinsics for the CPU kernels: 256-bit SIMD values and operations, and the thread count.
 
-f32x8 and i32x8 are Numba types lowered to LLVM <8 x float> / <8 x i32>, one ymm register each;
+f32x8 and i32x8 are Numba types lowered to LLVM <8 x float> / <8 x i32>, one ymm register each
+(f32x16, <16 x float>, serves the float32 matmul's register tiles: one zmm where the CPU has AVX-512);
 the intrinsics below build llvmlite IR on them, so a kernel written with them compiles to the AVX2 +
 FMA + F16C instruction its docstring names (vfmadd, vbroadcastss, vcvtph2ps, vpmovsxbd, ...) and
 nothing else: no bounds checks, no NumPy temporaries, no reliance on the auto-vectorizer. They are
