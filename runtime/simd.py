@@ -112,8 +112,29 @@ def _call(builder, name, ret, args):
 
 
 def _splat(builder, scalar, vty):
+    """vty (a vector type of any width) with `scalar` in every lane."""
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_VI, [0] * 8))
+    mask = ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count)
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), mask)
+
+
+def _bcast_ir(context, builder, sig, args, vty):
+    """Codegen of a broadcast: vty with arr[idx] (args = arr, idx; float32 1-D array) in every lane."""
+    s = builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), align=4)
+    return _splat(builder, s, vty)
+
+
+def _load_ir(context, builder, sig, args, vty):
+    """Codegen of a vector load: vty from arr[idx:idx + width] (args = arr, idx; float32 1-D array)."""
+    p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+    return builder.load(builder.bitcast(p, vty.as_pointer()), align=4)
+
+
+def _store_ir(context, builder, sig, args, vty):
+    """Codegen of a vector store: arr[idx:idx + width] = v (args = arr, idx, v; float32 1-D array)."""
+    p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+    builder.store(args[2], builder.bitcast(p, vty.as_pointer()), align=4)
+    return context.get_dummy_value()
 
 
 def _splat_i32(context, builder, val, valty):
@@ -144,8 +165,7 @@ def vsplat(typingctx, x):
 def vbcast(typingctx, arr, idx):
     """f32x8 with arr[idx] (float32 1-D array) in every lane (vbroadcastss)."""
     def codegen(context, builder, sig, args):
-        s = builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), align=4)
-        return _splat(builder, s, _VF)
+        return _bcast_ir(context, builder, sig, args, _VF)
     return f32x8(arr, idx), codegen
 
 
@@ -153,8 +173,7 @@ def vbcast(typingctx, arr, idx):
 def vload(typingctx, arr, idx):
     """f32x8 from arr[idx:idx + 8] (float32 1-D array)."""
     def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        return builder.load(builder.bitcast(p, _VF.as_pointer()), align=4)
+        return _load_ir(context, builder, sig, args, _VF)
     return f32x8(arr, idx), codegen
 
 
@@ -162,9 +181,7 @@ def vload(typingctx, arr, idx):
 def vstore(typingctx, arr, idx, v):
     """arr[idx:idx + 8] = v (float32 1-D array)."""
     def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        builder.store(args[2], builder.bitcast(p, _VF.as_pointer()), align=4)
-        return context.get_dummy_value()
+        return _store_ir(context, builder, sig, args, _VF)
     return types.none(arr, idx, v), codegen
 
 
@@ -183,9 +200,7 @@ def zzero(typingctx):
 def zbcast(typingctx, arr, idx):
     """f32x16 with arr[idx] (float32 1-D array) in every lane."""
     def codegen(context, builder, sig, args):
-        s = builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), align=4)
-        v = builder.insert_element(ir.Constant(_VF16, ir.Undefined), s, ir.Constant(_I32, 0))
-        return builder.shuffle_vector(v, ir.Constant(_VF16, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+        return _bcast_ir(context, builder, sig, args, _VF16)
     return f32x16(arr, idx), codegen
 
 
@@ -193,8 +208,7 @@ def zbcast(typingctx, arr, idx):
 def zload(typingctx, arr, idx):
     """f32x16 from arr[idx:idx + 16] (float32 1-D array)."""
     def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        return builder.load(builder.bitcast(p, _VF16.as_pointer()), align=4)
+        return _load_ir(context, builder, sig, args, _VF16)
     return f32x16(arr, idx), codegen
 
 
@@ -202,9 +216,7 @@ def zload(typingctx, arr, idx):
 def zstore(typingctx, arr, idx, v):
     """arr[idx:idx + 16] = v (float32 1-D array)."""
     def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        builder.store(args[2], builder.bitcast(p, _VF16.as_pointer()), align=4)
-        return context.get_dummy_value()
+        return _store_ir(context, builder, sig, args, _VF16)
     return types.none(arr, idx, v), codegen
 
 
