@@ -94,18 +94,19 @@ def _unpack_tile_kquant(wt, col0, buf, kind, t, nb):
             dd = ld_f16(buf, r + 16 * g)
             if kind == 2:
                 for j in range(8):
-                    rf = r + 288 + 448 * j + 224 * g
+                    rf = r + 288 + 384 * j + 192 * g
                     for hf in range(2):
                         u = 2 * j + hf
                         dv = vmul(dd, ld_i8(buf, r + 32 + 16 * u + 8 * g))
                         mv = vmul(dv, vsplat(np.float32(-32.0)))
                         c0 = b * QK_K + QK * j + 16 * hf
+                        top = vzero()       # column 15 of the half, from its three 2-bit pieces (exact)
                         for m in range(3):
                             w = ld_i32(buf, rf + 96 * hf + 32 * m)
                             for i in range(5):
                                 vstore(wt[c0 + 5 * m + i], c, vfma(dv, andf(isrl(w, 6 * i), 0x3F), mv))
-                        w = ld_i32(buf, rf + 192)
-                        vstore(wt[c0 + 15], c, vfma(dv, andf(isrl(w, 6 * hf), 0x3F), mv))
+                            top = vfma(srlf(w, 30), vsplat(np.float32(1 << (2 * m))), top)
+                        vstore(wt[c0 + 15], c, vfma(dv, top, mv))
             else:
                 dm = ld_f16(buf, r + 48 + 16 * g)
                 for j in range(8):

@@ -34,14 +34,17 @@ from ringllm.runtime.quant_tiles import (QK, QK_K, REC_F16, REC_F32, REC_IQ4_NL,
                                          REC_Q6_K, REC_Q8_0, TILE, TILE3, tile_bf16, tile_f16, tile_f32,
                                          tile_iq4_nl, tile_iq4_xs, tile_q2_k, tile_q3_k, tile_q4_0, tile_q4_1,
                                          tile_q4_k, tile_q5_0, tile_q5_1, tile_q5_k, tile_q6_k, tile_q8_0,
-                                         tile_rows)
+                                         tile_rows, PAIR_TYPES, tile_q4_0_pairs, tile_q4_1_pairs, tile_q4_k_pairs,
+                                         tile_q6_k_pairs)
 from ringllm.runtime.quant_tile_pairs import (tile2_bf16, tile2_f16, tile2_f32, tile2_q4_0, tile2_q4_1,  # noqa: F401
                                               tile2_q4_k, tile2_q5_0, tile2_q5_1, tile2_q5_k, tile2_q6_k,
-                                              tile2_q8_0)
+                                              tile2_q8_0, tile2_q4_0_pairs, tile2_q4_1_pairs, tile2_q4_k_pairs,
+                                              tile2_q6_k_pairs)
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
-from ringllm.runtime.simd import num_threads, vadd, vhsum, vload, vmul, vstore  # noqa: F401 (num_threads: ditto)
+from ringllm.runtime.simd import HAS_AVX512, num_threads, vadd, vhsum, vload, vmul, vstore  # noqa: F401 (ditto)
 
-__all__ = ["KERNELS", "ROWS_KERNELS", "PAR_MIN_WEIGHTS", "x_scales"]
+__all__ = ["KERNELS", "ROWS_KERNELS", "NARROW_KERNELS", "NARROW_ROWS_KERNELS", "PAIR_KERNELS", "PAIR_ROWS_KERNELS",
+           "PAIR_TYPES", "PAR_MIN_WEIGHTS", "x_scales"]
 
 PAR_MIN_WEIGHTS = 65536  # matrices with fewer weights run on the calling thread only (fork/join costs more)
 
@@ -80,10 +83,10 @@ def x_scales(qtype: GGMLType) -> np.ndarray:
     dword (1 for the top field, which the kernels read with a shift instead of a mask).
 
     4-bit types (and Q3_K's 3-bit values in nibbles): column 8s + i at field i (w = 4, i = 7 top).
-    5-bit: column 6m + i (m < 5), 30 + i (w = 5, i = 5 top). Q6_K: columns 5m + i and 16 + 5m + i
-    (m < 3), 15 and 31 at fields 0 and 1 (w = 6, i = 4 top). Q2_K: column 16h + i at field i (w = 2,
-    i = 15 top). IQ4_NL / IQ4_XS: after the table lookup, column 8s + k and 8s + 4 + k at byte k
-    (w = 8, k = 3 top). Other types: ones.
+    5-bit: column 6m + i (m < 5), 30 + i (w = 5, i = 5 top). Q6_K: column 16h + 5m + i at field i
+    (w = 6, no top field); columns 15 and 31, split in 2-bit pieces, are read with a shift (1).
+    Q2_K: column 16h + i at field i (w = 2, i = 15 top). IQ4_NL / IQ4_XS: after the table lookup,
+    column 8s + k and 8s + 4 + k at byte k (w = 8, k = 3 top). Other types: ones.
     """
     c = np.arange(32)
     if qtype in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q3_K):
@@ -99,8 +102,7 @@ def x_scales(qtype: GGMLType) -> np.ndarray:
         k = c % 4
         e = np.where(k == 3, 0, 8 * k)
     elif qtype == GGMLType.Q6_K:
-        i = np.where(c < 15, c % 5, np.where(c == 15, 0, np.where(c < 31, (c - 16) % 5, 1)))
-        e = np.where(i == 4, 0, 6 * i)
+        e = np.where(c % 16 == 15, 0, 6 * ((c % 16) % 5))
     else:
         e = np.zeros(32, np.int64)
     return (2.0 ** -e.astype(np.float64)).astype(np.float32)
@@ -247,13 +249,18 @@ def _compile(template: str, names: tuple, **fields):
     return globals()[names[-1]]
 
 
-def _entry_kernels() -> tuple[dict, dict]:
+def _entry_kernels(pairs: bool) -> tuple[dict, dict]:
     """({GGMLType: (matvec entry kernel, unpack family, unpack kind)}, {GGMLType: few-row entry kernel}),
     each kernel compiled from _ENTRY_SOURCE / _ROWS_SOURCE into this module's namespace (as matvec_q4_0,
-    rows_q4_0, ...)."""
+    rows_q4_0, ...); with `pairs`, those of the types of PAIR_TYPES only, with the 16-lane tile kernels
+    (matvec_q4_0_pairs, rows_q4_0_pairs, ...)."""
     kernels, rows_kernels = {}, {}
     for qtype, tile, tile2, rec, x_sums, (family, kind) in _ENTRIES:
         name = qtype.name.lower()
+        if pairs:
+            if qtype not in PAIR_TYPES:
+                continue
+            name, tile, tile2 = name + "_pairs", tile + "_pairs", tile2 + "_pairs"
         block = BLOCK_LAYOUT[qtype][0]
         fields = dict(name=name, type=qtype.name, tile=tile, tile2=tile2, rec=rec,
                       rows=_ROWS_NAMES[tile_rows(qtype)],
@@ -273,5 +280,10 @@ def _entry_kernels() -> tuple[dict, dict]:
 
 
 # type -> (matvec entry kernel, unpack family, unpack kind); type -> few-row entry kernel (the types
-# with a two-row tile kernel)
-KERNELS, ROWS_KERNELS = _entry_kernels()
+# with a two-row tile kernel). Where the CPU has 512-bit SIMD the 4-bit types (PAIR_TYPES) take the
+# 16-lane tile kernels (PAIR_KERNELS, PAIR_ROWS_KERNELS); the NARROW_ dicts hold the 8-lane ones of
+# every type. Both kinds exist on every CPU (the tests check both anywhere).
+NARROW_KERNELS, NARROW_ROWS_KERNELS = _entry_kernels(pairs=False)
+PAIR_KERNELS, PAIR_ROWS_KERNELS = _entry_kernels(pairs=True)
+KERNELS = {**NARROW_KERNELS, **PAIR_KERNELS} if HAS_AVX512 else NARROW_KERNELS
+ROWS_KERNELS = {**NARROW_ROWS_KERNELS, **PAIR_ROWS_KERNELS} if HAS_AVX512 else NARROW_ROWS_KERNELS

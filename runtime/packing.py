@@ -130,21 +130,17 @@ def _fields5(q: np.ndarray) -> np.ndarray:
 
 
 def _fields6(q: np.ndarray) -> np.ndarray:
-    """q (R, nb, 32) 6-bit values -> (R, nb, 7) uint32: columns 0-14 at bits 6i of dwords 0-2
-    (column 5m + i), columns 16-30 in dwords 3-5 (column 16 + 5m + i), columns 15, 31 at bits 0 and 6
-    of dword 6."""
+    """q (R, nb, 32) 6-bit values -> (R, nb, 6) uint32, 6 bits per value as in the file: dword 3h + m
+    (half h: columns 16h..16h+15, one Q6_K sub-block) holds column 16h + 5m + i at bits 6i (i < 5)
+    and bits 2m, 2m + 1 of column 16h + 15 at bits 30, 31."""
     q = q.astype(np.uint32)
-    f = np.zeros(q.shape[:-1] + (7,), np.uint32)
-    for c in range(32):
-        if c < 15:
-            m, i = c // 5, c % 5
-        elif c == 15:
-            m, i = 6, 0
-        elif c < 31:
-            m, i = 3 + (c - 16) // 5, (c - 16) % 5
-        else:
-            m, i = 6, 1
-        f[..., m] |= q[..., c] << np.uint32(6 * i)
+    f = np.zeros(q.shape[:-1] + (6,), np.uint32)
+    for h in range(2):
+        top = q[..., 16 * h + 15]
+        for m in range(3):
+            for i in range(5):
+                f[..., 3 * h + m] |= q[..., 16 * h + 5 * m + i] << np.uint32(6 * i)
+            f[..., 3 * h + m] |= ((top >> np.uint32(2 * m)) & np.uint32(3)) << np.uint32(30)
     return f
 
 

@@ -247,8 +247,8 @@ def _pack_q5_k(rec3, blocks, n_rows):
 @njit(cache=True, nogil=True)
 def _pack_q6_k(rec3, blocks, n_rows):
     """Q6_K (G = 2): d [G][8] f16 (blk[208:210]), scales [16][G][8] i8 (blk[192:208]) at 16 G, 6-bit
-    field dwords [8 sub][G][7][8] u32 at 144 G (packing._fields6: columns 0-14 at bits 6i of dwords
-    0-2, 16-30 of dwords 3-5, 15 and 31 at bits 0 and 6 of dword 6)."""
+    field dwords [8 sub][G][6][8] u32 at 144 G (packing._fields6: dword 3h + m holds column
+    16h + 5m + i at bits 6i and bits 2m, 2m + 1 of column 16h + 15 at bits 30, 31)."""
     nt, nb = rec3.shape[0], rec3.shape[1]
     groups = 2
     vals = np.empty(256, np.int64)
@@ -259,12 +259,14 @@ def _pack_q6_k(rec3, blocks, n_rows):
             for b in range(nb):
                 _q6k_scales_and_values(rec3, t, b, blocks, r, groups, g, lane, vals)
                 for sub in range(8):
-                    v0 = 32 * sub
-                    for m in range(6):
-                        c = v0 + (5 * m if m < 3 else 16 + 5 * (m - 3))
-                        v = vals[c] | (vals[c + 1] << 6) | (vals[c + 2] << 12) | (vals[c + 3] << 18) | (vals[c + 4] << 24)
-                        _put32(rec3, t, b, _at(144 * groups, 4, sub, g, groups, 7, m, lane), v)
-                    _put32(rec3, t, b, _at(144 * groups, 4, sub, g, groups, 7, 6, lane), vals[v0 + 15] | (vals[v0 + 31] << 6))
+                    for h in range(2):
+                        c0 = 32 * sub + 16 * h
+                        top = vals[c0 + 15]
+                        for m in range(3):
+                            c = c0 + 5 * m
+                            v = (vals[c] | (vals[c + 1] << 6) | (vals[c + 2] << 12) | (vals[c + 3] << 18)
+                                 | (vals[c + 4] << 24) | (((top >> (2 * m)) & 3) << 30))
+                            _put32(rec3, t, b, _at(144 * groups, 4, sub, g, groups, 6, 3 * h + m, lane), v)
 
 
 # ==================================================================================================
@@ -359,7 +361,7 @@ def _pack_q8_q6_k(rec3, blocks, n_rows):
 
 # bytes of one (tile, block) record per type, G = tile_rows // 8 (the sums of the parts above)
 _RECORD_PER_GROUP = {GGMLType.Q8_0: 272, GGMLType.Q4_0: 144, GGMLType.Q4_1: 160, GGMLType.Q5_0: 208,
-                     GGMLType.Q5_1: 224, GGMLType.Q4_K: 1184, GGMLType.Q5_K: 1696, GGMLType.Q6_K: 1936}
+                     GGMLType.Q5_1: 224, GGMLType.Q4_K: 1184, GGMLType.Q5_K: 1696, GGMLType.Q6_K: 1680}
 FAST_PACK_TYPES = frozenset(_RECORD_PER_GROUP)
 
 

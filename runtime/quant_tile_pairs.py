@@ -26,11 +26,12 @@ each, where one pass would need 12 and spill), at the cost of broadcasting x twi
 import numpy as np
 from numba import njit
 
+from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.quant_tiles import (PF_DIST, QK, QK_K, REC_F16, REC_F32, REC_Q4_0, REC_Q4_1, REC_Q4_K,
-                                         REC_Q5_0, REC_Q5_1, REC_Q5_K, REC_Q6_K, REC_Q8_0, field5, field6, nibble,
-                                         prefetch_range)
-from ringllm.runtime.simd import (ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, prefetch, vadd, vbcast, vfma,
-                                  vfnma, vmul, vsplat, vstore, vsub, vzero)
+                                         REC_Q5_0, REC_Q5_1, REC_Q5_K, REC_Q6_K, REC_Q8_0, dot_q4_pairs, field5,
+                                         field6, nibble, prefetch_range, q6_pair_dots)
+from ringllm.runtime.simd import (ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, prefetch, srlf, vadd, vbcast,
+                                  vfma, vfnma, vmul, vsplat, vstore, vsub, vzero, zfold, zhi, zld_i32, zlo, zzero)
 
 
 # ==================================================================================================
@@ -84,6 +85,36 @@ def _dot2_q4(buf, r, xs0, xs1, xb):
     a0, c0, a1, c1 = _q4_pass(buf, r, r + 128, xs0, xs1, xb, True)
     a2, c2, _, _ = _q4_pass(buf, r + 256, r + 256, xs0, xs1, xb, False)
     return a0, a1, a2, c0, c1, c2
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot2_q4_pairs(buf, r, xs0, xs1, xb):
+    """_dot2_q4 in 16-lane vectors: quant_tiles.dot_q4_pairs for each row on the same loads (the
+    field extractions, the same for both rows, are computed once by the compiler), each row's sums
+    bitwise equal to it. Returns (g0 x0, g1 x0, g2 x0, g0 x1, g1 x1, g2 x1)."""
+    a0, a1, a2 = dot_q4_pairs(buf, r, xs0, xb)
+    c0, c1, c2 = dot_q4_pairs(buf, r, xs1, xb)
+    return a0, a1, a2, c0, c1, c2
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot2_q6_pairs(buf, r, xs0, xs1, xb):
+    """_dot2_q6 in 16-lane vectors: quant_tiles._dot_q6_pairs for each row on the same six loads (the
+    field extractions, the same for both rows, are computed once by the compiler), each row's sums
+    bitwise equal to it. Returns (A_g0, B_g0, A_g1, B_g1) for x0, then the same four for x1."""
+    w0 = zld_i32(buf, r)
+    w1 = zld_i32(buf, r + 64)
+    w2 = zld_i32(buf, r + 128)
+    w3 = zld_i32(buf, r + 192)
+    w4 = zld_i32(buf, r + 256)
+    w5 = zld_i32(buf, r + 320)
+    z = zzero()
+    a0, m0, b0 = q6_pair_dots(w0, w1, w2, xs0, xb, z, z, z)
+    a1, m1, b1 = q6_pair_dots(w3, w4, w5, xs0, xb, z, z, z)
+    e0, n0, f0 = q6_pair_dots(w0, w1, w2, xs1, xb, z, z, z)
+    e1, n1, f1 = q6_pair_dots(w3, w4, w5, xs1, xb, z, z, z)
+    return (vadd(zfold(a0), zlo(m0)), vadd(zhi(m0), zfold(b0)), vadd(zfold(a1), zlo(m1)), vadd(zhi(m1), zfold(b1)),
+            vadd(zfold(e0), zlo(n0)), vadd(zhi(n0), zfold(f0)), vadd(zfold(e1), zlo(n1)), vadd(zhi(n1), zfold(f1)))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -151,8 +182,8 @@ def _dot2_q6(buf, r, xs0, xs1, xb):
     for m in range(3):
         wa0 = ld_i32(buf, r + 32 * m)
         wb0 = ld_i32(buf, r + 96 + 32 * m)
-        wa1 = ld_i32(buf, r + 224 + 32 * m)
-        wb1 = ld_i32(buf, r + 320 + 32 * m)
+        wa1 = ld_i32(buf, r + 192 + 32 * m)
+        wb1 = ld_i32(buf, r + 288 + 32 * m)
         for i in range(5):
             u = vbcast(xs0, xb + 5 * m + i)
             v = vbcast(xs1, xb + 5 * m + i)
@@ -170,24 +201,23 @@ def _dot2_q6(buf, r, xs0, xs1, xb):
             q = field6(wb1, i)
             b1 = vfma(q, u, b1)
             f1 = vfma(q, v, f1)
-    w0 = ld_i32(buf, r + 192)
-    w1 = ld_i32(buf, r + 416)
-    u = vbcast(xs0, xb + 15)
-    v = vbcast(xs1, xb + 15)
-    q = field6(w0, 0)
-    a0 = vfma(q, u, a0)
-    e0 = vfma(q, v, e0)
-    q = field6(w1, 0)
-    a1 = vfma(q, u, a1)
-    e1 = vfma(q, v, e1)
-    u = vbcast(xs0, xb + 31)
-    v = vbcast(xs1, xb + 31)
-    q = field6(w0, 1)
-    b0 = vfma(q, u, b0)
-    f0 = vfma(q, v, f0)
-    q = field6(w1, 1)
-    b1 = vfma(q, u, b1)
-    f1 = vfma(q, v, f1)
+        k = vsplat(np.float32(1 << (2 * m)))
+        u = vmul(vbcast(xs0, xb + 15), k)
+        v = vmul(vbcast(xs1, xb + 15), k)
+        q = srlf(wa0, 30)
+        a0 = vfma(q, u, a0)
+        e0 = vfma(q, v, e0)
+        q = srlf(wa1, 30)
+        a1 = vfma(q, u, a1)
+        e1 = vfma(q, v, e1)
+        u = vmul(vbcast(xs0, xb + 31), k)
+        v = vmul(vbcast(xs1, xb + 31), k)
+        q = srlf(wb0, 30)
+        b0 = vfma(q, u, b0)
+        f0 = vfma(q, v, f0)
+        q = srlf(wb1, 30)
+        b1 = vfma(q, u, b1)
+        f1 = vfma(q, v, f1)
     return a0, b0, a1, b1, e0, f0, e1, f1
 
 
@@ -413,7 +443,7 @@ def tile2_q6_k(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
         dd1 = ld_f16(buf, r + 16)
         for j in range(8):
             prefetch_range(buf, r + PF_DIST + j * (REC_Q6_K // 8), REC_Q6_K // 8)
-            a0, b0, a1, b1, c0, f0, c1, f1 = _dot2_q6(buf, r + 288 + 448 * j, xs0, xs1, b * QK_K + QK * j)
+            a0, b0, a1, b1, c0, f0, c1, f1 = _dot2_q6(buf, r + 288 + 384 * j, xs0, xs1, b * QK_K + QK * j)
             u = 2 * j
             sa0 = vmul(vbcast(xsum0, b * 16 + u), k32)
             sb0 = vmul(vbcast(xsum0, b * 16 + u + 1), k32)
@@ -501,3 +531,20 @@ def tile2_f32(dst0, dst1, d0, buf, base, nb, x0, x1):
 def tile2_bf16(dst0, dst1, d0, buf, base, nb, x0, x1):
     """BF16 tile (16 rows) for two rows of x."""
     _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, _runtime(2))
+
+
+# ==================================================================================================
+# 16-lane variants of the 4-bit and Q6_K two-row kernels (CPUs with 512-bit SIMD: the few-row
+# products of the types whose matvec is quant_tiles' 16-lane one, which they equal bitwise per row):
+# the kernels above with _dot2_q4 / _dot2_q6 bound to _dot2_q4_pairs / _dot2_q6_pairs.
+# ==================================================================================================
+
+_tile2_legacy_pairs = njit(cache=True, nogil=True)(
+    bind_copy(_tile2_legacy.py_func, "_tile2_legacy_pairs", dict(globals(), _dot2_q4=_dot2_q4_pairs)))
+_tile2_kquant45_pairs = njit(cache=True, nogil=True)(
+    bind_copy(_tile2_kquant45.py_func, "_tile2_kquant45_pairs", dict(globals(), _dot2_q4=_dot2_q4_pairs)))
+_PAIR_NS = dict(globals(), _tile2_legacy=_tile2_legacy_pairs, _tile2_kquant45=_tile2_kquant45_pairs,
+                _dot2_q6=_dot2_q6_pairs)
+for _tile in (tile2_q4_0, tile2_q4_1, tile2_q4_k, tile2_q6_k):
+    globals()[_tile.__name__ + "_pairs"] = njit(cache=True, nogil=True)(
+        bind_copy(_tile.py_func, _tile.__name__ + "_pairs", _PAIR_NS))

@@ -21,15 +21,23 @@ loop is
 
 Packed quants. Each lane's values sit in 32-bit words as fixed-width fields: 4-bit types 8 fields
 per dword (column 8s + i of a block at bits 4i of dword s), 5-bit types 6 per dword (column 6m + i at
-bits 5i of dword m; the block's last 2 columns in a sixth dword), Q6_K 5 per dword at bits 6i (7
-dwords per 32 columns, each 16-value sub-block in its own 3 dwords plus one field of the seventh).
+bits 5i of dword m; the block's last 2 columns in a sixth dword), Q6_K 5 per dword at bits 6i, each
+16-value sub-block in 3 dwords whose top 2 bits carry the sub-block's 16th value in three pieces
+(6 dwords per 32 columns: exactly the file's 6 bits per value; the split value costs 6 more ops
+per 16 values, less than the 15% more bytes a seventh dword cost when decode reads at memory speed).
 `dword & (mask << w i)` is q * 2^(w i) exactly, so x is pre-scaled once per call by 2^(-w i)
 (xs, see matvec_kernels.x_scales; the top field uses a shift and an unscaled x). Q8_0 keeps int8
 values, the 8 rows of a column adjacent (vpmovsxbd). F16 scales stay 16-bit (vcvtph2ps); K-quant
 6-bit sub-block scales become bytes; F16 / BF16 weights stay 16-bit. Packed bytes per weight equal
-the file's for Q4_0, Q4_1, Q4_K, Q8_0 and the float types; the field packing costs +18% for the
-5-bit types and +15% for Q6_K (26 instead of 22 bytes per Q5_0 block), repaid by an inner loop as
-short as the 4-bit one (ORing high-bit planes into nibbles instead needs ~9 more ops per 64 weights).
+the file's for Q4_0, Q4_1, Q4_K, Q6_K, Q8_0 and the float types; the field packing costs +18% for
+the 5-bit types (26 instead of 22 bytes per Q5_0 block), repaid by an inner loop as short as the
+4-bit one (ORing high-bit planes into nibbles instead needs ~9 more ops per 64 weights).
+
+16-lane kernels. On a CPU with 512-bit SIMD (simd.HAS_AVX512) the 4-bit types and Q6_K (PAIR_TYPES)
+run variants whose one i32x16 load holds two adjacent 8-lane slots of a group (same rows, other
+columns) against an x pair (zpair), so each and / convert / FMA does 16 weights; the halves are
+summed at the end of each block (dot_q4_pairs, _dot_q6_pairs). Same records; results equal the 8-lane kernels' up to
+summation order.
 
 Low-bit and non-linear types. Q2_K keeps its 2-bit values as 16 fields per dword (bytes per weight
 equal the file's, its scale|min bytes as stored). Q3_K stores q + 4 (0..7) in nibbles, +33% bytes,
@@ -50,9 +58,12 @@ Q6_K) block sums, or x (n_cols,) as is (Q8_0 and the float types). Nothing is bo
 import numpy as np
 from numba import njit
 
+from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.quant_types import GGMLType
 from ringllm.runtime.simd import (andf, iand, isrl, ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, ld_u8i, lut16,
-                                  prefetch, srlf, vadd, vbcast, vfma, vfnma, vmul, vsplat, vstore, vsub, vzero)
+                                  prefetch, srlf, vadd, vbcast, vfma, vfnma, vmul, vsplat, vstore, vsub, vzero,
+                                  zadd, zandf, zfma, zfold, zhi, zld_i32, zlo, zload, zmul, zpair, zsrlf,
+                                  zzero)
 
 TILE = 16           # rows per tile: two groups of 8 lanes ...
 TILE3 = 24          # ... or three for the 4- and 5-bit types (more reuse of each x broadcast)
@@ -123,6 +134,46 @@ def _dot_q4(buf, r, xs, xb):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _nibble16(w, i):
+    """nibble() on an i32x16: nibble i of every lane of two adjacent slots, as float."""
+    if i == 7:
+        return zsrlf(w, 28)
+    return zandf(w, 15 << (4 * i))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dot_q4_pairs(buf, r, xs, xb):
+    """_dot_q4 in 16-lane vectors, for CPUs with 512-bit SIMD: one i32x16 load holds slots 2p and
+    2p + 1 of a group (the same 8 rows; columns 16p + i and 16p + 8 + i at field i), multiplied by
+    the x pair (zpair: xs of the first column in lanes 0-7, of the second in lanes 8-15), so each
+    and / convert / FMA does 16 weights. The halves are summed at the end (zfold). Same products as
+    _dot_q4, summed in another order. (The pairs are built in registers: a table of them in memory,
+    8 n_cols floats, measured faster with the weights in cache but slower streaming them from DRAM,
+    where it crowds the weights out of L1.)"""
+    a0 = zzero()
+    a1 = zzero()
+    c0 = zzero()
+    c1 = zzero()
+    e0 = zzero()
+    e1 = zzero()
+    for p in range(2):
+        w0 = zld_i32(buf, r + 64 * p)
+        w1 = zld_i32(buf, r + 128 + 64 * p)
+        w2 = zld_i32(buf, r + 256 + 64 * p)
+        c = xb + 16 * p
+        for i in range(0, 8, 2):
+            x0 = zpair(xs, c + i, c + 8 + i)
+            a0 = zfma(_nibble16(w0, i), x0, a0)
+            c0 = zfma(_nibble16(w1, i), x0, c0)
+            e0 = zfma(_nibble16(w2, i), x0, e0)
+            x1 = zpair(xs, c + i + 1, c + 9 + i)
+            a1 = zfma(_nibble16(w0, i + 1), x1, a1)
+            c1 = zfma(_nibble16(w1, i + 1), x1, c1)
+            e1 = zfma(_nibble16(w2, i + 1), x1, e1)
+    return zfold(zadd(a0, a1)), zfold(zadd(c0, c1)), zfold(zadd(e0, e1))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def field5(w, i):
     """5-bit field i (0..5, bits 5i..5i+4) of every lane of w, as float q * 2^(5i) (i < 5) or q."""
     if i == 5:
@@ -169,17 +220,17 @@ def _dot_q5(buf, r, xs, xb):
 
 @njit(cache=True, nogil=True, inline="always")
 def field6(w, i):
-    """6-bit field i (0..4, bits 6i..6i+5) of every lane of w, as float q * 2^(6i) (i < 4) or q."""
-    if i == 4:
-        return srlf(w, 24)
+    """6-bit field i (0..4, bits 6i..6i+5) of every lane of w, as float q * 2^(6i)."""
     return andf(w, 0x3F << (6 * i))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _dot_q6(buf, r, xs, xb):
     """32 columns (two 16-value sub-blocks A, B) of 6-bit values for two groups: field dwords of group
-    g at byte r + 224 g (7 x 32 bytes: dwords 0-2 hold columns 0-14, dwords 3-5 columns 16-30, dword 6
-    columns 15 and 31); xs from prep_x. Returns (A_g0, B_g0, A_g1, B_g1)."""
+    g at byte r + 192 g, 6 x 32 bytes: dword m (< 3) of half h (A: h = 0, B: h = 1) at 96 h + 32 m
+    holds column 16h + 5m + i at field i and bits 2m, 2m + 1 of column 16h + 15 at bits 30, 31
+    (packing._fields6); xs from prep_x. The split column's three 2-bit pieces are multiplied by its x
+    times 1, 4 and 16 (exact powers of two). Returns (A_g0, B_g0, A_g1, B_g1)."""
     a0 = vzero()
     b0 = vzero()
     a1 = vzero()
@@ -187,8 +238,8 @@ def _dot_q6(buf, r, xs, xb):
     for m in range(3):
         wa0 = ld_i32(buf, r + 32 * m)
         wb0 = ld_i32(buf, r + 96 + 32 * m)
-        wa1 = ld_i32(buf, r + 224 + 32 * m)
-        wb1 = ld_i32(buf, r + 320 + 32 * m)
+        wa1 = ld_i32(buf, r + 192 + 32 * m)
+        wb1 = ld_i32(buf, r + 288 + 32 * m)
         for i in range(5):
             xa = vbcast(xs, xb + 5 * m + i)
             a0 = vfma(field6(wa0, i), xa, a0)
@@ -196,16 +247,50 @@ def _dot_q6(buf, r, xs, xb):
             xv = vbcast(xs, xb + 16 + 5 * m + i)
             b0 = vfma(field6(wb0, i), xv, b0)
             b1 = vfma(field6(wb1, i), xv, b1)
-    w0 = ld_i32(buf, r + 192)
-    w1 = ld_i32(buf, r + 416)
-    xa = vbcast(xs, xb + 15)
-    a0 = vfma(field6(w0, 0), xa, a0)
-    a1 = vfma(field6(w1, 0), xa, a1)
-    xv = vbcast(xs, xb + 31)
-    b0 = vfma(field6(w0, 1), xv, b0)
-    b1 = vfma(field6(w1, 1), xv, b1)
+        k = vsplat(np.float32(1 << (2 * m)))
+        xa = vmul(vbcast(xs, xb + 15), k)
+        a0 = vfma(srlf(wa0, 30), xa, a0)
+        a1 = vfma(srlf(wa1, 30), xa, a1)
+        xv = vmul(vbcast(xs, xb + 31), k)
+        b0 = vfma(srlf(wb0, 30), xv, b0)
+        b1 = vfma(srlf(wb1, 30), xv, b1)
     return a0, b0, a1, b1
 
+
+# The x factors of the split columns' pieces in the 16-lane Q6_K kernel, per pair vector (see
+# _dot_q6_pairs): [1 | 4], [16 | 1], [4 | 16], eight lanes each. Read-only; a constant of the kernels.
+Q6_PIECE_SCALES = np.repeat(np.array([1, 4, 16, 1, 4, 16], np.float32), 8)
+Q6_PIECE_SCALES.setflags(write=False)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def q6_pair_dots(w0, w1, w2, xs, xb, c0, c1, c2):
+    """One group's three i32x16 of a 32-column Q6_K block (_dot_q6_pairs) times x: the five fields of
+    each against their x pairs, then the split columns' pieces; accumulated into c0 ([A | A]),
+    c1 ([A | B]), c2 ([B | B])."""
+    for i in range(5):
+        c0 = zfma(zandf(w0, 0x3F << (6 * i)), zpair(xs, xb + i, xb + 5 + i), c0)
+        c1 = zfma(zandf(w1, 0x3F << (6 * i)), zpair(xs, xb + 10 + i, xb + 16 + i), c1)
+        c2 = zfma(zandf(w2, 0x3F << (6 * i)), zpair(xs, xb + 21 + i, xb + 26 + i), c2)
+    c0 = zfma(zsrlf(w0, 30), zmul(zpair(xs, xb + 15, xb + 15), zload(Q6_PIECE_SCALES, 0)), c0)
+    c1 = zfma(zsrlf(w1, 30), zmul(zpair(xs, xb + 15, xb + 31), zload(Q6_PIECE_SCALES, 16)), c1)
+    c2 = zfma(zsrlf(w2, 30), zmul(zpair(xs, xb + 31, xb + 31), zload(Q6_PIECE_SCALES, 32)), c2)
+    return c0, c1, c2
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_q6_pairs(buf, r, xs, xb):
+    """_dot_q6 in 16-lane vectors (CPUs with 512-bit SIMD): a group's six dwords per lane load as
+    three i32x16, [A0 | A1], [A2 | B0], [B1 | B2] (halves A: columns 0-15, B: 16-31), so every
+    field extraction, conversion and FMA does 16 weights against an x pair (zpair); the middle
+    vector's halves belong to different sub-blocks and are added to each separately. Same products
+    as _dot_q6, summed in another order. Returns (A_g0, B_g0, A_g1, B_g1)."""
+    a0, m0, b0 = q6_pair_dots(zld_i32(buf, r), zld_i32(buf, r + 64), zld_i32(buf, r + 128), xs, xb,
+                               zzero(), zzero(), zzero())
+    a1, m1, b1 = q6_pair_dots(zld_i32(buf, r + 192), zld_i32(buf, r + 256), zld_i32(buf, r + 320), xs, xb,
+                               zzero(), zzero(), zzero())
+    return (vadd(zfold(a0), zlo(m0)), vadd(zhi(m0), zfold(b0)),
+            vadd(zfold(a1), zlo(m1)), vadd(zhi(m1), zfold(b1)))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -333,7 +418,7 @@ REC_Q5_1 = 3 * 192 + 3 * 16 + 3 * 16     # fields, d, m (three groups)
 REC_Q8_0 = 2 * 256 + 2 * 16              # int8 [col][lane] per group, d
 REC_Q4_K = 3 * 16 * 2 + 3 * 64 * 2 + 8 * 3 * 128           # d, dmin, sc, mn, nibbles (three groups)
 REC_Q5_K = 3 * 16 * 2 + 3 * 64 * 2 + 8 * 3 * 192           # d, dmin, sc, mn, fields (three groups)
-REC_Q6_K = 2 * 16 + 16 * 2 * 8 + 8 * 2 * 224                # d, sc, fields per 32 cols (two groups)
+REC_Q6_K = 2 * 16 + 16 * 2 * 8 + 8 * 2 * 192                # d, sc, fields per 32 cols (two groups)
 REC_Q2_K = 3 * 16 * 2 + 16 * 24 + 8 * 3 * 64              # d, dmin, scale|min bytes, 2-bit fields
 REC_Q3_K = 3 * 16 + 16 * 24 + 8 * 3 * 128                  # d, int8 scales, nibbles (three groups)
 REC_IQ4_NL = 3 * 128 + 3 * 16                              # index nibbles, d (three groups)
@@ -512,7 +597,7 @@ def tile_q6_k(dst, d0, buf, base, nb, xs, xsum):
     """Q6_K tile (16 rows): per 16-value sub-block u, y = (d sc_u) (q - 32), sc int8.
 
     Record per super-block: d [2][8] f16, sc [16 sub][2][8] i8, then per 32 columns j: fields
-    [2 groups][7][8 lanes] u32 (see _dot_q6).
+    [2 groups][6][8 lanes] u32 (see _dot_q6).
     """
     o0 = vzero()
     o1 = vzero()
@@ -522,7 +607,7 @@ def tile_q6_k(dst, d0, buf, base, nb, xs, xsum):
         dd1 = ld_f16(buf, r + 16)
         for j in range(8):
             prefetch_range(buf, r + PF_DIST + j * (REC_Q6_K // 8), REC_Q6_K // 8)
-            a0, b0, a1, b1 = _dot_q6(buf, r + 288 + 448 * j, xs, b * QK_K + QK * j)
+            a0, b0, a1, b1 = _dot_q6(buf, r + 288 + 384 * j, xs, b * QK_K + QK * j)
             u = 2 * j
             sa = vmul(vbcast(xsum, b * 16 + u), vsplat(np.float32(32.0)))
             sv = vmul(vbcast(xsum, b * 16 + u + 1), vsplat(np.float32(32.0)))
@@ -747,3 +832,16 @@ def tile_f32(dst, d0, buf, base, nb, x):
     vstore(dst, d0, vadd(a0, a1))
     vstore(dst, d0 + 8, vadd(c0, c1))
 
+
+
+# ==================================================================================================
+# 16-lane variants (CPUs with 512-bit SIMD, simd.HAS_AVX512): the 4-bit and Q6_K tile kernels above
+# with _dot_q4 / _dot_q6 bound to dot_q4_pairs / _dot_q6_pairs. Same records and arguments, same
+# results up to summation order.
+# ==================================================================================================
+
+PAIR_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
+_PAIR_NS = dict(globals(), _dot_q4=dot_q4_pairs, _dot_q6=_dot_q6_pairs)
+for _tile in (tile_q4_0, tile_q4_1, tile_q4_k, tile_q6_k):
+    globals()[_tile.__name__ + "_pairs"] = njit(cache=True, nogil=True)(
+        bind_copy(_tile.py_func, _tile.__name__ + "_pairs", _PAIR_NS))

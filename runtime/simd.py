@@ -1,7 +1,8 @@
 """Numba intrinsics for the CPU kernels: 256-bit SIMD values and operations, and the thread count.
 
 f32x8 and i32x8 are Numba types lowered to LLVM <8 x float> / <8 x i32>, one ymm register each
-(f32x16, <16 x float>, serves the float32 matmul's register tiles: one zmm where the CPU has AVX-512);
+(f32x16 and i32x16, <16 x float> / <16 x i32>, serve the float32 matmul's register tiles and the
+16-lane matvec kernels: one zmm where the CPU has AVX-512, HAS_AVX512);
 the intrinsics below build llvmlite IR on them, so a kernel written with them compiles to the AVX2 +
 FMA + F16C instruction its docstring names (vfmadd, vbroadcastss, vcvtph2ps, vpmovsxbd, ...) and
 nothing else: no bounds checks, no NumPy temporaries, no reliance on the auto-vectorizer. They are
@@ -29,10 +30,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-__all__ = ["f32x8", "i32x8", "f32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "vzero", "vsplat", "vbcast", "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16",
-           "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma", "vadd", "vsub", "vmul", "isrl", "andf",
-           "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand", "lut16", "bc_i32", "maddubs", "add16", "hadd16",
-           "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane", "f16_round", "izero", "dpbusd", "TARGET_ARCH", "X86"]
+__all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "zadd", "zfold",
+           "zld_i32", "zandf", "zsrlf", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast",
+           "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma",
+           "vadd", "vsub", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
+           "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
+           "f16_round", "izero", "dpbusd", "TARGET_ARCH", "X86"]
 
 
 # ==================================================================================================
@@ -61,16 +64,29 @@ class F32x16Type(types.Type):
         super().__init__(name="f32x16")
 
 
+class I32x16Type(types.Type):
+    """Sixteen 32-bit integer lanes (an LLVM <16 x i32>), the packed fields of two 8-lane slots."""
+
+    def __init__(self):
+        super().__init__(name="i32x16")
+
+
 f32x8 = F32x8Type()
 i32x8 = I32x8Type()
 f32x16 = F32x16Type()
+i32x16 = I32x16Type()
 _VF = ir.VectorType(ir.FloatType(), 8)
 _VF16 = ir.VectorType(ir.FloatType(), 16)
 _VI = ir.VectorType(ir.IntType(32), 8)
+_VI16 = ir.VectorType(ir.IntType(32), 16)
 _I32 = ir.IntType(32)
 
 TARGET_ARCH = binding.get_process_triple().split("-")[0]     # "x86_64", "aarch64", ...
 X86 = TARGET_ARCH in ("x86_64", "i386", "i686")
+# The host runs 512-bit vectors natively (AVX-512F): the kernels with 16-lane variants take them here.
+# Numba's cache is keyed by the host's CPU name and features, so a cache written on one kind of CPU is
+# never loaded on another.
+HAS_AVX512 = bool(binding.get_host_cpu_features().get("avx512f", False))
 
 
 @register_model(F32x8Type)
@@ -89,6 +105,12 @@ class _I32x8Model(models.PrimitiveModel):
 class _F32x16Model(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
         super().__init__(dmm, fe_type, _VF16)
+
+
+@register_model(I32x16Type)
+class _I32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VI16)
 
 
 def _elem_ptr(context, builder, arrty, arr, idx, idxty):
@@ -137,8 +159,8 @@ def _store_ir(context, builder, sig, args, vty):
     return context.get_dummy_value()
 
 
-def _splat_i32(context, builder, val, valty):
-    return _splat(builder, context.cast(builder, val, valty, types.int32), _VI)
+def _splat_i32(context, builder, val, valty, vty=_VI):
+    return _splat(builder, context.cast(builder, val, valty, types.int32), vty)
 
 
 # ==================================================================================================
@@ -226,6 +248,86 @@ def zfma(typingctx, a, b, c):
     def codegen(context, builder, sig, args):
         return _call(builder, "llvm.fma.v16f32", _VF16, list(args))
     return f32x16(a, b, c), codegen
+
+
+@intrinsic
+def zpair(typingctx, arr, i, j):
+    """f32x16 with arr[i] in lanes 0..7 and arr[j] in lanes 8..15 (two vbroadcastss and a
+    vinsertf64x4): the x pair of the 16-lane tile kernels, built in registers."""
+    def codegen(context, builder, sig, args):
+        lo, hi = (_splat(builder, builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[k], sig.args[k]),
+                                               align=4), _VF) for k in (1, 2))
+        return builder.shuffle_vector(lo, hi, ir.Constant(_VI16, list(range(16))))
+    return f32x16(arr, i, j), codegen
+
+
+@intrinsic
+def zadd(typingctx, a, b):
+    """a + b (f32x16)."""
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+    return f32x16(a, b), codegen
+
+
+@intrinsic
+def zmul(typingctx, a, b):
+    """a * b (f32x16)."""
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], args[1])
+    return f32x16(a, b), codegen
+
+
+@intrinsic
+def zlo(typingctx, a):
+    """Lanes 0..7 of an f32x16, as f32x8."""
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[0], ir.Constant(_VI, list(range(8))))
+    return f32x8(a), codegen
+
+
+@intrinsic
+def zhi(typingctx, a):
+    """Lanes 8..15 of an f32x16, as f32x8 (vextractf64x4)."""
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[0], ir.Constant(_VI, list(range(8, 16))))
+    return f32x8(a), codegen
+
+
+@intrinsic
+def zfold(typingctx, a):
+    """f32x8: lanes 0..7 of a plus lanes 8..15 (vextractf64x4 + vaddps): the two halves of a
+    16-lane accumulator that held two column runs of the same 8 rows, summed."""
+    def codegen(context, builder, sig, args):
+        lo = builder.shuffle_vector(args[0], args[0], ir.Constant(_VI, list(range(8))))
+        hi = builder.shuffle_vector(args[0], args[0], ir.Constant(_VI, list(range(8, 16))))
+        return builder.fadd(lo, hi)
+    return f32x8(a), codegen
+
+
+@intrinsic
+def zld_i32(typingctx, buf, off):
+    """i32x16 from 16 little-endian 32-bit words at byte offset off (two adjacent 8-lane slots)."""
+    def codegen(context, builder, sig, args):
+        return builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VI16), align=4)
+    return i32x16(buf, off), codegen
+
+
+@intrinsic
+def zandf(typingctx, v, mask):
+    """float32(int32(v & mask)) per lane of an i32x16 (as andf)."""
+    def codegen(context, builder, sig, args):
+        m = _splat_i32(context, builder, args[1], sig.args[1], _VI16)
+        return builder.sitofp(builder.and_(args[0], m), _VF16)
+    return f32x16(v, mask), codegen
+
+
+@intrinsic
+def zsrlf(typingctx, v, n):
+    """float32(int32(v >> n)) per lane of an i32x16, logical shift (as srlf)."""
+    def codegen(context, builder, sig, args):
+        m = _splat_i32(context, builder, args[1], sig.args[1], _VI16)
+        return builder.sitofp(builder.lshr(args[0], m), _VF16)
+    return f32x16(v, n), codegen
 
 
 @intrinsic

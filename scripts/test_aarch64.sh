@@ -27,10 +27,12 @@ PY=${PYTHON:-python}
 # the suites run under emulation, and the cases left out of them (compiling dominates an emulated
 # run): the 1-thread twins of each kernel case (the kernels are the 2-thread ones), the bitwise
 # few-rows twins, the real-model tensor checks (tests/test_aarch64.py runs the bundled model whole),
-# the q8 engine run, and the q8 kernels of the types whose integer paths Q4_0, Q8_0, Q4_K already take
+# the q8 engine run, the q8 kernels of the types whose integer paths Q4_0, Q8_0, Q4_K already take, and
+# the 16-lane matvec kernels (only CPUs with AVX-512 run them; the 8-lane ones run here)
 SUITES="tests/test_aarch64.py tests/test_matvec.py tests/test_q8.py tests/test_policies_known_answers.py \
 tests/test_kv_store.py tests/test_fast_exp.py"
-DESELECT="1thread or few_rows or gemma3_tensors or smollm2_tensors or engine_q8 or Q4_1-avx2 or Q5_0-avx2 or Q6_K-avx2"
+DESELECT="1thread or few_rows or gemma3_tensors or smollm2_tensors or engine_q8 or Q4_1-avx2 or Q5_0-avx2 or Q6_K-avx2 \
+or (lane_kernels and pairs)"
 # Debian bookworm packages of python3.11 and what it links (apt-cache depends --recurse, less perl,
 # dpkg and the tools nothing here runs); libstdc++6 for llvmlite, libgomp1 for Numba's OpenMP layer
 DEBS="gcc-12-base libacl1 libbz2-1.0 libc6 libcom-err2 libcrypt1 libdb5.3 libexpat1 libffi8 libgcc-s1

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ringllm.runtime import matvec as mv
+from ringllm.runtime import matvec_kernels as mk
 from ringllm.runtime.errors import ConfigError, ModelFileError, UnsupportedModelError
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
@@ -153,6 +154,33 @@ def test_few_rows_equal_matvec_bitwise(qtype, threads):
                 ref = np.empty(n_rows, np.float32)
                 mv.matvec(ref, pm, X[i])
                 np.testing.assert_array_equal(out[i], ref, err_msg=f"{qtype.name} {n_rows}x{n_cols} T={T} row {i}")
+
+
+@pytest.mark.parametrize("kind", ["narrow", "pairs"])
+@pytest.mark.parametrize("qtype", mk.PAIR_TYPES, ids=lambda q: q.name)
+def test_8_and_16_lane_kernels(qtype, kind, threads, monkeypatch):
+    """The 4-bit types have 8-lane and 16-lane tile kernels (the host takes one: matvec_kernels.KERNELS);
+    both are checked on any CPU: matvec within REL_TOL of the oracle on full and partial tiles, and
+    few-row products (pairs of rows and an odd one) bitwise equal to that kind's matvecs."""
+    one, rows = ((mk.NARROW_KERNELS[qtype], mk.NARROW_ROWS_KERNELS[qtype]) if kind == "narrow"
+                 else (mk.PAIR_KERNELS[qtype], mk.PAIR_ROWS_KERNELS[qtype]))
+    monkeypatch.setitem(mk.KERNELS, qtype, one)
+    monkeypatch.setitem(mk.ROWS_KERNELS, qtype, rows)
+    rng = np.random.default_rng(500 + int(qtype) + 7 * threads)
+    cols = (256, 512) if BLOCK_LAYOUT[qtype][0] == 256 else (32, 96, 160)
+    for n_rows in (1, 23, 24, 25, 67, 300):
+        for n_cols in cols:
+            t = random_tensor(qtype, n_rows, n_cols, rng)
+            pm = mv.pack(t)
+            assert pm.kernel is one[0] and pm.rows_kernel is rows
+            check_matvec(pm, oracle(t), rng, f"{kind} {qtype.name} {n_rows}x{n_cols}")
+            X = rng.standard_normal((5, n_cols)).astype(np.float32)
+            out = np.full((5, n_rows), np.nan, np.float32)
+            mv.matmul(out, pm, X)
+            for i in range(5):
+                ref = np.empty(n_rows, np.float32)
+                mv.matvec(ref, pm, X[i])
+                np.testing.assert_array_equal(out[i], ref, err_msg=f"{kind} {qtype.name} {n_rows}x{n_cols} row {i}")
 
 
 def test_extreme_scales_and_values():
