@@ -280,9 +280,9 @@ def _entry_kernels(pairs: bool) -> tuple[dict, dict]:
 
 
 # type -> (matvec entry kernel, unpack family, unpack kind); type -> few-row entry kernel (the types
-# with a two-row tile kernel). Where the CPU has 512-bit SIMD the 4-bit types (PAIR_TYPES) take the
-# 16-lane tile kernels (PAIR_KERNELS, PAIR_ROWS_KERNELS); the NARROW_ dicts hold the 8-lane ones of
-# every type. Both kinds exist on every CPU (the tests check both anywhere).
+# with a two-row tile kernel). Where the CPU has 512-bit SIMD (simd.HAS_AVX512) the 4-bit types and
+# Q6_K (PAIR_TYPES) take the 16-lane tile kernels (PAIR_KERNELS, PAIR_ROWS_KERNELS); the NARROW_
+# dicts hold the 8-lane ones of every type. Both kinds exist on every CPU (the tests check both).
 NARROW_KERNELS, NARROW_ROWS_KERNELS = _entry_kernels(pairs=False)
 PAIR_KERNELS, PAIR_ROWS_KERNELS = _entry_kernels(pairs=True)
 KERNELS = {**NARROW_KERNELS, **PAIR_KERNELS} if HAS_AVX512 else NARROW_KERNELS

@@ -27,7 +27,7 @@ get_num_threads by symbol name, which keeps every kernel that asks for the threa
 """
 from llvmlite import binding, ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.extending import intrinsic, models, register_model
 
 __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "zadd", "zfold",
@@ -83,10 +83,24 @@ _I32 = ir.IntType(32)
 
 TARGET_ARCH = binding.get_process_triple().split("-")[0]     # "x86_64", "aarch64", ...
 X86 = TARGET_ARCH in ("x86_64", "i386", "i686")
-# The host runs 512-bit vectors natively (AVX-512F): the kernels with 16-lane variants take them here.
-# Numba's cache is keyed by the host's CPU name and features, so a cache written on one kind of CPU is
-# never loaded on another.
-HAS_AVX512 = bool(binding.get_host_cpu_features().get("avx512f", False))
+
+
+def _compiles_avx512() -> bool:
+    """Whether Numba compiles for a CPU with AVX-512F: the host's features, unless NUMBA_CPU_FEATURES
+    names the features (then "+avx512f" among them) or NUMBA_CPU_NAME names another CPU than the host
+    (then no: a cache built for a CPU model, e.g. to ship, keeps the 8-lane kernels that every x86-64
+    runs well)."""
+    if config.CPU_FEATURES:
+        return "+avx512f" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return False
+    return bool(binding.get_host_cpu_features().get("avx512f", False))
+
+
+# Numba compiles for a CPU with 512-bit vectors (AVX-512F): the kernels with 16-lane variants take them.
+# Numba's cache is keyed by the target CPU's name and features, so a cache written for one kind of CPU
+# is never loaded on another.
+HAS_AVX512 = _compiles_avx512()
 
 
 @register_model(F32x8Type)

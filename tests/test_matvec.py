@@ -159,15 +159,16 @@ def test_few_rows_equal_matvec_bitwise(qtype, threads):
 @pytest.mark.parametrize("kind", ["narrow", "pairs"])
 @pytest.mark.parametrize("qtype", mk.PAIR_TYPES, ids=lambda q: q.name)
 def test_8_and_16_lane_kernels(qtype, kind, threads, monkeypatch):
-    """The 4-bit types have 8-lane and 16-lane tile kernels (the host takes one: matvec_kernels.KERNELS);
-    both are checked on any CPU: matvec within REL_TOL of the oracle on full and partial tiles, and
-    few-row products (pairs of rows and an odd one) bitwise equal to that kind's matvecs."""
+    """The 4-bit types and Q6_K have 8-lane and 16-lane tile kernels (the host takes one:
+    matvec_kernels.KERNELS); both are checked on any CPU: matvec within REL_TOL of the oracle on full
+    and partial tiles, on one thread and in the parallel loop (300 x 1024 is above PAR_MIN_WEIGHTS),
+    and few-row products (pairs of rows and an odd one) bitwise equal to that kind's matvecs."""
     one, rows = ((mk.NARROW_KERNELS[qtype], mk.NARROW_ROWS_KERNELS[qtype]) if kind == "narrow"
                  else (mk.PAIR_KERNELS[qtype], mk.PAIR_ROWS_KERNELS[qtype]))
     monkeypatch.setitem(mk.KERNELS, qtype, one)
     monkeypatch.setitem(mk.ROWS_KERNELS, qtype, rows)
     rng = np.random.default_rng(500 + int(qtype) + 7 * threads)
-    cols = (256, 512) if BLOCK_LAYOUT[qtype][0] == 256 else (32, 96, 160)
+    cols = (256, 512) if BLOCK_LAYOUT[qtype][0] == 256 else (32, 96, 160, 1024)
     for n_rows in (1, 23, 24, 25, 67, 300):
         for n_cols in cols:
             t = random_tensor(qtype, n_rows, n_cols, rng)
