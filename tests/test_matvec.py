@@ -184,6 +184,30 @@ def test_8_and_16_lane_kernels(qtype, kind, threads, monkeypatch):
                 np.testing.assert_array_equal(out[i], ref, err_msg=f"{kind} {qtype.name} {n_rows}x{n_cols} row {i}")
 
 
+@pytest.mark.parametrize("env, expect", [
+    ({"NUMBA_CPU_NAME": "haswell"}, False),
+    ({"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c"}, False),
+    ({"NUMBA_CPU_NAME": "skylake-avx512", "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+avx512f"}, True),
+], ids=["cpu-name", "features-avx2", "features-avx512"])
+def test_16_lane_choice_follows_numba_target(env, expect):
+    """simd.HAS_AVX512 (the 16-lane kernels' switch) follows Numba's target, not only the host: a cache
+    built for a named CPU keeps the 8-lane kernels unless its feature list has AVX-512F."""
+    import os
+    import subprocess
+    import sys
+
+    from ringllm.runtime import simd
+    if not simd.X86:
+        pytest.skip("x86 CPU names (the 16-lane kernels exist for x86-64 only)")
+
+    code = ("from ringllm.runtime import matvec_kernels as mk, simd; from ringllm.runtime.quant_types import GGMLType; "
+            "print(simd.HAS_AVX512, mk.KERNELS[GGMLType.Q4_K][0] is mk.PAIR_KERNELS[GGMLType.Q4_K][0])")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(expect), str(expect)]
+
+
 def test_extreme_scales_and_values():
     """Q4_1 / Q8_0 / Q6_K / Q5_0 / Q2_K / Q3_K / IQ4_NL / IQ4_XS with f16 scales from tiny subnormals
     to large, and x with a wide range."""
