@@ -28,10 +28,10 @@ from numba import njit
 
 from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.quant_tiles import (PF_DIST, QK, QK_K, REC_F16, REC_F32, REC_Q4_0, REC_Q4_1, REC_Q4_K,
-                                         REC_Q5_0, REC_Q5_1, REC_Q5_K, REC_Q6_K, REC_Q8_0, dot_q4_pairs, field5,
-                                         field6, nibble, prefetch_range, q6_pair_dots)
+                                         REC_Q5_0, REC_Q5_1, REC_Q5_K, REC_Q6_K, REC_Q8_0, dot_q4_pairs, dot_q6_pairs,
+                                         field5, field6, nibble, prefetch_range)
 from ringllm.runtime.simd import (ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, prefetch, srlf, vadd, vbcast,
-                                  vfma, vfnma, vmul, vsplat, vstore, vsub, vzero, zfold, zhi, zld_i32, zlo, zzero)
+                                  vfma, vfnma, vmul, vsplat, vstore, vsub, vzero)
 
 
 # ==================================================================================================
@@ -99,22 +99,12 @@ def _dot2_q4_pairs(buf, r, xs0, xs1, xb):
 
 @njit(cache=True, nogil=True, inline="always")
 def _dot2_q6_pairs(buf, r, xs0, xs1, xb):
-    """_dot2_q6 in 16-lane vectors: quant_tiles._dot_q6_pairs for each row on the same six loads (the
+    """_dot2_q6 in 16-lane vectors: quant_tiles.dot_q6_pairs for each row on the same loads (the
     field extractions, the same for both rows, are computed once by the compiler), each row's sums
     bitwise equal to it. Returns (A_g0, B_g0, A_g1, B_g1) for x0, then the same four for x1."""
-    w0 = zld_i32(buf, r)
-    w1 = zld_i32(buf, r + 64)
-    w2 = zld_i32(buf, r + 128)
-    w3 = zld_i32(buf, r + 192)
-    w4 = zld_i32(buf, r + 256)
-    w5 = zld_i32(buf, r + 320)
-    z = zzero()
-    a0, m0, b0 = q6_pair_dots(w0, w1, w2, xs0, xb, z, z, z)
-    a1, m1, b1 = q6_pair_dots(w3, w4, w5, xs0, xb, z, z, z)
-    e0, n0, f0 = q6_pair_dots(w0, w1, w2, xs1, xb, z, z, z)
-    e1, n1, f1 = q6_pair_dots(w3, w4, w5, xs1, xb, z, z, z)
-    return (vadd(zfold(a0), zlo(m0)), vadd(zhi(m0), zfold(b0)), vadd(zfold(a1), zlo(m1)), vadd(zhi(m1), zfold(b1)),
-            vadd(zfold(e0), zlo(n0)), vadd(zhi(n0), zfold(f0)), vadd(zfold(e1), zlo(n1)), vadd(zhi(n1), zfold(f1)))
+    a0, b0, a1, b1 = dot_q6_pairs(buf, r, xs0, xb)
+    e0, f0, e1, f1 = dot_q6_pairs(buf, r, xs1, xb)
+    return a0, b0, a1, b1, e0, f0, e1, f1
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -36,8 +36,8 @@ the 5-bit types (26 instead of 22 bytes per Q5_0 block), repaid by an inner loop
 16-lane kernels. On a CPU with 512-bit SIMD (simd.HAS_AVX512) the 4-bit types and Q6_K (PAIR_TYPES)
 run variants whose one i32x16 load holds two adjacent 8-lane slots of a group (same rows, other
 columns) against an x pair (zpair), so each and / convert / FMA does 16 weights; the halves are
-summed at the end of each block (dot_q4_pairs, _dot_q6_pairs). Same records; results equal the 8-lane kernels' up to
-summation order.
+summed at the end of each block (dot_q4_pairs, dot_q6_pairs). Same records; results equal the
+8-lane kernels' up to summation order.
 
 Low-bit and non-linear types. Q2_K keeps its 2-bit values as 16 fields per dword (bytes per weight
 equal the file's, its scale|min bytes as stored). Q3_K stores q + 4 (0..7) in nibbles, +33% bytes,
@@ -62,8 +62,7 @@ from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.quant_types import GGMLType
 from ringllm.runtime.simd import (andf, iand, isrl, ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, ld_u8i, lut16,
                                   prefetch, srlf, vadd, vbcast, vfma, vfnma, vmul, vsplat, vstore, vsub, vzero,
-                                  zadd, zandf, zfma, zfold, zhi, zld_i32, zlo, zload, zmul, zpair, zsrlf,
-                                  zzero)
+                                  zadd, zfma, zfold, zhi, zld_i32, zlo, zload, zmul, zpair, zzero)
 
 TILE = 16           # rows per tile: two groups of 8 lanes ...
 TILE3 = 24          # ... or three for the 4- and 5-bit types (more reuse of each x broadcast)
@@ -101,7 +100,7 @@ def prefetch_range(buf, start, nbytes):
 
 @njit(cache=True, nogil=True, inline="always")
 def nibble(w, i):
-    """Nibble i (0..7) of every lane of w, as float q * 2^(4i) (i < 7) or q (i == 7)."""
+    """Nibble i (0..7) of every lane of w (i32x8 or i32x16), as float q * 2^(4i) (i < 7) or q (i == 7)."""
     if i == 7:
         return srlf(w, 28)
     return andf(w, 15 << (4 * i))
@@ -134,14 +133,6 @@ def _dot_q4(buf, r, xs, xb):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _nibble16(w, i):
-    """nibble() on an i32x16: nibble i of every lane of two adjacent slots, as float."""
-    if i == 7:
-        return zsrlf(w, 28)
-    return zandf(w, 15 << (4 * i))
-
-
-@njit(cache=True, nogil=True, inline="always")
 def dot_q4_pairs(buf, r, xs, xb):
     """_dot_q4 in 16-lane vectors, for CPUs with 512-bit SIMD: one i32x16 load holds slots 2p and
     2p + 1 of a group (the same 8 rows; columns 16p + i and 16p + 8 + i at field i), multiplied by
@@ -163,13 +154,13 @@ def dot_q4_pairs(buf, r, xs, xb):
         c = xb + 16 * p
         for i in range(0, 8, 2):
             x0 = zpair(xs, c + i, c + 8 + i)
-            a0 = zfma(_nibble16(w0, i), x0, a0)
-            c0 = zfma(_nibble16(w1, i), x0, c0)
-            e0 = zfma(_nibble16(w2, i), x0, e0)
+            a0 = zfma(nibble(w0, i), x0, a0)
+            c0 = zfma(nibble(w1, i), x0, c0)
+            e0 = zfma(nibble(w2, i), x0, e0)
             x1 = zpair(xs, c + i + 1, c + 9 + i)
-            a1 = zfma(_nibble16(w0, i + 1), x1, a1)
-            c1 = zfma(_nibble16(w1, i + 1), x1, c1)
-            e1 = zfma(_nibble16(w2, i + 1), x1, e1)
+            a1 = zfma(nibble(w0, i + 1), x1, a1)
+            c1 = zfma(nibble(w1, i + 1), x1, c1)
+            e1 = zfma(nibble(w2, i + 1), x1, e1)
     return zfold(zadd(a0, a1)), zfold(zadd(c0, c1)), zfold(zadd(e0, e1))
 
 
@@ -220,7 +211,7 @@ def _dot_q5(buf, r, xs, xb):
 
 @njit(cache=True, nogil=True, inline="always")
 def field6(w, i):
-    """6-bit field i (0..4, bits 6i..6i+5) of every lane of w, as float q * 2^(6i)."""
+    """6-bit field i (0..4, bits 6i..6i+5) of every lane of w (i32x8 or i32x16), as float q * 2^(6i)."""
     return andf(w, 0x3F << (6 * i))
 
 
@@ -264,33 +255,33 @@ Q6_PIECE_SCALES.setflags(write=False)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def q6_pair_dots(w0, w1, w2, xs, xb, c0, c1, c2):
-    """One group's three i32x16 of a 32-column Q6_K block (_dot_q6_pairs) times x: the five fields of
-    each against their x pairs, then the split columns' pieces; accumulated into c0 ([A | A]),
-    c1 ([A | B]), c2 ([B | B])."""
+def _q6_pairs_group(w0, w1, w2, xs, xb):
+    """One group's three i32x16 of a 32-column Q6_K block (dot_q6_pairs) times x: the five fields of
+    each against their x pairs, then the split columns' pieces, into [A | A], [A | B] and [B | B]
+    accumulators; returns the sub-blocks' sums (A, B) as f32x8."""
+    c0 = zzero()
+    c1 = zzero()
+    c2 = zzero()
     for i in range(5):
-        c0 = zfma(zandf(w0, 0x3F << (6 * i)), zpair(xs, xb + i, xb + 5 + i), c0)
-        c1 = zfma(zandf(w1, 0x3F << (6 * i)), zpair(xs, xb + 10 + i, xb + 16 + i), c1)
-        c2 = zfma(zandf(w2, 0x3F << (6 * i)), zpair(xs, xb + 21 + i, xb + 26 + i), c2)
-    c0 = zfma(zsrlf(w0, 30), zmul(zpair(xs, xb + 15, xb + 15), zload(Q6_PIECE_SCALES, 0)), c0)
-    c1 = zfma(zsrlf(w1, 30), zmul(zpair(xs, xb + 15, xb + 31), zload(Q6_PIECE_SCALES, 16)), c1)
-    c2 = zfma(zsrlf(w2, 30), zmul(zpair(xs, xb + 31, xb + 31), zload(Q6_PIECE_SCALES, 32)), c2)
-    return c0, c1, c2
+        c0 = zfma(field6(w0, i), zpair(xs, xb + i, xb + 5 + i), c0)
+        c1 = zfma(field6(w1, i), zpair(xs, xb + 10 + i, xb + 16 + i), c1)
+        c2 = zfma(field6(w2, i), zpair(xs, xb + 21 + i, xb + 26 + i), c2)
+    c0 = zfma(srlf(w0, 30), zmul(zpair(xs, xb + 15, xb + 15), zload(Q6_PIECE_SCALES, 0)), c0)
+    c1 = zfma(srlf(w1, 30), zmul(zpair(xs, xb + 15, xb + 31), zload(Q6_PIECE_SCALES, 16)), c1)
+    c2 = zfma(srlf(w2, 30), zmul(zpair(xs, xb + 31, xb + 31), zload(Q6_PIECE_SCALES, 32)), c2)
+    return vadd(zfold(c0), zlo(c1)), vadd(zhi(c1), zfold(c2))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dot_q6_pairs(buf, r, xs, xb):
+def dot_q6_pairs(buf, r, xs, xb):
     """_dot_q6 in 16-lane vectors (CPUs with 512-bit SIMD): a group's six dwords per lane load as
     three i32x16, [A0 | A1], [A2 | B0], [B1 | B2] (halves A: columns 0-15, B: 16-31), so every
     field extraction, conversion and FMA does 16 weights against an x pair (zpair); the middle
     vector's halves belong to different sub-blocks and are added to each separately. Same products
     as _dot_q6, summed in another order. Returns (A_g0, B_g0, A_g1, B_g1)."""
-    a0, m0, b0 = q6_pair_dots(zld_i32(buf, r), zld_i32(buf, r + 64), zld_i32(buf, r + 128), xs, xb,
-                               zzero(), zzero(), zzero())
-    a1, m1, b1 = q6_pair_dots(zld_i32(buf, r + 192), zld_i32(buf, r + 256), zld_i32(buf, r + 320), xs, xb,
-                               zzero(), zzero(), zzero())
-    return (vadd(zfold(a0), zlo(m0)), vadd(zhi(m0), zfold(b0)),
-            vadd(zfold(a1), zlo(m1)), vadd(zhi(m1), zfold(b1)))
+    a0, b0 = _q6_pairs_group(zld_i32(buf, r), zld_i32(buf, r + 64), zld_i32(buf, r + 128), xs, xb)
+    a1, b1 = _q6_pairs_group(zld_i32(buf, r + 192), zld_i32(buf, r + 256), zld_i32(buf, r + 320), xs, xb)
+    return a0, b0, a1, b1
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -841,7 +832,7 @@ def tile_f32(dst, d0, buf, base, nb, x):
 # ==================================================================================================
 
 PAIR_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
-_PAIR_NS = dict(globals(), _dot_q4=dot_q4_pairs, _dot_q6=_dot_q6_pairs)
+_PAIR_NS = dict(globals(), _dot_q4=dot_q4_pairs, _dot_q6=dot_q6_pairs)
 for _tile in (tile_q4_0, tile_q4_1, tile_q4_k, tile_q6_k):
     globals()[_tile.__name__ + "_pairs"] = njit(cache=True, nogil=True)(
         bind_copy(_tile.py_func, _tile.__name__ + "_pairs", _PAIR_NS))

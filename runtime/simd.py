@@ -31,7 +31,7 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic, models, register_model
 
 __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "zadd", "zfold",
-           "zld_i32", "zandf", "zsrlf", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast",
+           "zld_i32", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast",
            "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma",
            "vadd", "vsub", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
            "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
@@ -291,11 +291,16 @@ def zmul(typingctx, a, b):
     return f32x16(a, b), codegen
 
 
+def _half(builder, v, k):
+    """Lanes 8k..8k+7 of a 16-lane vector, as an 8-lane one."""
+    return builder.shuffle_vector(v, v, ir.Constant(_VI, list(range(8 * k, 8 * k + 8))))
+
+
 @intrinsic
 def zlo(typingctx, a):
     """Lanes 0..7 of an f32x16, as f32x8."""
     def codegen(context, builder, sig, args):
-        return builder.shuffle_vector(args[0], args[0], ir.Constant(_VI, list(range(8))))
+        return _half(builder, args[0], 0)
     return f32x8(a), codegen
 
 
@@ -303,7 +308,7 @@ def zlo(typingctx, a):
 def zhi(typingctx, a):
     """Lanes 8..15 of an f32x16, as f32x8 (vextractf64x4)."""
     def codegen(context, builder, sig, args):
-        return builder.shuffle_vector(args[0], args[0], ir.Constant(_VI, list(range(8, 16))))
+        return _half(builder, args[0], 1)
     return f32x8(a), codegen
 
 
@@ -312,9 +317,7 @@ def zfold(typingctx, a):
     """f32x8: lanes 0..7 of a plus lanes 8..15 (vextractf64x4 + vaddps): the two halves of a
     16-lane accumulator that held two column runs of the same 8 rows, summed."""
     def codegen(context, builder, sig, args):
-        lo = builder.shuffle_vector(args[0], args[0], ir.Constant(_VI, list(range(8))))
-        hi = builder.shuffle_vector(args[0], args[0], ir.Constant(_VI, list(range(8, 16))))
-        return builder.fadd(lo, hi)
+        return builder.fadd(_half(builder, args[0], 0), _half(builder, args[0], 1))
     return f32x8(a), codegen
 
 
@@ -324,24 +327,6 @@ def zld_i32(typingctx, buf, off):
     def codegen(context, builder, sig, args):
         return builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VI16), align=4)
     return i32x16(buf, off), codegen
-
-
-@intrinsic
-def zandf(typingctx, v, mask):
-    """float32(int32(v & mask)) per lane of an i32x16 (as andf)."""
-    def codegen(context, builder, sig, args):
-        m = _splat_i32(context, builder, args[1], sig.args[1], _VI16)
-        return builder.sitofp(builder.and_(args[0], m), _VF16)
-    return f32x16(v, mask), codegen
-
-
-@intrinsic
-def zsrlf(typingctx, v, n):
-    """float32(int32(v >> n)) per lane of an i32x16, logical shift (as srlf)."""
-    def codegen(context, builder, sig, args):
-        m = _splat_i32(context, builder, args[1], sig.args[1], _VI16)
-        return builder.sitofp(builder.lshr(args[0], m), _VF16)
-    return f32x16(v, n), codegen
 
 
 @intrinsic
@@ -471,20 +456,32 @@ def isrl(typingctx, v, n):
     return i32x8(v, n), codegen
 
 
+def _float_lanes(v):
+    """The float vector type with v's lane count (f32x8 for an i32x8, f32x16 for an i32x16)."""
+    return f32x16 if isinstance(v, I32x16Type) else f32x8
+
+
+def _field_ir(context, builder, sig, args, op):
+    """float32(int32(op(v, splat(n)))) per lane, at v's width (args = v, n)."""
+    vty = args[0].type
+    n = _splat_i32(context, builder, args[1], sig.args[1], vty)
+    return builder.sitofp(op(args[0], n), ir.VectorType(ir.FloatType(), vty.count))
+
+
 @intrinsic
 def andf(typingctx, v, mask):
-    """float32(int32(v & mask)) per lane (vpand + vcvtdq2ps)."""
+    """float32(int32(v & mask)) per lane (vpand + vcvtdq2ps), of an i32x8 or an i32x16."""
     def codegen(context, builder, sig, args):
-        return builder.sitofp(builder.and_(args[0], _splat_i32(context, builder, args[1], sig.args[1])), _VF)
-    return f32x8(v, mask), codegen
+        return _field_ir(context, builder, sig, args, builder.and_)
+    return _float_lanes(v)(v, mask), codegen
 
 
 @intrinsic
 def srlf(typingctx, v, n):
-    """float32(int32(v >> n)) per lane, logical shift (vpsrld + vcvtdq2ps)."""
+    """float32(int32(v >> n)) per lane, logical shift (vpsrld + vcvtdq2ps), of an i32x8 or an i32x16."""
     def codegen(context, builder, sig, args):
-        return builder.sitofp(builder.lshr(args[0], _splat_i32(context, builder, args[1], sig.args[1])), _VF)
-    return f32x8(v, n), codegen
+        return _field_ir(context, builder, sig, args, builder.lshr)
+    return _float_lanes(v)(v, n), codegen
 
 
 @intrinsic
