@@ -42,11 +42,13 @@ from tqdm import tqdm
 
 from ringllm.backends import BACKENDS, check_room, engine_peak_memory, make_engine, store_stats
 from ringllm.chat_template import check_template_kwargs, render_chat
+from ringllm.compile_helper import helper_argv
 from ringllm.constraints import Grammar, compile_grammar, json_schema_of
 from ringllm.decoder import Decoder, check_max_tokens
 from ringllm.generation import Chunk, Completion, Generation, Record, Timings
+from ringllm.models.bundled import default_model_path
 from ringllm.models.loader import load_model
-from ringllm.runtime import compile_clock
+from ringllm.runtime import compile_clock, compile_share
 from ringllm.runtime.compile_clock import CompileSpan
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.host_memory import release_file_pages, trim_heap
@@ -62,6 +64,16 @@ from ringllm.tools import ToolPlan
 __all__ = ["LLM", "Chunk", "Completion", "Decoder", "Generation", "Timings", "BACKENDS"]
 
 DEFAULT_MAX_TOKENS = 256
+
+
+def _plan_compile_helper(model, kv: KVConfig, precision: str) -> None:
+    """Plan the compile helper of a cold start for `model` (None: the bundled one), if it exists."""
+    try:
+        path = default_model_path() if model is None else os.fspath(model)
+    except (RingLLMError, TypeError):
+        return                      # load_model says what is wrong with it
+    if os.path.exists(path):
+        compile_share.plan_helper(helper_argv(path, kv, precision))
 
 
 class LLM:
@@ -111,6 +123,8 @@ class LLM:
         bar = tqdm(total=3 if warmup else 2, desc="loading model", unit="step", file=sys.stderr, disable=not show,
                    leave=False)
         try:
+            if backend == "cpu" and n_threads != 1 and compile_share.helper_wanted():
+                _plan_compile_helper(model, kv, precision)   # a cold start compiles on two cores (compile_share)
             self.model = load_model(model)
             trim_heap()      # building the tokenizer freed tens of MB (262k-token vocabularies): gone before packing
             bar.update(1)

@@ -69,6 +69,15 @@ def _first_compile_notice() -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def count_wait(seconds: float) -> None:
+    """Count seconds this thread spent waiting for another process to compile a kernel it needs
+    (runtime/compile_share.py) as compile time, unless the wait happened inside a compile of its
+    own (whose time already includes it)."""
+    if getattr(_local, "depth", 0) == 0:
+        with _lock:
+            _total["seconds"] += seconds
+
+
 def totals() -> tuple[float, int]:
     """(seconds, signatures) compiled by this process so far."""
     with _lock:

@@ -238,6 +238,15 @@ class CPUEngine:
         unchecked). A paged store lays itself out."""
         return not getattr(store, "paged", False) and getattr(store, "adopter", None) is not self.adopter_token
 
+    def _prepare(self, store, n_new: int) -> None:
+        """Before feeding n_new tokens into `store`: its room checked, the store adopted when it must be,
+        and Numba's thread count set to this engine's."""
+        store.check_room(n_new)
+        if self._needs_adoption(store):
+            self.adopt_store(store)
+        if self.n_threads is not None:
+            numba.set_num_threads(self.n_threads)
+
     def step(self, token: int, store: KVStore) -> np.ndarray:
         """Decode one token; returns its logits (n_vocab,) float32 (a view, valid until the next call)."""
         return self.forward([token], store, all_logits=False)[0]
@@ -250,6 +259,25 @@ class CPUEngine:
     def logits(self, ids, store: KVStore) -> np.ndarray:
         """Logits (len(ids), n_vocab) of every token fed through the store (decode semantics)."""
         return self.forward(ids, store, all_logits=True)
+
+    def attend_and_head(self, store: KVStore) -> np.ndarray:
+        """The parts of a decode step that come after the matrix products, alone: every layer writes
+        and attends one token of zeros into `store`, then the output head runs on a zero row. The
+        kernels of a step in the order a compile helper wants them (runtime/warmup.warm_decode: a
+        prompt reaches them only after its first matrix product); returns the head's logits (1,
+        n_vocab), a view of the run buffer."""
+        if getattr(store, "paged", False):
+            raise ConfigError("attend_and_head works on dense KVStores")
+        self._prepare(store, 1)
+        s, b = self.spec, self.buf1
+        for arr in (b.x, b.q, b.k, b.v):
+            arr[:] = 0.0
+        kk, v3 = b.k.reshape(1, s.n_head_kv, s.head_dim), b.v.reshape(1, s.n_head_kv, s.head_dim)
+        scale, attn_cap = np.float32(s.attn_scale), np.float32(s.attn_softcap)
+        for il in range(s.n_layer):
+            self._attend_dense(il, b, store, store.n_seen, 0, 1, kk, v3, self.layer_ropes[il], scale, attn_cap)
+        store.n_seen += 1
+        return self._head(b, 1)
 
     def step_batch(self, tokens, stores) -> np.ndarray:
         """Decode one token for each of B sequences at once: tokens (B,) ints, stores (B,) distinct
@@ -268,11 +296,7 @@ class CPUEngine:
         for st in stores:
             if getattr(st, "paged", False):
                 raise ConfigError("step_batch works on dense KVStores; paged stores decode one at a time (step)")
-            st.check_room(1)
-            if self._needs_adoption(st):
-                self.adopt_store(st)
-        if self.n_threads is not None:
-            numba.set_num_threads(self.n_threads)
+            self._prepare(st, 1)
         out = np.empty((ids.size, self.spec.n_vocab), np.float32)
         self._batched = True
         try:
@@ -315,11 +339,7 @@ class CPUEngine:
             raise ConfigError("no tokens to feed")
         if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
             raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
-        store.check_room(ids.size)
-        if self._needs_adoption(store):
-            self.adopt_store(store)
-        if self.n_threads is not None:
-            numba.set_num_threads(self.n_threads)
+        self._prepare(store, ids.size)
         out = np.zeros((ids.size, self.spec.n_vocab), np.float32) if all_logits else None
         for start in range(0, ids.size, self.n_batch):
             chunk = ids[start:start + self.n_batch]

@@ -51,16 +51,20 @@ def small_config(kv: KVConfig) -> KVConfig | None:
     return None
 
 
+def _small_or_full(kv: KVConfig) -> KVConfig:
+    """small_config(kv), or where none validates a small store of policy full in kv's position mode
+    and KV types (only the paths that do not evict: still most of the kernels)."""
+    return small_config(kv) or KVConfig(capacity=max(_SMALL_CAPACITIES), policy="full", positions=kv.positions,
+                                        k_type=kv.k_type, v_type=kv.v_type)
+
+
 def warm(engine, kv: KVConfig, few_rows: bool = True) -> None:
     """Run `engine` through the code paths of a generation with `kv` (module docstring) on a small
     store of its own. Results are discarded; the engine's scratch may grow to the small store.
     few_rows=False leaves out the few-row kernels (2..MATMUL_MIN_T - 1 rows: each weight type's
     takes 1.5-4.5 s to compile), which only batched decode runs (CPUEngine.step_batch; a single
     sequence's short prefill chunk runs one matvec per row, the same bits)."""
-    small = small_config(kv)
-    if small is None:               # only the paths that do not evict: still most of the kernels
-        small = KVConfig(capacity=max(_SMALL_CAPACITIES), policy="full", positions=kv.positions, k_type=kv.k_type,
-                         v_type=kv.v_type)
+    small = _small_or_full(kv)
     n_vocab = engine.spec.n_vocab
     store = engine.new_store(small)
     few = [t % n_vocab for t in range(1, _FEW + 1)]               # a short chunk: one matvec per row
@@ -83,6 +87,17 @@ def warm(engine, kv: KVConfig, few_rows: bool = True) -> None:
     engine.step(1 % n_vocab, store)
     if few_rows:
         warm_few_rows(engine)
+
+
+def warm_decode(engine, kv: KVConfig) -> None:
+    """Run a decode step's kernels on a small store of kv's configuration (small_config), attention
+    first: every layer's write and attention and the output head (CPUEngine.attend_and_head), then
+    a whole step (the decode matvecs, the FFN). The order of a helper compiling beside a process
+    that feeds a prompt (runtime/compile_share.py): the prompt's matrix products come first there,
+    its attention next, the head at its end, decode's matvecs only after its first token."""
+    small = _small_or_full(kv)
+    engine.attend_and_head(engine.new_store(small))
+    engine.step(1 % engine.spec.n_vocab, engine.new_store(small))
 
 
 def warm_few_rows(engine) -> None:

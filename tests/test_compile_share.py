@@ -1,0 +1,145 @@
+"""Two processes sharing a cold start's compiles (runtime/compile_share.py): a kernel claimed by one
+is loaded from the cache by the other, never compiled twice; a claimant that dies or a compile that
+fails leaves the other to compile it; an LLM's cold start hands kernels over from its helper and
+generates what a warm start generates.
+
+Every program runs as a subprocess on a kernel cache of its own (an empty NUMBA_CACHE_DIR)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ringllm.runtime import compile_share
+
+# role: wait for the file GO.<role>, then run gated_act_fused (about a second to compile) once; print
+# what it compiled, this process's share and the result. Role "bad" passes a 1-d input (a typing error).
+ROLE = r"""
+import json, os, sys, time
+import numpy as np
+role, claims, go = sys.argv[1:4]
+from ringllm.runtime import compile_share
+from ringllm.runtime.compile_clock import CompileSpan
+from ringllm.runtime.ops import gated_act_fused
+compile_share.join(claims)
+open(go + "." + role + ".ready", "w").close()
+while not os.path.exists(go + "." + role):
+    time.sleep(0.002)
+x = np.linspace(-2, 2, 256, dtype=np.float32).reshape(2, 128)
+out = np.zeros((2, 64), np.float32)
+error = None
+with CompileSpan() as span:
+    try:
+        gated_act_fused(out, x.reshape(-1) if role == "bad" else x, 0)
+    except Exception as exc:
+        error = type(exc).__name__
+print(json.dumps({"compiled": span.signatures, "stats": compile_share.stats(), "out": out.tolist(), "error": error}))
+"""
+
+LLM_RUN = r"""
+import json
+from ringllm import LLM
+from ringllm.runtime import compile_share
+llm = LLM(n_threads=2)
+done = llm.complete("The capital of France is", max_tokens=4, ignore_eos=True)
+print(json.dumps({"tokens": list(done.tokens), "stats": compile_share.stats(),
+                  "compile_s": done.timings.compile_s, "prompt_s": done.timings.prompt_s}))
+"""
+
+
+def _env(cache):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+    env.pop("RINGLLM_NUMBA_CACHE_BASE", None)
+    env.pop(compile_share.HELPER_ENV, None)
+    return env
+
+
+def _start(role, claims, go, cache):
+    return subprocess.Popen([sys.executable, "-c", ROLE, role, str(claims), str(go)], env=_env(cache),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _until(cond, timeout=120.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.002)
+
+
+def _result(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _claims(claims):
+    return [f for f in os.listdir(claims) if f.endswith(".claim")]
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    claims, cache = tmp_path / "claims", tmp_path / "cache"
+    claims.mkdir()
+    cache.mkdir()
+    return claims, tmp_path / "go", cache
+
+
+def test_a_claimed_kernel_is_loaded_not_compiled_again(dirs):
+    claims, go, cache = dirs
+    a, b = _start("a", claims, go, cache), _start("b", claims, go, cache)
+    _until(lambda: os.path.exists(f"{go}.a.ready") and os.path.exists(f"{go}.b.ready"))
+    open(f"{go}.a", "w").close()
+    _until(lambda: _claims(claims))         # a is compiling now: b asks for the same kernel
+    open(f"{go}.b", "w").close()
+    ra, rb = _result(a), _result(b)
+    assert ra["compiled"] >= 1 and ra["stats"]["claimed"] >= 1
+    assert rb["compiled"] == 0 and rb["stats"]["claimed"] == 0 and rb["stats"]["waited"] >= 1
+    assert rb["out"] == ra["out"]
+    assert {f[:-5] for f in os.listdir(claims) if f.endswith(".done")} == {f[:-6] for f in _claims(claims)}
+
+
+def test_a_claimant_that_dies_leaves_the_kernel_to_the_other(dirs):
+    claims, go, cache = dirs
+    a, b = _start("a", claims, go, cache), _start("b", claims, go, cache)
+    _until(lambda: os.path.exists(f"{go}.a.ready") and os.path.exists(f"{go}.b.ready"))
+    open(f"{go}.a", "w").close()
+    _until(lambda: _claims(claims))
+    a.kill()                                # mid-compile: its claim stays, its pid is gone
+    a.communicate()
+    open(f"{go}.b", "w").close()
+    rb = _result(b)
+    assert rb["compiled"] >= 1 and rb["error"] is None
+    assert rb["out"][0][:2] != [0.0, 0.0]
+
+
+def test_a_failing_compile_releases_its_claims(dirs):
+    claims, go, cache = dirs
+    bad = _start("bad", claims, go, cache)
+    _until(lambda: os.path.exists(f"{go}.bad.ready"))
+    open(f"{go}.bad", "w").close()
+    r = _result(bad)
+    assert r["error"] == "TypingError"
+    held = {f[:-6] for f in _claims(claims)}
+    assert held and held <= {f[:-5] for f in os.listdir(claims) if f.endswith(".done")}
+
+
+def test_llm_cold_start_shares_compiles_with_its_helper_and_generates_as_warm(tmp_path):
+    if not compile_share.helper_wanted():
+        pytest.skip("one core for this process: a cold start compiles alone")
+    run = lambda: subprocess.run([sys.executable, "-c", LLM_RUN], env=_env(tmp_path), capture_output=True,
+                                 text=True, timeout=900)
+    cold = run()
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    c = json.loads(cold.stdout.strip().splitlines()[-1])
+    assert c["stats"]["helper"] and c["stats"]["waited"] >= 1      # it loaded a kernel the helper compiled
+    assert c["compile_s"] > 0
+    warm = run()
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    w = json.loads(warm.stdout.strip().splitlines()[-1])
+    assert not w["stats"]["helper"] and w["stats"]["claimed"] == 0 and w["compile_s"] == 0.0
+    assert w["tokens"] == c["tokens"]
+    assert not [d for d in os.listdir(tmp_path / os.listdir(tmp_path)[0]) if d.startswith(".claims-")]
