@@ -1,7 +1,7 @@
 """`python -m ringllm.compile_helper`: the second process of a cold start (runtime/compile_share.py).
 
-An LLM whose first compile finds the kernel cache empty starts this beside itself, with the same
-model, KV configuration and precision. It builds its own engine for the model and runs a decode
+An LLM that finds the kernel cache empty starts this beside itself (compile_share.start_helper),
+with the same model, KV configuration and precision. It builds its own engine for the model and runs a decode
 step's kernels attention-first (runtime/warmup.warm_decode), claiming each kernel it compiles in
 the parent's claims directory; the parent, busy with the prompt's matrix products meanwhile, loads
 those kernels from the cache when it reaches them instead of compiling them. It prints nothing and
@@ -19,8 +19,9 @@ import sys
 
 def helper_argv(model_path: str, kv, precision: str) -> list[str]:
     """The command line that starts this helper for a model file or directory, a KVConfig and a precision."""
+    kv_json = json.dumps(kv.to_dict(), default=lambda v: v.item() if hasattr(v, "item") else str(v))  # np.float32 knobs
     return [sys.executable, "-m", "ringllm.compile_helper", "--model", os.fspath(model_path),
-            "--kv", json.dumps(kv.to_dict()), "--precision", precision]
+            "--kv", kv_json, "--precision", precision]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,14 +66,20 @@ __all__ = ["LLM", "Chunk", "Completion", "Decoder", "Generation", "Timings", "BA
 DEFAULT_MAX_TOKENS = 256
 
 
-def _plan_compile_helper(model, kv: KVConfig, precision: str) -> None:
-    """Plan the compile helper of a cold start for `model` (None: the bundled one), if it exists."""
+def _start_compile_helper(model, kv: KVConfig, precision: str) -> None:
+    """Start the compile helper of a cold start for `model` (None: the bundled one), where
+    compile_share says one pays; a model that cannot be found is left for load_model to report."""
     try:
         path = default_model_path() if model is None else os.fspath(model)
     except (RingLLMError, TypeError):
-        return                      # load_model says what is wrong with it
-    if os.path.exists(path):
-        compile_share.plan_helper(helper_argv(path, kv, precision))
+        return
+    if not compile_share.helper_wanted() or not os.path.exists(path):
+        return
+    if os.path.isdir(path):
+        size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file() and e.name.endswith(".safetensors"))
+    else:
+        size = os.path.getsize(path)
+    compile_share.start_helper(helper_argv(path, kv, precision), size)
 
 
 class LLM:
@@ -123,8 +129,8 @@ class LLM:
         bar = tqdm(total=3 if warmup else 2, desc="loading model", unit="step", file=sys.stderr, disable=not show,
                    leave=False)
         try:
-            if backend == "cpu" and n_threads != 1 and compile_share.helper_wanted():
-                _plan_compile_helper(model, kv, precision)   # a cold start compiles on two cores (compile_share)
+            if backend == "cpu" and n_threads != 1:      # a cold start compiles on two cores (compile_share)
+                _start_compile_helper(model, kv, precision)
             self.model = load_model(model)
             trim_heap()      # building the tokenizer freed tens of MB (262k-token vocabularies): gone before packing
             bar.update(1)
@@ -150,6 +156,9 @@ class LLM:
                     warm(self._engine, kv, few_rows=False)
                 self.compile_s = compiling.seconds
                 bar.update(1)
+        except BaseException:
+            compile_share.stop_helper()
+            raise
         finally:
             bar.close()
         self.chat_template = chat_template if chat_template is not None else self.tokenizer.chat_template

@@ -2,11 +2,12 @@
 
 Numba compiles one kernel at a time per process, so a cold start (an empty kernel cache: a fresh
 install, an upgrade, a new container) leaves every core but one idle while it compiles for most of
-its seconds. Processes that share a claims directory (`CLAIMS_ENV`) split the work instead:
+its seconds. A process and a helper it starts share a claims directory (`CLAIMS_ENV`) and split the
+work instead:
 
 - a process about to compile a ringllm kernel signature that is not in the on-disk cache first
-  claims it: it creates `<key>.claim` (exclusively, holding its pid) and compiles;
-- a process that finds the signature claimed by another waits until the claimant has saved it to
+  claims it: it creates `<key>.claim` (atomically, holding its pid) and compiles;
+- a process that finds the signature claimed by the other waits until the claimant has saved it to
   the cache (`<key>.done`) and loads it from there, as a warm start would;
 - a claimant that is gone (its pid ended) or slower than WAIT_S leaves the waiter to compile it
   itself, so cooperation can delay a compile but never lose one. A compile that fails releases
@@ -19,19 +20,25 @@ kernels do not recurse.
 
 The key of a signature is the kernel's cache index file (module, name, source line) and its
 argument types, so both processes must reach a kernel with the same argument types for the hand-over
-to happen; when they do not, each compiles its own, as before.
+to happen; when they do not, each compiles its own, as before. Numba updates a kernel's cache index
+by reading it, adding an entry and writing it back; two processes saving signatures of one kernel at
+the same moment could lose an entry or pair it with the other's data file, so saves under sharing
+hold an exclusive lock per index file.
 
-`plan_helper(argv)` names a helper process, started at this process's first claim (its first
-compile): the engine runs a model's code paths in their natural order (a prompt's matrix products,
-then attention, FFN, output head, then decode), and the helper (ringllm.compile_helper) runs
-them attention-first, so the two meet few kernels at the same time. A warm start never claims
-anything and never starts it; `HELPER_ENV=0` turns it off. The helper is stopped when this process
-exits (what it finished is in the cache).
+`start_helper(argv, model_bytes)` starts the helper (ringllm.compile_helper) when the kernel cache
+holds no kernel at all, the process may use two cores (affinity and cgroup quota), the machine has
+memory for a second copy of the model, and the platform is POSIX; never on a warm or partly filled
+cache. The engine runs a model's code paths in their natural order (a prompt's matrix products,
+then attention, FFN, output head, then decode), and the helper runs them attention-first, so the
+two meet few kernels at the same time. The helper ends with its parent (it asks the kernel for a
+signal when the parent dies, and the parent stops it at exit); claims directories whose owner is
+gone are removed by the next one made. `HELPER_ENV=0` turns the helper off.
 """
 from __future__ import annotations
 
 import atexit
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -41,89 +48,70 @@ import time
 
 from ringllm.runtime import compile_clock
 
-__all__ = ["CLAIMS_ENV", "HELPER_ENV", "WAIT_S", "join", "plan_helper", "helper_wanted", "stop_helper", "stats"]
+__all__ = ["CLAIMS_ENV", "HELPER_ENV", "PARENT_ENV", "WAIT_S", "helper_wanted", "start_helper", "join",
+           "stop_helper", "stats"]
 
 CLAIMS_ENV = "RINGLLM_COMPILE_CLAIMS"     # the shared claims directory, for a helper process
 HELPER_ENV = "RINGLLM_COMPILE_HELPER"     # "0": compile alone (no helper process)
+PARENT_ENV = "RINGLLM_COMPILE_PARENT"     # the pid that started the helper
 WAIT_S = 300.0                            # longest wait for another process's compile
 _POLL_S = 0.005
+_PREFIX = ".claims-"
 
 _lock = threading.Lock()
 _local = threading.local()               # .claimed: keys this thread claimed and has not saved yet
-_state: dict = {"dir": None, "owner": False, "plan": None, "plan_started": None, "helper": None,
-                "claimed": 0, "waited": 0, "wait_s": 0.0}
+_state: dict = {"dir": None, "creator": None, "helper": None, "claimed": 0, "waited": 0, "wait_s": 0.0}
 
 
 def helper_wanted() -> bool:
-    """Whether a cold start here should start a helper: two or more cores for this process, and
-    HELPER_ENV not "0"."""
-    if os.environ.get(HELPER_ENV, "1") == "0":
+    """Whether a cold start here may start a helper: a POSIX system, two or more cores for this
+    process (its CPU affinity and its cgroup's CPU quota), and HELPER_ENV not "0"."""
+    if os.environ.get(HELPER_ENV, "1") == "0" or os.name != "posix":
         return False
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return cores >= 2
+    return min(cores, _cgroup_cpus()) >= 2
 
 
-def join(claims_dir: str) -> None:
-    """Take part in the claims of `claims_dir` (a helper process does, with its parent's directory)."""
-    _install_hooks()
-    with _lock:
-        _state["dir"] = claims_dir
-
-
-def plan_helper(argv: list[str]) -> None:
-    """Start `argv` as a helper sharing a claims directory of its own (CLAIMS_ENV in its
-    environment): now when the kernel cache holds no kernel at all (a cold start: the helper's
-    imports and model load overlap this process's), else at this process's first compile of a
-    ringllm kernel (never on a warm start). Each plan starts at most once; a new plan replaces one
-    not started yet. Nothing happens without an on-disk cache (NUMBA_CACHE_DIR) to hand kernels over."""
-    if not os.environ.get("NUMBA_CACHE_DIR"):
-        return
-    _install_hooks()
-    with _lock:
-        _state["plan"] = list(argv)
-    if _cache_is_empty():
-        _start_helper()
-
-
-def _claims_dir() -> str:
-    """This process's claims directory, made on first use (in the kernel cache directory); removed at exit."""
-    with _lock:
-        if _state["dir"] is None:
-            try:
-                _state["dir"] = tempfile.mkdtemp(prefix=".claims-", dir=os.environ.get("NUMBA_CACHE_DIR") or None)
-            except OSError:
-                _state["dir"] = tempfile.mkdtemp(prefix="ringllm-claims-")
-            _state["owner"] = True
-            atexit.register(_shutdown)
-        return _state["dir"]
-
-
-def _cache_is_empty() -> bool:
-    """No kernel in the cache directory (NUMBA_CACHE_DIR, one subdirectory per source folder)."""
-    base = os.environ.get("NUMBA_CACHE_DIR")
-    if not base:
+def start_helper(argv: list[str], model_bytes: int) -> bool:
+    """Start `argv` as this process's compile helper, sharing a claims directory of its own
+    (CLAIMS_ENV in its environment), when the kernel cache holds no kernel at all and the machine's
+    available memory holds four times `model_bytes` (the helper loads its own copy of the model).
+    True when it started."""
+    if not helper_wanted() or not _cache_is_empty() or 4 * model_bytes > _available_memory():
         return False
-    for root, _dirs, files in os.walk(base):
-        if any(f.endswith(".nbi") for f in files):
+    _install_hooks()
+    with _lock:
+        running = _state["helper"]
+        if running is not None and running.poll() is None:
             return False
+    claims = _claims_dir()
+    env = dict(os.environ, **{CLAIMS_ENV: claims, HELPER_ENV: "0", PARENT_ENV: str(os.getpid())})
+    try:
+        helper = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+    except OSError:
+        return False
+    with _lock:
+        _state["helper"] = helper
     return True
 
 
-def stats() -> dict:
-    """This process's share so far: kernels it claimed, kernels it waited for, seconds waited, and
-    whether a helper was started."""
+def join(claims_dir: str) -> None:
+    """Take part in the claims of `claims_dir` (the helper does, with its parent's directory), and
+    end when the parent does (PARENT_ENV)."""
+    _install_hooks()
+    _die_with_parent()
     with _lock:
-        return {"claimed": _state["claimed"], "waited": _state["waited"], "wait_s": _state["wait_s"],
-                "helper": _state["helper"] is not None}
+        _state["dir"] = claims_dir
 
 
 def stop_helper() -> None:
     """Stop the helper if it still runs (its finished kernels stay in the cache)."""
     helper = _state["helper"]
-    if helper is None or helper.poll() is not None:
+    if helper is None or _state["creator"] != os.getpid() or helper.poll() is not None:
         return
     helper.terminate()
     try:
@@ -133,61 +121,184 @@ def stop_helper() -> None:
         helper.wait()
 
 
-def _shutdown() -> None:
-    stop_helper()
-    if _state["owner"] and _state["dir"]:
-        shutil.rmtree(_state["dir"], ignore_errors=True)
-
-
-def _start_helper() -> None:
-    """Start the planned helper (called with the claim of this process's first compile)."""
-    claims = _claims_dir()
+def stats() -> dict:
+    """This process's share so far: kernels it claimed, kernels it waited for, seconds waited, whether
+    a helper was started and its pid."""
     with _lock:
-        plan = _state["plan"]
-        if plan is None or _state["plan_started"] is plan:
-            return
-        running = _state["helper"]
-        if running is not None and running.poll() is None:
-            return
-        _state["plan_started"] = plan
-        env = dict(os.environ)
-        env[CLAIMS_ENV] = claims
-        env[HELPER_ENV] = "0"
-        try:
-            _state["helper"] = subprocess.Popen(plan, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                stderr=subprocess.DEVNULL)
-        except OSError:
-            _state["helper"] = None
+        helper = _state["helper"]
+        return {"claimed": _state["claimed"], "waited": _state["waited"], "wait_s": _state["wait_s"],
+                "helper": helper is not None, "helper_pid": None if helper is None else helper.pid}
+
+
+# ---------------------------------------------------------------------------------------------
+# Conditions
+# ---------------------------------------------------------------------------------------------
+
+
+def _cgroup_cpus() -> float:
+    """CPUs the process's cgroup (v2) may use: its cpu.max quota over the period (inf: no quota)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), None)
+        if rel is None:
+            return math.inf
+        with open(os.path.join("/sys/fs/cgroup", rel.lstrip("/"), "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return math.inf if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, IndexError):
+        return math.inf
+
+
+def _available_memory() -> int:
+    """Bytes the kernel reports available (MemAvailable); unbounded where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 1 << 62
+
+
+def _cache_dir() -> str | None:
+    from numba.core import config
+    return config.CACHE_DIR or os.environ.get("NUMBA_CACHE_DIR") or None
+
+
+def _cache_is_empty() -> bool:
+    """No kernel in the kernel cache directory (one subdirectory per source folder); False without one."""
+    base = _cache_dir()
+    if not base or not os.path.isdir(base):
+        return False
+    for _root, _dirs, files in os.walk(base):
+        if any(f.endswith(".nbi") for f in files):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The claims directory and the helper's lifetime
+# ---------------------------------------------------------------------------------------------
+
+
+def _claims_dir() -> str:
+    """This process's claims directory in the kernel cache directory, `.claims-<pid>-*`, made once
+    (directories of ended processes are removed first); removed when this process exits."""
+    with _lock:
+        if _state["dir"] is None:
+            base = _cache_dir() or tempfile.gettempdir()
+            _sweep(base)
+            _state["dir"] = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base)
+            _state["creator"] = os.getpid()
+            atexit.register(_shutdown)
+        return _state["dir"]
+
+
+def _sweep(base: str) -> None:
+    """Remove claims directories left in base by processes that ended without their exit handlers."""
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return
+    for e in entries:
+        if e.name.startswith(_PREFIX) and e.is_dir():
+            try:
+                pid = int(e.name[len(_PREFIX):].split("-", 1)[0])
+            except ValueError:
+                continue
+            if not _alive(pid):
+                shutil.rmtree(e.path, ignore_errors=True)
+
+
+def _shutdown() -> None:
+    """At exit of the process that made the claims directory (not of a child forked from it)."""
+    if _state["creator"] != os.getpid():
+        return
+    stop_helper()
+    shutil.rmtree(_state["dir"], ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """In the helper: have the kernel send SIGTERM when the parent ends (Linux's PR_SET_PDEATHSIG),
+    and end now if it already has."""
+    parent = int(os.environ.get(PARENT_ENV) or 0)
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if parent and os.getppid() != parent:
+        os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process pid runs (POSIX): a zombie (ended, not yet reaped) does not."""
+    helper = _state["helper"]
+    if helper is not None and helper.pid == pid and _state["creator"] == os.getpid():
+        return helper.poll() is None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims
+# ---------------------------------------------------------------------------------------------
+
+
+def _sharing() -> bool:
+    """Whether this process shares its compiles now: a helper that joined, or a parent whose helper runs."""
+    if _state["dir"] is None:
+        return False
+    helper = _state["helper"]
+    return helper is None or (_state["creator"] == os.getpid() and helper.poll() is None)
 
 
 def _path(key: str) -> str:
     return os.path.join(_state["dir"], key)
 
 
-def _key(cache, sig) -> str:
-    """The claim name of a signature: the kernel's cache index file (Numba's own, per kernel) and its types."""
-    return hashlib.sha1(f"{cache._cache_file._index_path}\0{sig}".encode()).hexdigest()
+def _index_path(cache) -> str | None:
+    return getattr(getattr(cache, "_cache_file", None), "_index_path", None)
 
 
 def _ours(cache) -> bool:
-    """A ringllm kernel's cache, while this process shares its compiles (a helper's claims joined,
-    or a helper planned). The Numba internals _key reads exist (else nothing is shared)."""
-    if _state["dir"] is None and _state["plan"] is None:
-        return False
-    index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
-    return index is not None and getattr(getattr(cache, "_py_func", None), "__module__", "").startswith("ringllm")
+    """A ringllm kernel's cache whose index file Numba names (else nothing is shared)."""
+    return (_index_path(cache) is not None
+            and getattr(getattr(cache, "_py_func", None), "__module__", "").startswith("ringllm"))
+
+
+def _key(cache, sig) -> str:
+    """The claim name of a signature: the kernel's cache index file (Numba's own, per kernel) and its types."""
+    return hashlib.sha1(f"{_index_path(cache)}\0{sig}".encode()).hexdigest()
 
 
 def _take(key: str) -> bool:
-    """Claim key for this process; False when another process holds it."""
+    """Claim key for this process (the claim file appears with its pid in it); False when another
+    process holds it."""
+    tmp = f"{_path(key)}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        fd = os.open(_path(key) + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
+        with open(tmp, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            os.link(tmp, _path(key) + ".claim")
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(tmp)
     except OSError:
         return True                   # no claims directory to write: compile here, as alone
-    with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
     with _lock:
         _state["claimed"] += 1
     if not hasattr(_local, "claimed"):
@@ -207,39 +318,23 @@ def _done(key: str) -> None:
         claimed.remove(key)
 
 
-def _alive(pid: int) -> bool:
-    helper = _state["helper"]
-    if helper is not None and helper.pid == pid:
-        return helper.poll() is None          # our child: a zombie answers kill(0) until reaped
-    try:                                       # Linux: a zombie (ended, not yet reaped) is gone too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _wait(key: str) -> bool:
     """Wait for another process's claim of key to be saved; False when it will not be (its claimant
-    ended, or WAIT_S passed)."""
-    t0 = time.monotonic()
+    ended, is this process, or WAIT_S passed)."""
     done, claim = _path(key) + ".done", _path(key) + ".claim"
-    pid = None
+    if os.path.exists(done):
+        return True
+    try:
+        with open(claim) as f:
+            pid = int(f.read())
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    t0 = time.monotonic()
     try:
         while not os.path.exists(done):
-            if pid is None:
-                try:
-                    with open(claim) as f:
-                        pid = int(f.read() or 0) or None
-                except (OSError, ValueError):
-                    pid = None           # written a moment after the file was created
-            if (pid is not None and not _alive(pid)) or time.monotonic() - t0 > WAIT_S:
+            if not _alive(pid) or time.monotonic() - t0 > WAIT_S:
                 return os.path.exists(done)
             time.sleep(_POLL_S)
         return True
@@ -251,45 +346,75 @@ def _wait(key: str) -> bool:
             _state["wait_s"] += waited
 
 
+class _IndexLock:
+    """An exclusive lock on one kernel's cache index while it is saved (fcntl.flock on a lock file
+    in the claims directory named after the index)."""
+
+    def __init__(self, cache):
+        self.path = _path(hashlib.sha1(str(_index_path(cache)).encode()).hexdigest() + ".lock")
+        self.fd = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+            self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except (OSError, ImportError):          # no lock to take: save as Numba alone would
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)               # closing releases the lock
+
+
+_install_lock = threading.Lock()
+
+
 def _install_hooks() -> None:
     """Wrap Numba's cache lookup and save (every cached dispatcher goes through them) and its compile
-    (to release the claims of a compile that raises). Idempotent."""
+    (to release the claims of a compile that raises). Once per process."""
     from numba.core.caching import Cache
     from numba.core.dispatcher import Dispatcher
 
-    if getattr(Cache, "_ringllm_claims", False):
-        return
-    load, save, compile_ = Cache.load_overload, Cache.save_overload, Dispatcher.compile
+    with _install_lock:
+        if getattr(Cache, "_ringllm_claims", False):
+            return
+        load, save, compile_ = Cache.load_overload, Cache.save_overload, Dispatcher.compile
 
-    def load_overload(self, sig, target_context):
-        cres = load(self, sig, target_context)
-        if cres is not None or not _ours(self):
-            return cres
-        _claims_dir()
-        key = _key(self, sig)
-        if _take(key):
-            _start_helper()
+        def load_overload(self, sig, target_context):
+            cres = load(self, sig, target_context)
+            if cres is not None or not _sharing() or not _ours(self):
+                return cres
+            key = _key(self, sig)
+            if _take(key):
+                return None
+            if _wait(key):
+                return load(self, sig, target_context)
             return None
-        if _wait(key):
-            return load(self, sig, target_context)
-        return None
 
-    def save_overload(self, sig, data):
-        try:
-            save(self, sig, data)
-        finally:
-            if _state["dir"] is not None and _ours(self):
-                _done(_key(self, sig))
+        def save_overload(self, sig, data):
+            if _state["dir"] is None or not _ours(self):
+                save(self, sig, data)
+                return
+            key = _key(self, sig)
+            try:
+                with _IndexLock(self):
+                    save(self, sig, data)
+            finally:
+                if key in getattr(_local, "claimed", ()):
+                    _done(key)
 
-    def compile(self, sig):
-        depth = len(getattr(_local, "claimed", ()))
-        try:
-            return compile_(self, sig)
-        except BaseException:
-            claimed = getattr(_local, "claimed", [])
-            for key in claimed[depth:]:
-                _done(key)
-            raise
+        def compile(self, sig):
+            depth = len(getattr(_local, "claimed", ()))
+            try:
+                return compile_(self, sig)
+            except BaseException:
+                for key in list(getattr(_local, "claimed", []))[depth:]:
+                    _done(key)
+                raise
 
-    Cache.load_overload, Cache.save_overload, Dispatcher.compile = load_overload, save_overload, compile
-    Cache._ringllm_claims = True
+        Cache.load_overload, Cache.save_overload, Dispatcher.compile = load_overload, save_overload, compile
+        Cache._ringllm_claims = True

@@ -1,7 +1,8 @@
 """Two processes sharing a cold start's compiles (runtime/compile_share.py): a kernel claimed by one
 is loaded from the cache by the other, never compiled twice; a claimant that dies or a compile that
 fails leaves the other to compile it; an LLM's cold start hands kernels over from its helper and
-generates what a warm start generates.
+generates what a warm start generates; the helper ends with its parent (exit, kill), a forked child
+leaves both alone, and a killed parent's claims directory is swept by the next.
 
 Every program runs as a subprocess on a kernel cache of its own (an empty NUMBA_CACHE_DIR)."""
 from __future__ import annotations
@@ -143,3 +144,72 @@ def test_llm_cold_start_shares_compiles_with_its_helper_and_generates_as_warm(tm
     assert not w["stats"]["helper"] and w["stats"]["claimed"] == 0 and w["compile_s"] == 0.0
     assert w["tokens"] == c["tokens"]
     assert not [d for d in os.listdir(tmp_path / os.listdir(tmp_path)[0]) if d.startswith(".claims-")]
+
+
+# start a stand-in helper (it joins the claims and sleeps) on an empty cache, print its pid and the claims
+# directories, then: "fork" forks a child that exits normally; "kill" waits to be killed
+LIFETIME = r"""
+import glob, os, sys, time
+from ringllm.runtime import compile_share
+from numba.core import config
+helper = ("import os, time; from ringllm.runtime import compile_share as c; "
+          "c.join(os.environ[c.CLAIMS_ENV]); time.sleep(120)")
+assert compile_share.start_helper([sys.executable, "-c", helper], 1)
+print(compile_share.stats()["helper"], flush=True)
+claims = lambda: sorted(glob.glob(os.path.join(config.CACHE_DIR, ".claims-*")))
+if sys.argv[1] == "fork":
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)                      # a child's normal exit runs the inherited exit handlers
+    os.waitpid(pid, 0)
+    print(len(claims()), flush=True)
+else:
+    print(compile_share.stats()["helper_pid"], flush=True)
+    time.sleep(120)
+"""
+
+
+def _lifetime(mode, cache):
+    return subprocess.Popen([sys.executable, "-c", LIFETIME, mode], env=_env(cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _claims_dirs(cache):
+    return [p for p, dirs, _ in os.walk(cache) for d in dirs if d.startswith(".claims-")]
+
+
+@pytest.mark.skipif(os.name != "posix" or not compile_share.helper_wanted(), reason="POSIX, two cores")
+def test_a_forked_child_leaves_the_claims_and_the_helper_to_its_parent(tmp_path):
+    p = _lifetime("fork", tmp_path)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    lines = out.split()
+    assert lines[0] == "True" and lines[1] == "1"      # the claims directory outlived the child
+    assert not _claims_dirs(tmp_path)                  # and went with the parent
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not compile_share.helper_wanted(),
+                    reason="Linux (PR_SET_PDEATHSIG), two cores")
+def test_the_helper_ends_with_a_killed_parent_and_its_claims_are_swept(tmp_path):
+    p = _lifetime("kill", tmp_path)
+    assert p.stdout.readline().strip() == "True"
+    helper = int(p.stdout.readline())
+    _until(lambda: _claims_dirs(tmp_path))
+    p.kill()                                           # no exit handlers run
+    p.communicate()
+    _until(lambda: not os.path.exists(f"/proc/{helper}") or open(f"/proc/{helper}/stat").read().split()[2] == "Z",
+           timeout=30)
+    assert _claims_dirs(tmp_path)                      # left behind ...
+    again = _lifetime("fork", tmp_path)                # ... until the next claims directory is made
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err[-3000:]
+    assert not _claims_dirs(tmp_path)
+
+
+def test_helper_command_line_takes_numpy_knobs():
+    import numpy as np
+    from ringllm.compile_helper import helper_argv
+    from ringllm.runtime.kv_config import KVConfig
+    kv = KVConfig(capacity=64, policy="pyramidkv", pyramid_beta=np.float32(20.0))
+    argv = helper_argv("model.gguf", kv, "f32")
+    assert KVConfig.from_dict(json.loads(argv[argv.index("--kv") + 1])) == kv
