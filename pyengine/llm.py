@@ -67,13 +67,14 @@ DEFAULT_MAX_TOKENS = 256
 
 
 def _start_compile_helper(model, kv: KVConfig, precision: str) -> None:
-    """Start the compile helper of a cold start for `model` (None: the bundled one), where
-    compile_share says one pays; a model that cannot be found is left for load_model to report."""
+    """Start the compile helper of a cold start for `model` (None: the bundled one) where
+    compile_share.start_helper says one pays; a model that cannot be found is left for load_model to
+    report."""
     try:
         path = default_model_path() if model is None else os.fspath(model)
     except (RingLLMError, TypeError):
         return
-    if not compile_share.helper_wanted() or not os.path.exists(path):
+    if not os.path.exists(path):
         return
     if os.path.isdir(path):
         size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file() and e.name.endswith(".safetensors"))

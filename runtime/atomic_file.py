@@ -21,14 +21,24 @@ import os
 import secrets
 from typing import IO, Iterator
 
-__all__ = ["atomic_path", "atomic_open", "write_bytes", "stale_temporaries"]
+__all__ = ["atomic_path", "atomic_open", "write_bytes", "stale_temporaries", "pid_alive"]
 
 
 def _temp_prefix(path: str) -> str:
     return f".{os.path.basename(path)}."
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs. A zombie (ended, not yet reaped by its parent) does not, where
+    /proc says so. Outside POSIX the answer is always True: there os.kill(pid, 0) would terminate the
+    process rather than probe it, so nothing is taken for dead."""
+    if os.name != "posix":
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -51,7 +61,7 @@ def stale_temporaries(path: str | os.PathLike) -> list[str]:
         if not (name.startswith(prefix) and name.endswith(".tmp")):
             continue
         pid_part = name[len(prefix):-4].split("-", 1)[0]
-        if pid_part.isdigit() and not _pid_alive(int(pid_part)):
+        if pid_part.isdigit() and not pid_alive(int(pid_part)):
             out.append(os.path.join(folder, name))
     return out
 

@@ -47,6 +47,7 @@ import threading
 import time
 
 from ringllm.runtime import compile_clock
+from ringllm.runtime.atomic_file import pid_alive
 
 __all__ = ["CLAIMS_ENV", "HELPER_ENV", "PARENT_ENV", "WAIT_S", "helper_wanted", "start_helper", "join",
            "stop_helper", "stats"]
@@ -234,22 +235,12 @@ def _die_with_parent() -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether process pid runs (POSIX): a zombie (ended, not yet reaped) does not."""
+    """Whether process pid runs: our own helper by polling it (which also reaps it), any other by
+    atomic_file.pid_alive."""
     helper = _state["helper"]
     if helper is not None and helper.pid == pid and _state["creator"] == os.getpid():
         return helper.poll() is None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 # ---------------------------------------------------------------------------------------------
