@@ -18,7 +18,8 @@ np.zeros gets its memory from malloc, and glibc raises its mmap threshold to the
 block it frees (up to 32 MiB), so once one store has been freed the next store's arrays come from the
 heap and calloc clears them byte by byte: tens of milliseconds for a store sized to an 8192-token
 context, paid by every request a server starts. A fresh mapping is zero by construction and costs
-nothing until its pages are written; it is unmapped when the array is collected. Under the kernel's
+nothing until its pages are written; it is unmapped when the array is collected (`lazy_zeros_group`:
+one mapping for many arrays, unmapped with the last of them). Under the kernel's
 `madvise` huge-page mode (the common default) such a mapping gets ordinary pages.
 
 Loading leaves two things resident that the process no longer needs: the model file's pages, once
@@ -29,6 +30,7 @@ from the file (`release_row_pages` drops them again after each lookup).
 """
 from __future__ import annotations
 
+import math
 import mmap
 from contextlib import contextmanager
 
@@ -68,12 +70,30 @@ LAZY_MIN_BYTES = 1 << 16      # smaller arrays come from malloc as usual (a mapp
 def lazy_zeros(shape, dtype=np.float32) -> np.ndarray:
     """A zero array whose memory is paid for as it is written: an anonymous mapping of its own for
     LAZY_MIN_BYTES or more (module docstring), np.zeros below that."""
-    shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < LAZY_MIN_BYTES:
-        return np.zeros(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
+    return lazy_zeros_group({"a": [(shape, dtype)]})["a"][0]
+
+
+def lazy_zeros_group(groups: dict) -> dict:
+    """lazy_zeros for many arrays at once: groups {name: [(shape, dtype), ...]} -> {name: [array, ...]}.
+    The arrays of LAZY_MIN_BYTES or more share one anonymous mapping (each starting on its own page),
+    the rest come from np.zeros. A KV store asks for a few arrays per layer, hundreds in all: one
+    mapping costs one system call where a mapping per array cost one each (milliseconds per store,
+    paid by every request a server starts). The mapping lives as long as any of its arrays."""
+    page = mmap.PAGESIZE
+    layout, total = {}, 0
+    for name, specs in groups.items():
+        for i, (shape, dtype) in enumerate(specs):
+            shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+            dtype = np.dtype(dtype)
+            nbytes = math.prod(shape) * dtype.itemsize
+            layout[name, i] = (shape, dtype, nbytes, total if nbytes >= LAZY_MIN_BYTES else None)
+            if nbytes >= LAZY_MIN_BYTES:
+                total += -(-nbytes // page) * page
+    arena = np.frombuffer(mmap.mmap(-1, total), np.uint8) if total else None
+    out = {name: [] for name in groups}
+    for (name, _), (shape, dtype, nbytes, off) in layout.items():
+        out[name].append(np.zeros(shape, dtype) if off is None else arena[off:off + nbytes].view(dtype).reshape(shape))
+    return out
 
 
 def _file_mapping(a):

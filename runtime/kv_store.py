@@ -61,7 +61,7 @@ from ringllm.runtime.key_sum import key_sums
 from ringllm.runtime.kv_codec import decode, encode, round_trip
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
-from ringllm.runtime.host_memory import lazy_zeros, small_pages
+from ringllm.runtime.host_memory import lazy_zeros_group, small_pages
 from ringllm.runtime.kv_types import STORE_DTYPE, row_width
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
@@ -185,19 +185,25 @@ class KVStore:
                                                                                     budgets, self.sinks)
         self.layer_physical = phys
         hw = self.policy_impl.history_width
+        kw, vw = row_width(kv.k_type, hd), row_width(kv.v_type, hd)
+        per_slot = {"k": ((kw,), STORE_DTYPE[kv.k_type]), "v": ((vw,), STORE_DTYPE[kv.v_type]),
+                    "rank": ((), np.int64), "kbase": ((), np.int64), "score": ((), np.float64),
+                    "aux": ((), np.int64), "pend": ((), np.float64)}
+        if not self.reindexed:
+            per_slot["pos"] = ((), np.int64)
+        groups = {name: [((nkv, p) + tail, dt) for p in phys] for name, (tail, dt) in per_slot.items()}
+        groups["hist"] = [((nkv, hw, p), np.float32) for p in phys]
         with small_pages():           # a new store's first token would fault in huge pages (host_memory.py)
-            kw, vw = row_width(kv.k_type, hd), row_width(kv.v_type, hd)
-            self.k = [lazy_zeros((nkv, p, kw), STORE_DTYPE[kv.k_type]) for p in phys]
-            self.v = [lazy_zeros((nkv, p, vw), STORE_DTYPE[kv.v_type]) for p in phys]
-            self.hist = [lazy_zeros((nkv, hw, p), np.float32) for p in phys]
+            lazy = lazy_zeros_group(groups)        # one mapping for all of them (paid for as written)
+        self.k, self.v, self.hist = lazy["k"], lazy["v"], lazy["hist"]
         self.seq = [np.full((nkv, p), -1, np.int64) for p in phys]
-        self.rank = [lazy_zeros((nkv, p), np.int64) for p in phys]
-        self.pos = self.rank if self.reindexed else [lazy_zeros((nkv, p), np.int64) for p in phys]
-        self.kbase = [lazy_zeros((nkv, p), np.int64) for p in phys]
+        self.rank = lazy["rank"]
+        self.pos = self.rank if self.reindexed else lazy["pos"]
+        self.kbase = lazy["kbase"]
         self.count = [np.zeros(nkv, np.int64) for _ in phys]
         self.evicted = [np.zeros(nkv, np.int64) for _ in phys]
-        self.score = [lazy_zeros((nkv, p), np.float64) for p in phys]
-        self.aux = [lazy_zeros((nkv, p), np.int64) for p in phys]
+        self.score = lazy["score"]
+        self.aux = lazy["aux"]
         # per-layer policy state that is not per slot (GVote's recent queries), shape from the policy
         self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
         ks_rows = nkv if self.policy_impl.keeps_key_sum else 0
@@ -208,7 +214,7 @@ class KVStore:
         # victims of the next write into each layer, chosen by the compiled step at the end of the one
         # before (policy_step.choose_next): per layer (n_kv, P) f64 slots, (n_kv,) counts, and the
         # sequence index of the write they are for (-1: none; any other change to the layer clears it)
-        self.pend = [lazy_zeros((nkv, p), np.float64) for p in phys]
+        self.pend = lazy["pend"]
         self.pend_drop = [np.zeros(nkv, np.int64) for _ in phys]
         self.pend_tag = [np.full(1, -1, np.int64) for _ in phys]
         # write-kernel scratch per kv head (the compiled policy step runs the heads on separate threads;

@@ -49,7 +49,7 @@ from ringllm.runtime.gemm import MATMUL_TILES, UNPACK_TILES
 from ringllm.runtime.matvec_kernels import KERNELS, PAR_MIN_WEIGHTS, ROWS_KERNELS, x_scales
 from ringllm.runtime.packing_kernels import pack_records_fast, pack_records_q8_fast
 from ringllm.runtime.packing_q8 import Q8_OWN_LAYOUT, q8_tile_rows
-from ringllm.runtime.quant_tiles_q8 import q8_kernels
+from ringllm.runtime.q8_choice import q8_kernels
 from ringllm.runtime.reference_q8 import Q8_TYPES
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_tiles import tile_rows

@@ -32,13 +32,10 @@ The per-type code is one decode_<type> (the weight bytes and scales of a block f
 one row_<type> (one row of x against them); the group and entry kernels are generated from one
 template (_SOURCE) for every type, as matvec_kernels.py does and for the same reason (Numba's cache).
 """
-import os
-
 import numpy as np
 from numba import njit, prange  # noqa: F401 (prange: named by the generated entry kernels)
 
 from ringllm.runtime.act_quant import Q8_0, Q8_K, quantize_row  # noqa: F401 (named by the generated kernels)
-from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.packing_q8 import Q8_GROUPS
 from ringllm.runtime.quant_tiles import QK, REC_Q4_0, REC_Q4_1, REC_Q4_K  # noqa: F401 (QK: named by the generated kernels)
@@ -47,15 +44,16 @@ from ringllm.runtime.simd import (abs8, add16, bc_i32, dpbusd, hadd16, iadd, ian
                                   itof, izero, ld_f16, ld_i8, ld_i32, ld_u8, maddubs, sign8, vfma, vfnma, vlane,
                                   vmul, vsplat, vstore, vsub, vzero)
 
-__all__ = ["Q8_KERNELS", "Q8_KERNELS_VNNI", "HAS_VNNI", "q8_kernels", "REC_Q8_Q5_0", "REC_Q8_Q6_K", "REC_Q8_Q8_0"]
+__all__ = ["Q8_KERNELS", "Q8_KERNELS_VNNI", "HAS_VNNI", "Q8_TYPE_LAYOUTS", "GRP_ROWS", "REC_Q8_Q5_0", "REC_Q8_Q6_K",
+           "REC_Q8_Q8_0", "put_rows8", "split_nibbles", "merge_q5", "merge_q6"]
 
 REC_Q8_Q5_0 = Q8_GROUPS * (128 + 32 + 16)                     # nibbles, high bits, d
 REC_Q8_Q8_0 = Q8_GROUPS * (256 + 16)                          # value quads, d
 REC_Q8_Q6_K = Q8_GROUPS * (16 + 128) + 8 * Q8_GROUPS * 192    # d, scales, per 32 columns: nibbles, high bits
 
-_LO4 = 0x0F0F0F0F
-_BIT4 = 0x10101010
-_BITS45 = 0x30303030
+LO4 = 0x0F0F0F0F
+BIT4 = 0x10101010
+BITS45 = 0x30303030
 
 
 # ==================================================================================================
@@ -71,14 +69,43 @@ def _p16(l0, h0, l1, h1, x, c):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def split_nibbles(v0, v1, v2, v3):
+    """Four nibble dword vectors (i32x8 or i32x16: 4 slots x 32 bytes per group) split into 8 byte
+    vectors l0, h0, .., l3, h3 (low nibbles, high nibbles)."""
+    return (iand(v0, LO4), iand(isrl(v0, 4), LO4), iand(v1, LO4), iand(isrl(v1, 4), LO4),
+            iand(v2, LO4), iand(isrl(v2, 4), LO4), iand(v3, LO4), iand(isrl(v3, 4), LO4))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def merge_q5(v0, v1, v2, v3, H):
+    """Q5_0's 8 byte vectors (either width): the nibbles of v0..v3 with bit 4 from the high-bit plane H."""
+    return (ior(iand(v0, LO4), iand(H, BIT4)),
+            ior(iand(isrl(v0, 4), LO4), iand(ishl(H, 4), BIT4)),
+            ior(iand(v1, LO4), iand(isrl(H, 1), BIT4)),
+            ior(iand(isrl(v1, 4), LO4), iand(ishl(H, 3), BIT4)),
+            ior(iand(v2, LO4), iand(isrl(H, 2), BIT4)),
+            ior(iand(isrl(v2, 4), LO4), iand(ishl(H, 2), BIT4)),
+            ior(iand(v3, LO4), iand(isrl(H, 3), BIT4)),
+            ior(iand(isrl(v3, 4), LO4), iand(ishl(H, 1), BIT4)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def merge_q6(v0, v1, v2, v3, H0, H1):
+    """Q6_K's 8 byte vectors (either width): the nibbles of v0..v3 with bits 4..5 from H0, H1."""
+    return (ior(iand(v0, LO4), iand(H0, BITS45)),
+            ior(iand(isrl(v0, 4), LO4), iand(isrl(H0, 2), BITS45)),
+            ior(iand(v1, LO4), iand(ishl(H0, 4), BITS45)),
+            ior(iand(isrl(v1, 4), LO4), iand(ishl(H0, 2), BITS45)),
+            ior(iand(v2, LO4), iand(H1, BITS45)),
+            ior(iand(isrl(v2, 4), LO4), iand(isrl(H1, 2), BITS45)),
+            ior(iand(v3, LO4), iand(ishl(H1, 4), BITS45)),
+            ior(iand(isrl(v3, 4), LO4), iand(ishl(H1, 2), BITS45)))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _nibbles4(buf, w):
     """The 4 nibble dwords at byte w (4 slots x 32 bytes) split into 8 byte vectors l0, h0, .., l3, h3."""
-    v0 = ld_i32(buf, w)
-    v1 = ld_i32(buf, w + 32)
-    v2 = ld_i32(buf, w + 64)
-    v3 = ld_i32(buf, w + 96)
-    return (iand(v0, _LO4), iand(isrl(v0, 4), _LO4), iand(v1, _LO4), iand(isrl(v1, 4), _LO4),
-            iand(v2, _LO4), iand(isrl(v2, 4), _LO4), iand(v3, _LO4), iand(isrl(v3, 4), _LO4))
+    return split_nibbles(ld_i32(buf, w), ld_i32(buf, w + 32), ld_i32(buf, w + 64), ld_i32(buf, w + 96))
 
 
 # Integer sums of the weight bytes of one block against one row of xq, in two variants: AVX2
@@ -217,19 +244,8 @@ def row_q4_k(w, X, c, acc):
 @njit(cache=True, nogil=True, inline="always")
 def decode_q5_0(buf, r, g, j):
     w = r + 128 * g
-    H = ld_i32(buf, r + 128 * Q8_GROUPS + 32 * g)
-    v0 = ld_i32(buf, w)
-    v1 = ld_i32(buf, w + 32)
-    v2 = ld_i32(buf, w + 64)
-    v3 = ld_i32(buf, w + 96)
-    q = (ior(iand(v0, _LO4), iand(H, _BIT4)),
-         ior(iand(isrl(v0, 4), _LO4), iand(ishl(H, 4), _BIT4)),
-         ior(iand(v1, _LO4), iand(isrl(H, 1), _BIT4)),
-         ior(iand(isrl(v1, 4), _LO4), iand(ishl(H, 3), _BIT4)),
-         ior(iand(v2, _LO4), iand(isrl(H, 2), _BIT4)),
-         ior(iand(isrl(v2, 4), _LO4), iand(ishl(H, 2), _BIT4)),
-         ior(iand(v3, _LO4), iand(isrl(H, 3), _BIT4)),
-         ior(iand(isrl(v3, 4), _LO4), iand(ishl(H, 1), _BIT4)))
+    q = merge_q5(ld_i32(buf, w), ld_i32(buf, w + 32), ld_i32(buf, w + 64), ld_i32(buf, w + 96),
+                 ld_i32(buf, r + 128 * Q8_GROUPS + 32 * g))
     return q, ld_f16(buf, r + 160 * Q8_GROUPS + 16 * g)
 
 
@@ -264,20 +280,8 @@ def decode_q6_k(buf, r, g, j):
     s = r + 144 * Q8_GROUPS + 192 * Q8_GROUPS * j
     w = s + 128 * g
     h = s + 128 * Q8_GROUPS + 64 * g
-    H0 = ld_i32(buf, h)
-    H1 = ld_i32(buf, h + 32)
-    v0 = ld_i32(buf, w)
-    v1 = ld_i32(buf, w + 32)
-    v2 = ld_i32(buf, w + 64)
-    v3 = ld_i32(buf, w + 96)
-    q = (ior(iand(v0, _LO4), iand(H0, _BITS45)),
-         ior(iand(isrl(v0, 4), _LO4), iand(isrl(H0, 2), _BITS45)),
-         ior(iand(v1, _LO4), iand(ishl(H0, 4), _BITS45)),
-         ior(iand(isrl(v1, 4), _LO4), iand(ishl(H0, 2), _BITS45)),
-         ior(iand(v2, _LO4), iand(H1, _BITS45)),
-         ior(iand(isrl(v2, 4), _LO4), iand(isrl(H1, 2), _BITS45)),
-         ior(iand(v3, _LO4), iand(ishl(H1, 4), _BITS45)),
-         ior(iand(isrl(v3, 4), _LO4), iand(ishl(H1, 2), _BITS45)))
+    q = merge_q6(ld_i32(buf, w), ld_i32(buf, w + 32), ld_i32(buf, w + 64), ld_i32(buf, w + 96), ld_i32(buf, h),
+                 ld_i32(buf, h + 32))
     return q, dsc0, dsc1
 
 
@@ -297,7 +301,7 @@ def row_q6_k(w, X, c, acc):
 # ==================================================================================================
 
 @njit(cache=True, nogil=True, inline="always")
-def _put(out, t, row0, a):
+def put_rows8(out, t, row0, a):
     """out[t, row0:row0 + 8] = a, or the lanes below n_rows of a partial last group."""
     n_rows = out.shape[1]
     if row0 + 8 <= n_rows:
@@ -333,13 +337,13 @@ def group_{name}{v}(out, buf, xq, dx, s16, s32, nb, u):
                                      (xq[t + 1], dx[t + 1], s16[t + 1], s32[t + 1]),
                                      (xq[t + 2], dx[t + 2], s16[t + 2], s32[t + 2]),
                                      (xq[t + 3], dx[t + 3], s16[t + 3], s32[t + 3]))
-        _put(out, t, 8 * u, a0)
-        _put(out, t + 1, 8 * u, a1)
-        _put(out, t + 2, 8 * u, a2)
-        _put(out, t + 3, 8 * u, a3)
+        put_rows8(out, t, 8 * u, a0)
+        put_rows8(out, t + 1, 8 * u, a1)
+        put_rows8(out, t + 2, 8 * u, a2)
+        put_rows8(out, t + 3, 8 * u, a3)
         t += 4
     while t < T:
-        _put(out, t, 8 * u, grp1_{name}{v}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t])))
+        put_rows8(out, t, 8 * u, grp1_{name}{v}(buf, base, g, nb, (xq[t], dx[t], s16[t], s32[t])))
         t += 1
 
 
@@ -391,7 +395,7 @@ def q8mm_{name}{v}_serial(out, buf, X, xq, dx, s16, s32, nb):
 
 # type: (name, record bytes, groups per tile, 32-column sub-blocks per record, columns per record,
 # activation format)
-_TYPES = {
+Q8_TYPE_LAYOUTS = {
     GGMLType.Q4_0: ("q4_0", REC_Q4_0, 3, 1, 32, "Q8_0"),
     GGMLType.Q4_1: ("q4_1", REC_Q4_1, 3, 1, 32, "Q8_0"),
     GGMLType.Q4_K: ("q4_k", REC_Q4_K, 3, 8, 256, "Q8_K"),
@@ -417,7 +421,7 @@ for _v, _dots in _DOTS.items():
         for _row in _ROWS:
             globals()[_row.__name__ + _v] = njit(cache=True, nogil=True, inline="always")(
                 bind_copy(_row.py_func, _row.__name__ + _v, _ns))
-    for _qt, (_name, _rec, _groups, _subs, _block, _fmt) in _TYPES.items():
+    for _qt, (_name, _rec, _groups, _subs, _block, _fmt) in Q8_TYPE_LAYOUTS.items():
         for _n in GRP_ROWS:            # grp<n>: one group's decoded weights against n rows of x
             exec(compile(_GRP_SOURCE.format(
                 n=_n, name=_name, v=_v, rec=_rec, subs=_subs, block=_block,
@@ -431,7 +435,7 @@ for _v, _dots in _DOTS.items():
             zeros="\n".join(f"    a{g} = vzero()" for g in _gs),
             rows="\n".join(f"            a{g} = row_{_name}{_v}(decode_{_name}(buf, r, {g}, j), X0, c, a{g})"
                             for g in _gs),
-            puts="\n".join(f"    _put(out, t, tile * {8 * _groups} + {8 * g}, a{g})" for g in _gs)), __file__, "exec")
+            puts="\n".join(f"    put_rows8(out, t, tile * {8 * _groups} + {8 * g}, a{g})" for g in _gs)), __file__, "exec")
         exec(_code, globals())
         (Q8_KERNELS_VNNI if _v else Q8_KERNELS)[_qt] = (globals()[f"q8mm_{_name}{_v}"],
                                                        globals()[f"q8mm_{_name}{_v}_serial"])
@@ -444,13 +448,3 @@ def _host_has_vnni() -> bool:
 
 
 HAS_VNNI = _host_has_vnni()
-
-
-def q8_kernels(qtype: GGMLType, dot: str | None = None) -> tuple:
-    """(parallel, serial) q8 entry kernels of qtype. dot: "vnni" or "avx2"; None picks vnni where the
-    CPU has it, unless RINGLLM_Q8_DOT=avx2 is set (to measure or test the AVX2 path there)."""
-    if dot is None:
-        dot = "vnni" if HAS_VNNI and os.environ.get("RINGLLM_Q8_DOT", "").lower() != "avx2" else "avx2"
-    if dot == "vnni" and not HAS_VNNI:
-        raise ConfigError("this CPU has no VNNI dot-product instruction (vpdpbusd)")
-    return (Q8_KERNELS_VNNI if dot == "vnni" else Q8_KERNELS)[qtype]

@@ -35,7 +35,8 @@ __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zb
            "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma",
            "vadd", "vsub", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
            "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
-           "f16_round", "izero", "dpbusd", "TARGET_ARCH", "X86"]
+           "f16_round", "izero", "dpbusd", "ixor", "zizero", "zbc_i32", "zjoin_i32", "zcat",
+           "zsplat", "zsub", "zfnma", "TARGET_ARCH", "X86"]
 
 
 # ==================================================================================================
@@ -450,10 +451,10 @@ def vmul(typingctx, a, b):
 
 @intrinsic
 def isrl(typingctx, v, n):
-    """v >> n, logical, every lane (n: scalar 0..31)."""
+    """v >> n, logical, every lane (n: scalar 0..31), of an i32x8 or an i32x16."""
     def codegen(context, builder, sig, args):
-        return builder.lshr(args[0], _splat_i32(context, builder, args[1], sig.args[1]))
-    return i32x8(v, n), codegen
+        return builder.lshr(args[0], _splat_i32(context, builder, args[1], sig.args[1], args[0].type))
+    return v(v, n), codegen
 
 
 def _float_lanes(v):
@@ -486,10 +487,18 @@ def srlf(typingctx, v, n):
 
 @intrinsic
 def iand(typingctx, v, mask):
-    """v & mask, every lane (mask: scalar), as i32x8 (vpand)."""
+    """v & mask, every lane (mask: scalar), of an i32x8 or an i32x16 (vpand / vpandd)."""
     def codegen(context, builder, sig, args):
-        return builder.and_(args[0], _splat_i32(context, builder, args[1], sig.args[1]))
-    return i32x8(v, mask), codegen
+        return builder.and_(args[0], _splat_i32(context, builder, args[1], sig.args[1], args[0].type))
+    return v(v, mask), codegen
+
+
+@intrinsic
+def ixor(typingctx, v, mask):
+    """v ^ mask, every lane (mask: scalar), of an i32x8 or an i32x16 (vpxor / vpxord)."""
+    def codegen(context, builder, sig, args):
+        return builder.xor(args[0], _splat_i32(context, builder, args[1], sig.args[1], args[0].type))
+    return v(v, mask), codegen
 
 
 @intrinsic
@@ -607,11 +616,13 @@ def _pairs(builder, v, n):
 @intrinsic
 def dpbusd(typingctx, acc, u, s):
     """vpdpbusd (AVX512-VNNI / AVX-VNNI): acc + per 32-bit lane the sum of the 4 products of u's
-    unsigned bytes with s's signed bytes, exact in int32. Only on CPUs with the instruction
-    (quant_tiles_q8.HAS_VNNI): elsewhere LLVM cannot select it."""
+    unsigned bytes with s's signed bytes, exact in int32; on 8 lanes (i32x8) or 16 (i32x16, AVX512-VNNI).
+    Only on CPUs with the instruction (quant_tiles_q8.HAS_VNNI, quant_tiles_q8_wide.HAS_VNNI512):
+    elsewhere LLVM cannot select it."""
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _VI, list(args))
-    return i32x8(acc, u, s), codegen
+        vty = args[0].type
+        return _call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * vty.count}", vty, list(args))
+    return acc(acc, u, s), codegen
 
 
 @intrinsic
@@ -620,6 +631,66 @@ def izero(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_VI, [0] * 8)
     return i32x8(), codegen
+
+
+@intrinsic
+def zizero(typingctx):
+    """i32x16 of zeros."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI16, [0] * 16)
+    return i32x16(), codegen
+
+
+@intrinsic
+def zbc_i32(typingctx, arr, idx):
+    """i32x16 with the 4 bytes arr[idx:idx + 4] (int8 1-D array) in every 32-bit lane (vpbroadcastd zmm)."""
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return _splat(builder, builder.load(builder.bitcast(p, _I32.as_pointer()), align=1), _VI16)
+    return i32x16(arr, idx), codegen
+
+
+@intrinsic
+def zjoin_i32(typingctx, buf, off0, off1):
+    """i32x16 from 8 little-endian 32-bit words at byte offset off0 (lanes 0..7) and 8 at off1 (lanes
+    8..15): two 8-lane slots from anywhere in buf in one register (a load and a vinserti64x4)."""
+    def codegen(context, builder, sig, args):
+        lo, hi = (builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[k], sig.args[k], _VI), align=4)
+                  for k in (1, 2))
+        return builder.shuffle_vector(lo, hi, ir.Constant(_VI16, list(range(16))))
+    return i32x16(buf, off0, off1), codegen
+
+
+@intrinsic
+def zcat(typingctx, lo, hi):
+    """f32x16 with the lanes of the f32x8 lo, then those of hi."""
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[1], ir.Constant(_VI16, list(range(16))))
+    return f32x16(lo, hi), codegen
+
+
+@intrinsic
+def zsplat(typingctx, x):
+    """f32x16 with the scalar x in every lane."""
+    def codegen(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _VF16)
+    return f32x16(x), codegen
+
+
+@intrinsic
+def zsub(typingctx, a, b):
+    """a - b (f32x16)."""
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+    return f32x16(a, b), codegen
+
+
+@intrinsic
+def zfnma(typingctx, a, b, c):
+    """c - a * b, fused, lane by lane (f32x16)."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.fma.v16f32", _VF16, [builder.fneg(args[0]), args[1], args[2]])
+    return f32x16(a, b, c), codegen
 
 
 @intrinsic
@@ -645,34 +716,35 @@ def hadd16(typingctx, v):
 
 @intrinsic
 def iadd(typingctx, a, b):
-    """a + b in 8 int32 lanes (vpaddd)."""
+    """a + b in int32 lanes (vpaddd), of two i32x8 or two i32x16."""
     def codegen(context, builder, sig, args):
         return builder.add(args[0], args[1])
-    return i32x8(a, b), codegen
+    return a(a, b), codegen
 
 
 @intrinsic
 def ior(typingctx, a, b):
-    """a | b (vpor)."""
+    """a | b (vpor), of two i32x8 or two i32x16."""
     def codegen(context, builder, sig, args):
         return builder.or_(args[0], args[1])
-    return i32x8(a, b), codegen
+    return a(a, b), codegen
 
 
 @intrinsic
 def ishl(typingctx, v, n):
-    """v << n, every 32-bit lane (n: scalar 0..31)."""
+    """v << n, every 32-bit lane (n: scalar 0..31), of an i32x8 or an i32x16."""
     def codegen(context, builder, sig, args):
-        return builder.shl(args[0], _splat_i32(context, builder, args[1], sig.args[1]))
-    return i32x8(v, n), codegen
+        return builder.shl(args[0], _splat_i32(context, builder, args[1], sig.args[1], args[0].type))
+    return v(v, n), codegen
 
 
 @intrinsic
 def itof(typingctx, v):
-    """float32 of each int32 lane (vcvtdq2ps; exact below 2^24)."""
+    """float32 of each int32 lane (vcvtdq2ps; exact below 2^24), of an i32x8 (-> f32x8) or an i32x16
+    (-> f32x16)."""
     def codegen(context, builder, sig, args):
-        return builder.sitofp(args[0], _VF)
-    return f32x8(v), codegen
+        return builder.sitofp(args[0], ir.VectorType(ir.FloatType(), args[0].type.count))
+    return _float_lanes(v)(v), codegen
 
 
 @intrinsic

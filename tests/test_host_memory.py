@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import ringllm
-from ringllm.runtime.host_memory import FAULT_SPAN_BYTES, release_row_pages, trim_heap
+from ringllm.runtime.host_memory import (FAULT_SPAN_BYTES, LAZY_MIN_BYTES, lazy_zeros, lazy_zeros_group,
+                                         release_row_pages, trim_heap)
 from ringllm.session import ChatSession
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_DONTNEED"),
@@ -81,6 +82,34 @@ def test_release_row_pages_leaves_arrays_that_are_not_file_mappings_alone():
     assert release_row_pages(a, [1, 2]) == 0
     assert release_row_pages(a[:, ::2], [1]) == 0
     assert a.all()
+
+
+def test_lazy_zeros_group_shares_one_mapping_paid_for_as_written():
+    """The big arrays of a group come from one mapping (one address range, each array on a page of its
+    own, none overlapping), hold zeros of their dtypes, and only the pages written become resident;
+    the small ones are ordinary arrays; each array outlives the others being dropped."""
+    big = (256, 1024)                                     # 1 MiB of float32 each: mapped
+    groups = {"k": [(big, np.float32), (big, np.float32)], "seq": [((64, 512), np.int64)],
+              "small": [((3,), np.int64), ((8, 8), np.float64)]}
+    arrays = lazy_zeros_group(groups)
+    assert [len(arrays[n]) for n in groups] == [2, 1, 2]
+    for name, specs in groups.items():
+        for a, (shape, dtype) in zip(arrays[name], specs):
+            assert a.shape == shape and a.dtype == dtype and not a.any() and a.flags.c_contiguous
+    mapped = arrays["k"] + arrays["seq"]
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in mapped)
+    assert all(lo % mmap.PAGESIZE == 0 for lo, _ in spans)
+    assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))
+    assert all(a.nbytes < LAZY_MIN_BYTES for a in arrays["small"])
+    assert _mapping_rss_kb(spans[0][0]) == _mapping_rss_kb(spans[-1][0])          # one mapping
+    before = _mapping_rss_kb(spans[0][0])
+    arrays["k"][1][:4] = 1.0                              # 4 rows x 4 KiB: four pages
+    assert _mapping_rss_kb(spans[0][0]) - before <= 4 * mmap.PAGESIZE // 1024 + 4
+    keep = arrays["k"][1]
+    del arrays, mapped
+    assert keep[:4].all() and not keep[4:].any()
+    one = lazy_zeros((300, 100), np.int64)
+    assert one.shape == (300, 100) and one.dtype == np.int64 and not one.any()
 
 
 def test_embedding_lookups_keep_no_table_pages_resident(smollm2_path):

@@ -79,13 +79,20 @@ def threads(request):
 
 def _dots():
     from ringllm.runtime.quant_tiles_q8 import HAS_VNNI
-    return ["avx2", "vnni"] if HAS_VNNI else ["avx2"]
+    from ringllm.runtime.quant_tiles_q8_wide import HAS_VNNI512
+    return ["avx2"] + ["vnni"] * HAS_VNNI + ["vnni512"] * HAS_VNNI512
+
+
+def _kernel_variant(pm) -> str:
+    name = pm.q8[0].__name__
+    return "vnni512" if name.endswith("_vnni512") else "vnni" if name.endswith("_vnni") else "avx2"
 
 
 @pytest.mark.parametrize("dot", _dots())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_q8_kernels_match_oracle(qtype, dot, threads, monkeypatch):
-    """Both dot-product variants (AVX2; VNNI where the CPU has it) against the oracle."""
+    """Every dot-product variant the CPU has (AVX2; VNNI on 8 lanes; VNNI on 16) against the oracle."""
+    from ringllm.runtime.quant_tiles_q8_wide import WIDE_TYPES
     monkeypatch.setenv("RINGLLM_Q8_DOT", dot)
     rng = np.random.default_rng(int(qtype))
     # 53 rows: a partial last tile (16 or 24 rows per tile) and a partial last group of 8; 512 columns:
@@ -94,10 +101,46 @@ def test_q8_kernels_match_oracle(qtype, dot, threads, monkeypatch):
         t = random_tensor(qtype, n_rows, n_cols, rng)
         W = oracle(t)
         pm = mv.pack(t, "q8")
-        assert pm.precision == "q8" and pm.q8[0].__name__.endswith("_vnni") == (dot == "vnni")
+        want = "vnni" if dot == "vnni512" and qtype not in WIDE_TYPES else dot     # 8 lanes where 16 are missing
+        assert pm.precision == "q8" and _kernel_variant(pm) == want
         for T in range(1, 18):
             X = (rng.standard_normal((T, n_cols)) * rng.uniform(0.1, 10, (T, 1))).astype(np.float32)
             check_q8(pm, W, X, f"{qtype.name} {n_rows}x{n_cols} T={T}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_q8_16_lanes_equal_8_lanes_bitwise(qtype, threads):
+    """The 16-lane kernels (quant_tiles_q8_wide.py) compute each row as the 8-lane VNNI ones do, to the
+    bit: 4..13 rows of x (the 4-row passes and their remainders), a row count that leaves the last
+    16-row pair half empty (53: its second group holds 5 rows) and one with an odd group count that
+    ends on a tile's last group (40 rows: 5 groups), parallel and serial entry kernels."""
+    from ringllm.runtime.q8_choice import q8_kernels
+    from ringllm.runtime.quant_tiles_q8_wide import HAS_VNNI512, WIDE_TYPES
+    if not HAS_VNNI512:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    assert set(WIDE_TYPES) == set(TYPES)
+    rng = np.random.default_rng(7 + int(qtype))
+    for n_rows, n_cols in [(53, 512), (40, 256), (400, 256)]:
+        pm = mv.pack(random_tensor(qtype, n_rows, n_cols, rng), "q8")
+        for T in (4, 5, 7, 8, 13):
+            X = (rng.standard_normal((T, n_cols)) * rng.uniform(0.1, 10, (T, 1))).astype(np.float32)
+            outs = []
+            for dot in ("vnni", "vnni512"):
+                for kernel in q8_kernels(qtype, dot):
+                    out = np.full((T, n_rows), np.nan, np.float32)
+                    kernel(out, pm.buf, X, *pm.q8_acts.for_rows(T), pm.n_blocks)
+                    outs.append(out)
+            for other in outs[1:]:
+                np.testing.assert_array_equal(other, outs[0], err_msg=f"{qtype.name} {n_rows}x{n_cols} T={T}")
+
+
+def test_q8_dot_variant_refusals(monkeypatch):
+    from ringllm.runtime.q8_choice import q8_kernels
+    with pytest.raises(ConfigError, match="unknown"):
+        q8_kernels(GGMLType.Q4_0, "avx512")
+    monkeypatch.setenv("RINGLLM_Q8_DOT", "sse")
+    with pytest.raises(ConfigError, match="'sse' unknown"):
+        q8_kernels(GGMLType.Q4_0)
 
 
 def test_q8_matmul_layouts_and_aliasing():
