@@ -7,8 +7,8 @@ output head; Gemma 3 270M Q4_K_M: its Q4_K, Q5_0, Q6_K and Q8_0 matrices), packe
 precision="q8", times out (T, n_rows) = W @ q8(X) through each variant the CPU has
 (q8_choice.DOTS: avx2, vnni, vnni512), the variants interleaved in one process and the minimum
 over repeats kept (noise only adds time), and checks that every variant gives the same bits.
-Reports microseconds per call and GMAC/s (n_rows x n_cols x T multiply-adds per call), and the
-speed of each variant over the 8-lane VNNI one. Writes bench/results/<name>.{json,md}.
+Reports microseconds per call and GMAC/s (n_rows x n_cols x T multiply-adds per call), and each
+variant's speed relative to the 8-lane VNNI one (its time over theirs: above 1x is faster). Writes bench/results/<name>.{json,md}.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def main():
              f"{args.repeats} repeats; microseconds per call (GMAC/s). All variants gave the same bits: "
              f"{all(r['same_bits'] for r in results)}.", "",
              "| matrix | rows x cols | T | " + " | ".join(dots) + " | " +
-             " | ".join(f"{d} / vnni" for d in dots if d != "vnni" and "vnni" in dots) + " |",
+             " | ".join(f"{d} speed vs vnni" for d in dots if d != "vnni" and "vnni" in dots) + " |",
              "|---|---|---|" + "---|" * (len(dots) + sum(1 for d in dots if d != "vnni" and "vnni" in dots))]
     for r in results:
         cells = [f"{r['us'][d]:.1f} ({r['gmac_s'][d]:.0f})" for d in dots]
