@@ -126,8 +126,8 @@ class AttendScratch:
     """The run buffers of one token's attention over a ring layer (engine-owned, reused every step):
     out (n_head, hd) f32 result, scores (n_head, P) f32 and work (stored_attention.stored_work for P
     slots) (both grown by grow()), krot (hd,) f32, qrot (n_head, hd) f32, angles (2, rotary_dim/2)
-    f32, ktmp (hd + rotary_dim,) f32, qpos (n_kv,) i64. parallel: the stored layouts' attention may
-    spread a layer's slots over the threads (when it holds at least PARALLEL_MIN_SLOTS)."""
+    f32, ktmp (hd + rotary_dim,) f32, qpos (n_kv,) i64. parallel: the stored layouts' attention
+    spreads a layer's slots over the threads (when it holds at least PARALLEL_MIN_SLOTS)."""
 
     def __init__(self, n_head: int, n_kv: int, head_dim: int, rotary_dim: int, parallel: bool = True):
         self.n_kv, self.parallel = n_kv, parallel
@@ -189,7 +189,7 @@ def _query_position_grown(store, il: int, rope: LayerRope, seq: int) -> int:
 def _attend_stored(store, il: int, rope: LayerRope, seq_l: np.ndarray, q: np.ndarray, seq: int, scale: np.float32,
                    softcap: np.float32, mass: np.ndarray, sc: AttendScratch) -> None:
     """stored_attention.attend_stored over layer il, keys stored rotated at seq_l (n_kv, P); on the
-    threads when the layer holds enough slots to repay a parallel launch (the same bits either way)."""
+    threads unless sc.parallel is off (stored_attention.PARALLEL_MIN_SLOTS; the same bits either way)."""
     count = store.count[il]
     kernel = attend_stored_parallel if sc.parallel and count.sum() >= PARALLEL_MIN_SLOTS else attend_stored
     kernel(sc.out, q, store.k[il], store.v[il], store.pos[il], seq_l, count, store.query_position(il, seq),

@@ -52,7 +52,12 @@ from ringllm.runtime.rope_kernels import angles_at, rotate_with
 __all__ = ["UNIT_SLOTS", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored", "attend_stored_parallel"]
 
 UNIT_SLOTS = 256                 # slots per unit: a unit's scores (group x 256 f32) and rows stay in L1/L2
-PARALLEL_MIN_SLOTS = 1024        # below this many occupied slots (all kv heads) a layer runs on one thread
+# A decode step's attention runs on the threads from this many occupied slots (all kv heads) on: from
+# the first. A short layer's attention is only a few microseconds of work per thread, but run on the
+# calling thread alone it leaves the other threads idle for longer than the OpenMP spin count
+# (runtime/__init__.py: GOMP_SPINCOUNT=1000, ~30 us), they fall asleep, and the next product (the
+# attention's output projection) pays for waking them, every layer of every token.
+PARALLEL_MIN_SLOTS = 0
 _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
 _ANG, _ML, _ROW, _ANG_IN, _MISC_ROWS = 8, 9, 10, 11, 12     # rows of a unit's misc block (module docstring)
 
