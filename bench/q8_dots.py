@@ -8,7 +8,8 @@ precision="q8", times out (T, n_rows) = W @ q8(X) through each variant the CPU h
 (q8_choice.DOTS: avx2, vnni, vnni512), the variants interleaved in one process and the minimum
 over repeats kept (noise only adds time), and checks that every variant gives the same bits.
 Reports microseconds per call and GMAC/s (n_rows x n_cols x T multiply-adds per call), and each
-variant's speed relative to the 8-lane VNNI one (its time over theirs: above 1x is faster). Writes bench/results/<name>.{json,md}.
+variant's speed relative to the 8-lane VNNI one (VNNI's time over the variant's: above 1x is
+faster). Writes bench/results/<name>.{json,md}.
 """
 from __future__ import annotations
 
