@@ -40,7 +40,7 @@ from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.packing_q8 import Q8_GROUPS
 from ringllm.runtime.quant_tiles import QK, REC_Q4_0, REC_Q4_1, REC_Q4_K  # noqa: F401 (QK: named by the generated kernels)
 from ringllm.runtime.quant_types import GGMLType
-from ringllm.runtime.simd import (abs8, add16, bc_i32, dpbusd, hadd16, iadd, iand, ior, ishl, isrl,  # noqa: F401
+from ringllm.runtime.simd import (abs8, add16, bc_i32, compiles_for, dpbusd, hadd16, iadd, iand, ior, ishl, isrl,  # noqa: F401
                                   itof, izero, ld_f16, ld_i8, ld_i32, ld_u8, maddubs, sign8, vfma, vfnma, vlane,
                                   vmul, vsplat, vstore, vsub, vzero)
 
@@ -441,10 +441,5 @@ for _v, _dots in _DOTS.items():
                                                        globals()[f"q8mm_{_name}{_v}_serial"])
 
 
-def _host_has_vnni() -> bool:
-    from llvmlite import binding
-    f = binding.get_host_cpu_features()
-    return bool(f.get("avxvnni", False) or (f.get("avx512vnni", False) and f.get("avx512vl", False)))
-
-
-HAS_VNNI = _host_has_vnni()
+# Numba compiles for a CPU with 256-bit vpdpbusd (AVX-VNNI, or AVX512-VNNI with VL)
+HAS_VNNI = compiles_for("avxvnni") or compiles_for("avx512vnni", "avx512vl")

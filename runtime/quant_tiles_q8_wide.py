@@ -20,28 +20,22 @@ quant_tiles_q8.py's). The entry kernels q8mm_<type>_vnni512 (parallel, and _seri
 quant_tiles_q8's; below 4 rows they run its 8-lane tile path.
 """
 import numpy as np
-from llvmlite import binding
 from numba import njit, prange  # noqa: F401 (prange: named by the generated entry kernels)
 
-from ringllm.runtime.quant_tiles import QK  # noqa: F401 (named by the generated kernels)
 from ringllm.runtime import quant_tiles_q8
 from ringllm.runtime.act_quant import Q8_0, Q8_K, quantize_row  # noqa: F401 (named by the generated kernels)
 from ringllm.runtime.packing_q8 import Q8_GROUPS
+from ringllm.runtime.quant_tiles import QK  # noqa: F401 (named by the generated kernels)
 from ringllm.runtime.quant_tiles_q8 import decode_q4_k, decode_q6_k, merge_q5, merge_q6, put_rows8, split_nibbles
 from ringllm.runtime.quant_types import GGMLType
-from ringllm.runtime.simd import (HAS_AVX512, iadd, iand, ior, ishl, isrl, itof, ixor, ld_f16, zbc_i32, zcat,
-                                  dpbusd, zfma, zfnma, zhi, zizero, zjoin_i32, zlo, zmul, zsplat, zstore, zsub, zzero)
+from ringllm.runtime.simd import (compiles_for, dpbusd, iadd, itof, ixor, ld_f16, zbc_i32, zcat, zfma, zfnma, zhi,
+                                  zizero, zjoin_i32, zlo, zmul, zsplat, zstore, zsub, zzero)
 
 __all__ = ["HAS_VNNI512", "Q8_KERNELS_VNNI512", "WIDE_TYPES"]
 
 
-def _host_has_vnni512() -> bool:
-    f = binding.get_host_cpu_features()
-    return bool(HAS_AVX512 and f.get("avx512vnni", False) and f.get("avx512bw", False))
-
-
 # Numba compiles for a CPU with 512-bit vpdpbusd: the q8 kernels of the types below take 16 lanes.
-HAS_VNNI512 = _host_has_vnni512()
+HAS_VNNI512 = compiles_for("avx512f", "avx512bw", "avx512vnni")
 
 
 # ==================================================================================================

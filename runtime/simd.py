@@ -36,7 +36,7 @@ __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zb
            "vadd", "vsub", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
            "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
            "f16_round", "izero", "dpbusd", "ixor", "zizero", "zbc_i32", "zjoin_i32", "zcat",
-           "zsplat", "zsub", "zfnma", "TARGET_ARCH", "X86"]
+           "zsplat", "zsub", "zfnma", "compiles_for", "TARGET_ARCH", "X86"]
 
 
 # ==================================================================================================
@@ -86,22 +86,24 @@ TARGET_ARCH = binding.get_process_triple().split("-")[0]     # "x86_64", "aarch6
 X86 = TARGET_ARCH in ("x86_64", "i386", "i686")
 
 
-def _compiles_avx512() -> bool:
-    """Whether Numba compiles for a CPU with AVX-512F: the host's features, unless NUMBA_CPU_FEATURES
-    names the features (then "+avx512f" among them) or NUMBA_CPU_NAME names another CPU than the host
-    (then no: a cache built for a CPU model, e.g. to ship, keeps the 8-lane kernels that every x86-64
-    runs well)."""
+def compiles_for(*features: str) -> bool:
+    """Whether Numba compiles for a CPU with every one of `features` (LLVM names: "avx512f",
+    "avx512vnni", ...): the host's features, unless NUMBA_CPU_FEATURES names the features (then each
+    "+feature" among them) or NUMBA_CPU_NAME names another CPU than the host (then no: a cache built
+    for a CPU model, e.g. to ship, keeps the kernels that every x86-64 runs well)."""
     if config.CPU_FEATURES:
-        return "+avx512f" in config.CPU_FEATURES.split(",")
+        named = config.CPU_FEATURES.split(",")
+        return all("+" + f in named for f in features)
     if config.CPU_NAME and config.CPU_NAME != "host":
         return False
-    return bool(binding.get_host_cpu_features().get("avx512f", False))
+    host = binding.get_host_cpu_features()
+    return all(host.get(f, False) for f in features)
 
 
 # Numba compiles for a CPU with 512-bit vectors (AVX-512F): the kernels with 16-lane variants take them.
 # Numba's cache is keyed by the target CPU's name and features, so a cache written for one kind of CPU
 # is never loaded on another.
-HAS_AVX512 = _compiles_avx512()
+HAS_AVX512 = compiles_for("avx512f")
 
 
 @register_model(F32x8Type)
