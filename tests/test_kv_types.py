@@ -14,8 +14,6 @@ logits are checked while they are the same (a flip can tip a near-tie of scores)
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -26,6 +24,7 @@ from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.reference import ReferenceEngine, round_kv_type
 
+from conftest import FULL
 from test_policies_engine import POLICIES, same_survivors
 
 TYPES = ["f16", "q8_0", "q4_0"]
@@ -119,9 +118,8 @@ def run_tracked(loaded, kv, ids, n_prompt, tol):
 
 # CI's short form: the ring, the Python-path policies that read keys (knorm, gvote), and compiled steps
 # that read keys (rkv) or only score (h2o), 148 steps at capacity 16, each (kernel, type) pair compiled once
-# (q4_0 on policy layers runs in the full form and in bench/results/kv_types_reference_matrix.md). RINGLLM_KV_TYPES_FULL=1: every policy x type, 1,000 steps at capacity 64
+# (q4_0 on policy layers runs in the full form and in bench/results/kv_types_reference_matrix.md). RINGLLM_TEST_FULL=1: every policy x type, 1,000 steps at capacity 64
 # (each pair compiles the policy's kernels for its arrays, ~15 s on two cores).
-FULL = os.environ.get("RINGLLM_KV_TYPES_FULL") == "1"
 PAIRS = ([(p, t) for p in POLICIES for t in TYPES] if FULL else
          [("streaming", "q4_0"), ("h2o", "q8_0"), ("knorm", "f16"), ("gvote", "f16"), ("rkv", "q8_0")])
 
