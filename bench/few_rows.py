@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, write_results  # noqa: E402
 
 from ringllm.runtime import matvec as mv  # noqa: E402
-from ringllm.runtime.gemm import MATMUL_TILES  # noqa: E402
+from ringllm.runtime.gemm import MATMUL_TILES, decoded_rows  # noqa: E402
 from ringllm.runtime.quant_types import GGMLType  # noqa: E402
 from ringllm.runtime.random_weights import random_qtensor  # noqa: E402
 
@@ -50,7 +50,7 @@ def time_paths(pm, T: int, rng, repeats: int) -> dict:
     X = rng.standard_normal((T, pm.n_cols)).astype(np.float32)
     out = np.empty((T, pm.n_rows), np.float32)
     scratch = np.repeat(pm.scratch[None, :], T, axis=0)
-    wts = np.empty((numba.get_num_threads(), pm.n_cols, pm.tile_rows), np.float32)
+    wts = np.empty((numba.get_num_threads(), pm.n_cols, decoded_rows(pm.tile_rows)), np.float32)
 
     def per_row():
         for i in range(T):
@@ -60,7 +60,7 @@ def time_paths(pm, T: int, rng, repeats: int) -> dict:
         pm.rows_kernel(out, pm.buf, X, scratch)
 
     def tiled():
-        MATMUL_TILES[pm.family](out, pm.buf, X, pm.kind, pm.n_blocks, wts)
+        MATMUL_TILES[pm.family](out, pm.buf, X, pm.kind, pm.n_blocks, pm.tile_rows, wts)
 
     paths = {"per_row": per_row, "tiled": tiled}
     if pm.rows_kernel is not None:

@@ -1,12 +1,24 @@
 """Prefill matmul of packed weights, and the tile decoder it shares with unpack.
 
-MATMUL_TILES[family](out, buf, X, kind, nb, wts): out (T, n_rows) float32 = X @ W.T for X (T, n_cols)
-float32, W a packed matrix (buf from pack, layout in quant_tiles.py). Each tile of W (16 or 24 rows)
-is decoded once into a small float32 scratch, transposed (n_cols, rows), and multiplied with all T
-rows of X in register tiles of up to 4 tokens x 24 rows; the tiles are split into contiguous runs,
-one per prange iteration. The weights are thus read and decoded once per call instead of once per
-token; for a few tokens, one matvec per token or the two-row tile kernels are faster (mv.matmul picks,
-see MATMUL_MIN_T and TILED_MIN_T there).
+MATMUL_TILES[family](out, buf, X, kind, nb, rows, wts): out (T, n_rows) float32 = X @ W.T for X (T,
+n_cols) float32, W a packed matrix (buf from pack, layout in quant_tiles.py) of tiles of `rows` (16 or
+24) rows. Each tile of W is decoded once into a small float32 scratch, transposed (n_cols, rows), and
+multiplied with all T rows of X in register tiles; the tiles are split into contiguous runs, one per
+prange iteration. The weights are thus read and decoded once per call instead of once per token;
+for a few tokens, one matvec per token or the two-row tile kernels are faster (mv.matmul picks, see
+MATMUL_MIN_T and TILED_MIN_T there).
+
+Register tiles. With AVX2 the scratch holds one tile (wts (n_chunks, n_cols, rows)) and the products
+run 4 tokens x 24 rows (8 x 16 for 16-row tiles): one weight vector load and one broadcast of x per
+one or two multiply-adds. With AVX-512 (decoded_rows) the scratch holds WIDE_ROWS = 48 rows (two
+24-row tiles or three 16-row ones side by side) and the products run 8 tokens x 48 rows: 24 zmm
+accumulators, three weight loads and eight broadcasts per 24 multiply-adds, every one a full 16
+lanes, where the one-tile kernels spend a broadcast per multiply-add and (24-row tiles) a third of
+their multiply-adds on 8 lanes.
+
+Every output is the same float32 sum whatever the tile width or instruction set: a token in a group of
+4 or 8 sums its products over the columns in order, one fma each; the last T mod 4 tokens sum the even
+and the odd columns apart and add the two (_gemm_2g, _gemm_1g).
 
 UNPACK_TILES[family] decodes tiles into a caller's array (mv.unpack, mv.unpack_rows). Decoded values
 equal ggml's dequantization (d * q + m evaluated with one fma, so within an ulp of gguf's separately
@@ -26,11 +38,21 @@ from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.quant_tiles import (IQ4_LUT, QK, QK_K, REC_F16, REC_F32, REC_IQ4_NL, REC_IQ4_XS, REC_Q2_K,
                                          REC_Q3_K, REC_Q4_0, REC_Q4_1, REC_Q4_K, REC_Q5_0, REC_Q5_1, REC_Q5_K,
                                          REC_Q6_K, REC_Q8_0)
-from ringllm.runtime.simd import (andf, iand, isrl, ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8, ld_u8i, lut16,
-                                  srlf, vadd, vbcast, vfma, vload, vmul, vsplat, vstore, vsub, vzero, zbcast, zfma,
-                                  zload, zstore, zzero)
+from ringllm.runtime.simd import (HAS_AVX512, andf, iand, isrl, ld_bf16, ld_f16, ld_f32, ld_i8, ld_i32, ld_u8,
+                                  ld_u8i, lut16, srlf, vadd, vbcast, vfma, vload, vmul, vsplat, vstore, vsub, vzero,
+                                  zbcast, zfma, zload, zstore, zzero)
 
-__all__ = ["UNPACK_TILES", "MATMUL_TILES"]
+__all__ = ["UNPACK_TILES", "MATMUL_TILES", "WIDE_ROWS", "decoded_rows"]
+
+# Rows of W decoded side by side and multiplied together on a CPU with 512-bit SIMD: two 24-row
+# tiles or three 16-row ones, three zmm vectors a column (module docstring).
+WIDE_ROWS = 48
+
+
+def decoded_rows(tile_rows: int) -> int:
+    """Width of MATMUL_TILES' scratch for tiles of tile_rows rows: WIDE_ROWS where the CPU has
+    AVX-512 (simd.HAS_AVX512), else one tile."""
+    return WIDE_ROWS if HAS_AVX512 else tile_rows
 
 
 # ==================================================================================================
@@ -426,12 +448,78 @@ def _gemm_3g4(X, w, t0, tmp):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_tile(out, X, wt, r0, tmp):
-    """out[:, r0:r0 + ld] = X @ wt (X (T, n_cols), wt (n_cols, ld) float32 C-contiguous, ld = 16 or
-    24); rows of out past its end are dropped. tmp: float32 (8 * ld,) scratch."""
+def _gemm_z8x48(X, w, t0, tmp):
+    """tmp[j, 0:48] = X[t0 + j] @ wt[:, 0:48] for j < 8 (w = wt flat, row stride 48): three 16-lane
+    accumulators per token, each lane summing its products over the columns in order, one fma each."""
+    x0 = X[t0]
+    x1 = X[t0 + 1]
+    x2 = X[t0 + 2]
+    x3 = X[t0 + 3]
+    x4 = X[t0 + 4]
+    x5 = X[t0 + 5]
+    x6 = X[t0 + 6]
+    x7 = X[t0 + 7]
+    n_cols = X.shape[1]
+    a0 = a1 = a2 = zzero()
+    b0 = b1 = b2 = zzero()
+    c0 = c1 = c2 = zzero()
+    d0 = d1 = d2 = zzero()
+    e0 = e1 = e2 = zzero()
+    f0 = f1 = f2 = zzero()
+    g0 = g1 = g2 = zzero()
+    h0 = h1 = h2 = zzero()
+    for c in range(n_cols):
+        w0 = zload(w, 48 * c)
+        w1 = zload(w, 48 * c + 16)
+        w2 = zload(w, 48 * c + 32)
+        xv = zbcast(x0, c)
+        a0, a1, a2 = zfma(w0, xv, a0), zfma(w1, xv, a1), zfma(w2, xv, a2)
+        xv = zbcast(x1, c)
+        b0, b1, b2 = zfma(w0, xv, b0), zfma(w1, xv, b1), zfma(w2, xv, b2)
+        xv = zbcast(x2, c)
+        c0, c1, c2 = zfma(w0, xv, c0), zfma(w1, xv, c1), zfma(w2, xv, c2)
+        xv = zbcast(x3, c)
+        d0, d1, d2 = zfma(w0, xv, d0), zfma(w1, xv, d1), zfma(w2, xv, d2)
+        xv = zbcast(x4, c)
+        e0, e1, e2 = zfma(w0, xv, e0), zfma(w1, xv, e1), zfma(w2, xv, e2)
+        xv = zbcast(x5, c)
+        f0, f1, f2 = zfma(w0, xv, f0), zfma(w1, xv, f1), zfma(w2, xv, f2)
+        xv = zbcast(x6, c)
+        g0, g1, g2 = zfma(w0, xv, g0), zfma(w1, xv, g1), zfma(w2, xv, g2)
+        xv = zbcast(x7, c)
+        h0, h1, h2 = zfma(w0, xv, h0), zfma(w1, xv, h1), zfma(w2, xv, h2)
+    zstore(tmp, 0, a0)
+    zstore(tmp, 16, a1)
+    zstore(tmp, 32, a2)
+    zstore(tmp, 48, b0)
+    zstore(tmp, 64, b1)
+    zstore(tmp, 80, b2)
+    zstore(tmp, 96, c0)
+    zstore(tmp, 112, c1)
+    zstore(tmp, 128, c2)
+    zstore(tmp, 144, d0)
+    zstore(tmp, 160, d1)
+    zstore(tmp, 176, d2)
+    zstore(tmp, 192, e0)
+    zstore(tmp, 208, e1)
+    zstore(tmp, 224, e2)
+    zstore(tmp, 240, f0)
+    zstore(tmp, 256, f1)
+    zstore(tmp, 272, f2)
+    zstore(tmp, 288, g0)
+    zstore(tmp, 304, g1)
+    zstore(tmp, 320, g2)
+    zstore(tmp, 336, h0)
+    zstore(tmp, 352, h1)
+    zstore(tmp, 368, h2)
+
+
+@njit(cache=True, nogil=True)
+def _gemm_tile_narrow(out, X, wt, r0, tmp, valid):
+    """out[:, r0:r0 + valid] = X @ wt[:, :valid] (X (T, n_cols), wt (n_cols, ld) float32 C-contiguous,
+    ld = valid = 16 or 24: one tile); rows of out past its end are dropped. tmp: float32 (8 * ld,)."""
     T = X.shape[0]
     ld = wt.shape[1]
-    n_rows = out.shape[1]
     w = wt.reshape(-1)
     t0 = np.int64(0)          # not the literal 0: callees would compile once for Literal[int](0), once for int64
     while t0 < T:
@@ -447,32 +535,79 @@ def _gemm_tile(out, X, wt, r0, tmp):
             _gemm_2g(X, w, ld, 0, t0, nt, tmp)
             if ld == 24:
                 _gemm_1g(X, w, ld, 16, t0, nt, tmp)
-        for j in range(nt):
-            o = out[t0 + j]
-            if r0 + ld <= n_rows:
-                for g in range(0, ld, 8):
-                    vstore(o, r0 + g, vload(tmp, j * ld + g))
-            else:
-                for r in range(r0, n_rows):
-                    o[r] = tmp[j * ld + r - r0]
+        _store_rows(out, tmp, ld, t0, nt, r0, valid)
         t0 += nt
 
 
-def _matmul_tiles(out, buf, X, kind, nb, wts):
-    """out (T, n_rows) float32 = X @ W.T, X (T, n_cols) float32 C-contiguous; wts (n_chunks, n_cols,
-    rows per tile) float32 scratch: the tiles are split into n_chunks contiguous runs, one per prange
-    iteration; each tile is decoded once into its chunk's scratch and multiplied with all T rows of X.
-    Source of MATMUL_TILES' copies (unpack_tile bound to one family's decoder)."""
+@njit(cache=True, nogil=True)
+def _gemm_tile_wide(out, X, wt, r0, tmp, valid):
+    """out[:, r0:r0 + valid] = X @ wt[:, :valid] (wt (n_cols, WIDE_ROWS) float32 C-contiguous: tiles
+    side by side, valid of its columns decoded); rows of out past its end are dropped. tmp: float32
+    (8 * WIDE_ROWS,). Tokens 8 at a time; the last T mod 8 (at most one group of 4, then pairs and one
+    alone) through the one-tile kernels, 16 rows at a time.
+    (Blocking the columns so that a block of wt stays in L1 while the tokens pass was slower: the
+    tokens' rows of X then stream in short pieces.)"""
+    T = X.shape[0]
+    ld = wt.shape[1]
+    w = wt.reshape(-1)
+    t0 = np.int64(0)
+    while t0 < T:
+        left = T - t0
+        if left >= 8:
+            nt = 8
+            _gemm_z8x48(X, w, t0, tmp)
+        else:
+            nt = 4 if left >= 4 else 2 if left >= 2 else 1
+            for go in range(0, valid, 16):
+                _gemm_2g(X, w, ld, go, t0, nt, tmp)
+        _store_rows(out, tmp, ld, t0, nt, r0, valid)
+        t0 += nt
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _store_rows(out, tmp, ld, t0, nt, r0, valid):
+    """out[t0 + j, r0:r0 + valid] = tmp[j ld : j ld + valid] for j < nt, cut at out's last row."""
     n_rows = out.shape[1]
-    rows = wts.shape[2]
+    for j in range(nt):
+        o = out[t0 + j]
+        if r0 + valid <= n_rows:
+            for g in range(0, valid, 8):
+                vstore(o, r0 + g, vload(tmp, j * ld + g))
+        else:
+            for r in range(r0, n_rows):
+                o[r] = tmp[j * ld + r - r0]
+
+
+# the product of one scratch of decoded tiles, for the scratch width decoded_rows gives
+_gemm_tile = _gemm_tile_wide if HAS_AVX512 else _gemm_tile_narrow
+
+
+def _matmul_tiles(out, buf, X, kind, nb, rows, wts):
+    """out (T, n_rows) float32 = X @ W.T, X (T, n_cols) float32 C-contiguous, W in tiles of `rows` rows;
+    wts (n_chunks, n_cols, decoded_rows(rows)) float32 scratch: the tiles are split into n_chunks
+    contiguous runs, one per prange iteration; the tiles of a run are decoded into its scratch as
+    many at a time as it holds side by side, each once, and multiplied with all T rows of X. Source
+    of MATMUL_TILES' copies (unpack_tile bound to one family's decoder)."""
+    n_rows = out.shape[1]
+    n_cols = X.shape[1]
+    width = wts.shape[2]
+    per = width // rows
     n_tiles = (n_rows + rows - 1) // rows
     n_chunks = wts.shape[0]
     for ch in prange(n_chunks):
         wt = wts[ch]
-        tmp = np.empty(8 * rows, np.float32)
-        for t in range(ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks):
-            unpack_tile(wt, 0, buf, kind, t, nb)
-            _gemm_tile(out, X, wt, t * rows, tmp)
+        tmp = np.empty(8 * width, np.float32)
+        t, t_end = ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks
+        while t < t_end:
+            k = min(per, t_end - t)
+            for i in range(k):
+                unpack_tile(wt, i * rows, buf, kind, t + i, nb)
+            if k < per:                 # columns left from no tile: zeros, not whatever the scratch held
+                for c in range(n_cols):
+                    for r in range(k * rows, width):
+                        wt[c, r] = 0.0
+            _gemm_tile(out, X, wt, t * rows, tmp, k * rows)
+            t += k
 
 
 # ==================================================================================================
@@ -489,6 +624,6 @@ def _family_entries(source, name: str) -> tuple:
     return tuple(entries)
 
 
-# UNPACK_TILES[family](wt, buf, kind, rows, t0, t1, nb); MATMUL_TILES[family](out, buf, X, kind, nb, wts)
+# UNPACK_TILES[family](wt, buf, kind, rows, t0, t1, nb); MATMUL_TILES[family](out, buf, X, kind, nb, rows, wts)
 UNPACK_TILES = _family_entries(_unpack_tiles, "unpack_tiles")
 MATMUL_TILES = _family_entries(_matmul_tiles, "matmul_tiles")

@@ -45,7 +45,7 @@ import numpy as np
 
 from ringllm.runtime.act_quant import ActQ8
 from ringllm.runtime.errors import ConfigError, UnsupportedModelError
-from ringllm.runtime.gemm import MATMUL_TILES, UNPACK_TILES
+from ringllm.runtime.gemm import MATMUL_TILES, UNPACK_TILES, decoded_rows
 from ringllm.runtime.matvec_kernels import KERNELS, PAR_MIN_WEIGHTS, ROWS_KERNELS, x_scales
 from ringllm.runtime.packing_kernels import pack_records_fast, pack_records_q8_fast
 from ringllm.runtime.packing_q8 import Q8_OWN_LAYOUT, q8_tile_rows
@@ -306,8 +306,8 @@ def matmul(out: np.ndarray, pm: PackedMatrix, X: np.ndarray, few_rows: bool = Tr
         pm.rows_kernel(dst, pm.buf, X, pm.rows_scratch)
     else:
         n_chunks = min(numba.get_num_threads(), pm.n_tiles)
-        wts = np.empty((n_chunks, pm.n_cols, pm.tile_rows), np.float32)
-        MATMUL_TILES[pm.family](dst, pm.buf, X, pm.kind, pm.n_blocks, wts)
+        wts = np.empty((n_chunks, pm.n_cols, decoded_rows(pm.tile_rows)), np.float32)
+        MATMUL_TILES[pm.family](dst, pm.buf, X, pm.kind, pm.n_blocks, pm.tile_rows, wts)
     if dst is not out:
         out[...] = dst
 
