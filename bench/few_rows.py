@@ -11,8 +11,8 @@ Q5_0 / Q8_0 / Q6_K, a 1B model's Q4_K / Q6_K, F32 norms-sized), three ways to co
   tiled     the many-row kernel (gemm.MATMUL_TILES: each tile decoded once into a scratch)
 
 and which one mv.matmul picks (MATMUL_MIN_T). Also GFLOP/s of the fastest path (2 n_rows n_cols T
-flops per call) and its share of the machine's f32 FMA peak (--peak-gflops, default 190: 2 cores x
-2 FMA units x 8 lanes x 2 flops x ~3 GHz). Writes bench/results/<name>.{json,md}.
+flops per call) and its share of the machine's f32 FMA peak (--peak-gflops; by default measured in
+the run, bench/fma_peak.py). Writes bench/results/<name>.{json,md}.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, write_results  # noqa: E402
+from fma_peak import measure as measure_fma_peak  # noqa: E402
 
 from ringllm.runtime import matvec as mv  # noqa: E402
 from ringllm.runtime.gemm import MATMUL_TILES, decoded_rows  # noqa: E402
@@ -80,10 +81,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=40)
-    ap.add_argument("--peak-gflops", type=float, default=190.0)
+    ap.add_argument("--peak-gflops", type=float, default=None, help="default: measured (bench/fma_peak.py)")
     ap.add_argument("--name", default="few_rows")
     a = ap.parse_args()
     numba.set_num_threads(a.threads)
+    if a.peak_gflops is None:
+        a.peak_gflops = max(measure_fma_peak(a.threads).values())
     rng = np.random.default_rng(0)
     warm = mv.pack(random_qtensor(GGMLType.Q4_1, 1536, 576, rng))
     t_end = time.perf_counter() + 2.0          # wake the worker threads and the clocks before the first shape

@@ -7,8 +7,8 @@ prefill of `pp` random tokens into an empty policy-full store, after a warm-up p
 matrix's product grouped by GGML type and shape, the attention of the chunk (KV write + attend),
 the norms, the FFN activation, and "other" (the rest: residual adds, RoPE factors, embedding,
 Python); the output head (the last row only) is one of the products. For the products it gives the achieved GFLOP/s
-(2 x rows x n_rows x n_cols / s) and the share of the machine's float32 FMA peak (PEAK_GFLOPS:
-2 cores x 2 FMA units x 8 lanes x 2 flops x ~3 GHz, about 190 GFLOP/s). In q8 the products are
+(2 x rows x n_rows x n_cols / s) and the share of the machine's float32 FMA peak, measured in the
+same run on the same threads (bench/fma_peak.py: register-only multiply-adds). In q8 the products are
 integer dot products: the share then says how far past the float32 peak the int8 path goes.
 Models: the bundled SmolLM2-135M (Q4_1), Gemma 3 270M (Q4_K_M mix) and, with --synthetic, a
 bench/synthetic_gguf.py shape. Writes bench/results/prefill_profile.{json,md}.
@@ -25,8 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, wait_for_quiet_cpu, write_results  # noqa: E402
-
-PEAK_GFLOPS = 190.0
+from fma_peak import measure as measure_fma_peak  # noqa: E402
 
 
 def profile(path: str, precision: str, pp: int, threads: int) -> dict:
@@ -87,20 +86,20 @@ def profile(path: str, precision: str, pp: int, threads: int) -> dict:
             "tok_s": round(pp / total, 1), "rows": rows}
 
 
-def markdown(results: list[dict], args, command: str) -> str:
+def markdown(results: list[dict], args, command: str, peak: float) -> str:
     mc = machine()
     md = ["# Where prefill time goes (ringllm CPU engine)", "",
           f"Machine: {mc['cpu']}, {mc['cores']} cores, {args.threads} threads. Command: `{command}`", "",
           f"One prefill of {args.pp} random tokens into an empty store (policy full), each step timed in place. "
           f"GFLOP/s of a product: 2 x rows x n_rows x n_cols / s; % peak: of the 2-core float32 FMA peak "
-          f"(~{PEAK_GFLOPS:.0f} GFLOP/s). The output head runs on the last row only: it is the product with "
+          f"({peak:.0f} GFLOP/s, bench/fma_peak.py in this run). The output head runs on the last row only: it is the product with "
           "the vocabulary's rows at a low GFLOP/s (one row, bandwidth-bound).", ""]
     for r in results:
         md += [f"## {r['model']}, precision {r['precision']}: {r['total_ms']:.0f} ms, {r['tok_s']:.0f} tok/s", "",
                "| part | what | ms | share | GFLOP/s | % of f32 peak |", "|---|---|---|---|---|---|"]
         for x in r["rows"]:
             g = f"{x['gflops']:.0f}" if x["gflops"] else ""
-            p = f"{100 * x['gflops'] / PEAK_GFLOPS:.0f}%" if x["gflops"] else ""
+            p = f"{100 * x['gflops'] / peak:.0f}%" if x["gflops"] else ""
             md.append(f"| {x['group']} | {x['what']} | {x['ms']:.1f} | {100 * x['share']:.1f}% | {g} | {p} |")
         md.append("")
     return "\n".join(md) + "\n"
@@ -123,9 +122,10 @@ def main() -> None:
             r = profile(path, precision, args.pp, args.threads)
             print(f"{r['model']} {precision}: {r['tok_s']} tok/s", flush=True)
             results.append(r)
+    peak = max(measure_fma_peak(args.threads).values())
     command = "python bench/prefill_profile.py " + " ".join(sys.argv[1:])
-    write_results("prefill_profile", {"machine": machine(), "command": command, "results": results},
-                  markdown(results, args, command))
+    write_results("prefill_profile", {"machine": machine(), "command": command, "fma_peak_gflops": peak,
+                                      "results": results}, markdown(results, args, command, peak))
 
 
 if __name__ == "__main__":
