@@ -42,7 +42,7 @@ from ringllm.runtime.simd import (HAS_AVX512, andf, iand, isrl, ld_bf16, ld_f16,
                                   ld_u8i, lut16, srlf, vadd, vbcast, vfma, vload, vmul, vsplat, vstore, vsub, vzero,
                                   zbcast, zfma, zload, zstore, zzero)
 
-__all__ = ["UNPACK_TILES", "MATMUL_TILES", "WIDE_ROWS", "decoded_rows"]
+__all__ = ["UNPACK_TILES", "MATMUL_TILES", "WIDE_ROWS", "decoded_rows", "gemm_tile_narrow", "gemm_tile_wide"]
 
 # Rows of W decoded side by side and multiplied together on a CPU with 512-bit SIMD: two 24-row
 # tiles or three 16-row ones, three zmm vectors a column (module docstring).
@@ -515,7 +515,7 @@ def _gemm_z8x48(X, w, t0, tmp):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_tile_narrow(out, X, wt, r0, tmp, valid):
+def gemm_tile_narrow(out, X, wt, r0, tmp, valid):
     """out[:, r0:r0 + valid] = X @ wt[:, :valid] (X (T, n_cols), wt (n_cols, ld) float32 C-contiguous,
     ld = valid = 16 or 24: one tile); rows of out past its end are dropped. tmp: float32 (8 * ld,)."""
     T = X.shape[0]
@@ -540,7 +540,7 @@ def _gemm_tile_narrow(out, X, wt, r0, tmp, valid):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_tile_wide(out, X, wt, r0, tmp, valid):
+def gemm_tile_wide(out, X, wt, r0, tmp, valid):
     """out[:, r0:r0 + valid] = X @ wt[:, :valid] (wt (n_cols, WIDE_ROWS) float32 C-contiguous: tiles
     side by side, valid of its columns decoded); rows of out past its end are dropped. tmp: float32
     (8 * WIDE_ROWS,). Tokens 8 at a time; the last T mod 8 (at most one group of 4, then pairs and one
@@ -579,7 +579,7 @@ def _store_rows(out, tmp, ld, t0, nt, r0, valid):
 
 
 # the product of one scratch of decoded tiles, for the scratch width decoded_rows gives
-_gemm_tile = _gemm_tile_wide if HAS_AVX512 else _gemm_tile_narrow
+_gemm_tile = gemm_tile_wide if HAS_AVX512 else gemm_tile_narrow
 
 
 def _matmul_tiles(out, buf, X, kind, nb, rows, wts):

@@ -141,11 +141,11 @@ def test_random_blocks_matmul(qtype, threads):
 @pytest.mark.parametrize("rows", [16, 24])
 def test_wide_register_tiles_equal_one_tile_bitwise(rows):
     """The tiled matmul's product on a CPU with AVX-512 (tiles decoded side by side into WIDE_ROWS
-    = 48 rows, 8 tokens at a time, gemm._gemm_tile_wide) gives every output the bits the one-tile
-    product gives (AVX2: 4 tokens x 24 rows or 8 x 16, gemm._gemm_tile_narrow), for T = 1..20 and 33
+    = 48 rows, 8 tokens at a time, gemm.gemm_tile_wide) gives every output the bits the one-tile
+    product gives (AVX2: 4 tokens x 24 rows or 8 x 16, gemm.gemm_tile_narrow), for T = 1..20 and 33
     (groups of 8 and 4 and the last T mod 4 rows) and an odd column count (the parity sums' tail).
     Both compile on any x86-64 (the 16-lane operations as two 8-lane ones without AVX-512)."""
-    from ringllm.runtime.gemm import WIDE_ROWS, _gemm_tile_narrow, _gemm_tile_wide
+    from ringllm.runtime.gemm import WIDE_ROWS, gemm_tile_narrow, gemm_tile_wide
 
     rng = np.random.default_rng(rows)
     n_cols = 37
@@ -154,10 +154,10 @@ def test_wide_register_tiles_equal_one_tile_bitwise(rows):
         X = rng.standard_normal((T, n_cols)).astype(np.float32)
         for valid in range(rows, WIDE_ROWS + 1, rows):          # one, two (three) tiles decoded
             wide = np.full((T, WIDE_ROWS), np.nan, np.float32)
-            _gemm_tile_wide(wide, X, wt, np.int64(0), np.empty(8 * WIDE_ROWS, np.float32), valid)
+            gemm_tile_wide(wide, X, wt, np.int64(0), np.empty(8 * WIDE_ROWS, np.float32), valid)
             narrow = np.full((T, WIDE_ROWS), np.nan, np.float32)
             for r0 in range(0, valid, rows):
-                _gemm_tile_narrow(narrow, X, np.ascontiguousarray(wt[:, r0:r0 + rows]), np.int64(r0),
+                gemm_tile_narrow(narrow, X, np.ascontiguousarray(wt[:, r0:r0 + rows]), np.int64(r0),
                                   np.empty(8 * rows, np.float32), rows)
             np.testing.assert_array_equal(wide[:, :valid], narrow[:, :valid], err_msg=f"T={T} valid={valid}")
             assert np.isnan(wide[:, valid:]).all()             # nothing stored past the decoded rows
