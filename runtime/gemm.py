@@ -544,9 +544,9 @@ def gemm_tile_wide(out, X, wt, r0, tmp, valid):
     """out[:, r0:r0 + valid] = X @ wt[:, :valid] (wt (n_cols, WIDE_ROWS) float32 C-contiguous: tiles
     side by side, valid of its columns decoded); rows of out past its end are dropped. tmp: float32
     (8 * WIDE_ROWS,). Tokens 8 at a time; the last T mod 8 (at most one group of 4, then pairs and one
-    alone) through the one-tile kernels, 16 rows at a time.
-    (Blocking the columns so that a block of wt stays in L1 while the tokens pass was slower: the
-    tokens' rows of X then stream in short pieces.)"""
+    alone) through the one-tile kernels, 16 rows at a time. The columns are not blocked to hold a block
+    of wt in L1 while the tokens pass: each token's row of X would then stream in short pieces, which
+    costs more than reading wt from L2."""
     T = X.shape[0]
     ld = wt.shape[1]
     w = wt.reshape(-1)
