@@ -31,42 +31,29 @@ from ringllm.runtime.simd import HAS_AVX512, vfma, vload, vstore, zfma, zload, z
 FMAS_PER_ITER = 12
 
 
-@njit(cache=False)
-def _fma8(x, out, n):
-    w, v = vload(x, 0), vload(x, 1)
-    a0, a1, a2, a3, a4, a5 = vload(x, 2), vload(x, 3), vload(x, 4), vload(x, 5), vload(x, 6), vload(x, 7)
-    a6, a7, a8, a9, a10, a11 = vload(x, 8), vload(x, 9), vload(x, 10), vload(x, 11), vload(x, 12), vload(x, 13)
-    for _ in range(n):
-        a0, a1, a2, a3 = vfma(w, v, a0), vfma(w, v, a1), vfma(w, v, a2), vfma(w, v, a3)
-        a4, a5, a6, a7 = vfma(w, v, a4), vfma(w, v, a5), vfma(w, v, a6), vfma(w, v, a7)
-        a8, a9, a10, a11 = vfma(w, v, a8), vfma(w, v, a9), vfma(w, v, a10), vfma(w, v, a11)
-    for i, a in enumerate((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)):
-        vstore(out, 16 * i, a)
+def _threaded_peak(load, fma, store):
+    """A parallel kernel (x, outs, n): on each thread t, FMAS_PER_ITER accumulators loaded from x, n
+    iterations of fma(w, v, a) on each, all stored to outs[t]; load/fma/store: one width's intrinsics."""
+    @njit(cache=False)
+    def one(x, out, n):
+        w, v = load(x, 0), load(x, 1)
+        a0, a1, a2, a3, a4, a5 = load(x, 2), load(x, 3), load(x, 4), load(x, 5), load(x, 6), load(x, 7)
+        a6, a7, a8, a9, a10, a11 = load(x, 8), load(x, 9), load(x, 10), load(x, 11), load(x, 12), load(x, 13)
+        for _ in range(n):
+            a0, a1, a2, a3 = fma(w, v, a0), fma(w, v, a1), fma(w, v, a2), fma(w, v, a3)
+            a4, a5, a6, a7 = fma(w, v, a4), fma(w, v, a5), fma(w, v, a6), fma(w, v, a7)
+            a8, a9, a10, a11 = fma(w, v, a8), fma(w, v, a9), fma(w, v, a10), fma(w, v, a11)
+        for i, a in enumerate((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)):
+            store(out, 16 * i, a)
+
+    @njit(cache=False, parallel=True)
+    def on_threads(x, outs, n):
+        for t in prange(outs.shape[0]):
+            one(x, outs[t], n)
+    return on_threads
 
 
-@njit(cache=False)
-def _fma16(x, out, n):
-    w, v = zload(x, 0), zload(x, 1)
-    a0, a1, a2, a3, a4, a5 = zload(x, 2), zload(x, 3), zload(x, 4), zload(x, 5), zload(x, 6), zload(x, 7)
-    a6, a7, a8, a9, a10, a11 = zload(x, 8), zload(x, 9), zload(x, 10), zload(x, 11), zload(x, 12), zload(x, 13)
-    for _ in range(n):
-        a0, a1, a2, a3 = zfma(w, v, a0), zfma(w, v, a1), zfma(w, v, a2), zfma(w, v, a3)
-        a4, a5, a6, a7 = zfma(w, v, a4), zfma(w, v, a5), zfma(w, v, a6), zfma(w, v, a7)
-        a8, a9, a10, a11 = zfma(w, v, a8), zfma(w, v, a9), zfma(w, v, a10), zfma(w, v, a11)
-    for i, a in enumerate((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)):
-        zstore(out, 16 * i, a)
-
-
-@njit(cache=False, parallel=True)
-def _on_threads8(x, outs, n):
-    for t in prange(outs.shape[0]):
-        _fma8(x, outs[t], n)
-
-
-@njit(cache=False, parallel=True)
-def _on_threads16(x, outs, n):
-    for t in prange(outs.shape[0]):
-        _fma16(x, outs[t], n)
+_KERNELS = {8: _threaded_peak(vload, vfma, vstore), 16: _threaded_peak(zload, zfma, zstore)}
 
 
 def measure(threads: int | None = None, n: int = 5_000_000, repeats: int = 3) -> dict:
@@ -76,7 +63,7 @@ def measure(threads: int | None = None, n: int = 5_000_000, repeats: int = 3) ->
     x = np.arange(64, dtype=np.float32) * np.float32(1e-9)
     outs = np.zeros((threads, 16 * FMAS_PER_ITER), np.float32)
     res = {}
-    for lanes, kernel in ((8, _on_threads8), (16, _on_threads16)):
+    for lanes, kernel in _KERNELS.items():
         kernel(x, outs, 10)
         best = float("inf")
         for _ in range(repeats):
