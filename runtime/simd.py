@@ -32,7 +32,8 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "zadd", "zfold",
            "zld_i32", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast",
-           "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "vfma", "vfnma",
+           "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "prefetch_keep",
+           "vfma", "vfnma",
            "vadd", "vsub", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
            "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
            "f16_round", "izero", "dpbusd", "ixor", "zizero", "zbc_i32", "zjoin_i32", "zcat",
@@ -399,16 +400,28 @@ def ld_i32(typingctx, buf, off):
     return i32x8(buf, off), codegen
 
 
+def _prefetch_codegen(locality):
+    """Codegen of a cache-line hint at byte offset args[1] of args[0], with LLVM's locality 0-3."""
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.IntType(8))
+        _call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [p, ir.Constant(_I32, 0), ir.Constant(_I32, locality),
+                                                            ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return codegen
+
+
 @intrinsic
 def prefetch(typingctx, buf, off):
     """Hint the cache line at byte offset off of buf (prefetchnta: weights are read once per token,
     so they should not displace other data from L2/L3; measured equal to prefetcht0); never faults."""
-    def codegen(context, builder, sig, args):
-        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.IntType(8))
-        _call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [p, ir.Constant(_I32, 0), ir.Constant(_I32, 0),
-                                                            ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-    return types.none(buf, off), codegen
+    return types.none(buf, off), _prefetch_codegen(0)
+
+
+@intrinsic
+def prefetch_keep(typingctx, buf, off):
+    """Hint the cache line at byte offset off of buf into L2 (prefetcht1), for data read a while later:
+    a non-temporal hint may let the line go before it is used; never faults."""
+    return types.none(buf, off), _prefetch_codegen(2)
 
 
 @intrinsic

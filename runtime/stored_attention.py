@@ -45,11 +45,12 @@ from ringllm.runtime.attention import cap_scores, exp_shifted, scale_group
 from ringllm.runtime.fast_exp import exp_f32
 from ringllm.runtime.kv_row_math import accumulate_row, group_scores_row
 from ringllm.runtime.kv_tile_math import (PREFETCH_AHEAD, axpy8, axpy8x2, dot8, dot8x2, head_rows, prefetch_rows,
-                                          rows8_at)
+                                          prefetch_rows_keep, rows8_at)
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
-__all__ = ["UNIT_SLOTS", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored", "attend_stored_parallel"]
+__all__ = ["UNIT_SLOTS", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored", "attend_stored_ahead",
+           "attend_stored_parallel"]
 
 UNIT_SLOTS = 256                 # slots per unit: a unit's scores (group x 256 f32) and rows stay in L1/L2
 # A decode step's attention runs on the threads from this many occupied slots (all kv heads) on: from
@@ -80,18 +81,21 @@ def _rotate_group(qw, ang, q, h0, group, rotary_dim, scale):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc):
+def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next):
     """scores[h0 + g, ja:jb] = qw[h0 + g] . key j (any KV type): eight keys at a time (kv_tile_math), two
     query heads per pass over them, the rest one by one (kv_row_math); the keys PREFETCH_AHEAD slots on
-    are hinted."""
+    are hinted, and so are the same eight rows of k_next's head h below n_next (the next work's keys)."""
     hd = qw.shape[1]
     tile = misc[:8].reshape(-1)
     j = ja
     if hd % 8 == 0:
         rows, flat, width = head_rows(k_l, h, tile), k_l[h].reshape(-1), k_l.shape[2]
+        flat_next = k_next[h].reshape(-1)
         while j + 8 <= jb:
-            if j + PREFETCH_AHEAD + 8 <= jb:
+            if n_next == 0 and j + PREFETCH_AHEAD + 8 <= jb:
                 prefetch_rows(flat, width, j + PREFETCH_AHEAD, 8)
+            if j < n_next:
+                prefetch_rows_keep(flat_next, width, j, min(8, n_next - j))
             base = rows8_at(k_l, h, j, tile)
             g = 0
             while g + 2 <= group:
@@ -106,9 +110,10 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc):
+def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next):
     """ow[h0 + g] = sum over j in [j0, j1) of scores[h0 + g, j] * value j (any KV type), eight rows at
-    a time (kv_tile_math), two query heads per pass over them, the rest one by one (kv_row_math)."""
+    a time (kv_tile_math), two query heads per pass over them, the rest one by one (kv_row_math); the
+    same eight rows of v_next's head h below n_next are hinted (the next work's values)."""
     hd = ow.shape[1]
     for g in range(group):
         o = ow[h0 + g]
@@ -118,9 +123,12 @@ def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc):
     j = j0
     if hd % 8 == 0:
         rows, flat, width = head_rows(v_l, h, tile), v_l[h].reshape(-1), v_l.shape[2]
+        flat_next = v_next[h].reshape(-1)
         while j + 8 <= j1:
-            if j + PREFETCH_AHEAD + 8 <= j1:
+            if n_next == 0 and j + PREFETCH_AHEAD + 8 <= j1:
                 prefetch_rows(flat, width, j + PREFETCH_AHEAD, 8)
+            if j < n_next:
+                prefetch_rows_keep(flat_next, width, j, min(8, n_next - j))
             base = rows8_at(v_l, h, j, tile)
             g = 0
             while g + 2 <= group:
@@ -146,10 +154,11 @@ def _exp_span(sc, n, softcap, ml, g, group):
 
 @njit(cache=True, nogil=True)
 def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores,
-          work, count_l, group, off0):
+          work, count_l, group, off0, k_next, v_next, n_next):
     """Unit u (kv head h, slots from j0): scores, per-head maximum and exponential sum, and weighted
     value sums into work[:, u] (module docstring). off0: the offset work[0, u]'s queries are rotated
-    at on entry. The slots are scored in spans of one offset; the queries are re-rotated between spans."""
+    at on entry. The slots are scored in spans of one offset; the queries are re-rotated between spans.
+    Rows j of head h of k_next / v_next below n_next are hinted into L2 as rows j are read (0: none)."""
     j1 = min(j0 + UNIT_SLOTS, count_l[h])
     h0 = h * group
     qw, misc = work[0, u], work[2, u]
@@ -161,7 +170,7 @@ def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotar
         jb = ja
         while jb < j1 and seq_l[h, jb] - pos_l[h, jb] == cur:
             jb += 1
-        _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc)
+        _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next)
         if jb < j1:
             cur = seq_l[h, jb] - pos_l[h, jb]
             angles_at(ang[:half], ang[half:rotary_dim], q_pos + cur, inv_freq, inv_scale)
@@ -169,7 +178,7 @@ def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotar
         ja = jb
     for g in range(group):
         _exp_span(scores[h0 + g, j0:j1], j1 - j0, softcap, misc[_ML], g, group)
-    _weighted_values(work[1, u], scores, v_l, h, j0, j1, h0, group, misc)
+    _weighted_values(work[1, u], scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -233,6 +242,26 @@ def _merge(out, scores, work, count_l, group, mass):
                             mass[h, j] += w
 
 
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _attend_units(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap,
+                  scores, work, mass, k_next, v_next, count_next, hint_next):
+    """attend_stored's units in turn, then their merge; with hint_next, the rows of the next work
+    (k_next, v_next, count_next: a layer of the same shape and KV types) are hinted as they go."""
+    group = q.shape[0] // k_l.shape[0]
+    # int64 from the start: a counter starting as a literal 0 makes Numba compile _unit twice
+    u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
+    for h in range(k_l.shape[0]):                  # nothing allocated: a batched step calls this per sequence
+        n_next = count_next[h] if hint_next else np.int64(0)
+        for j0 in range(0, count_l[h], UNIT_SLOTS):
+            off, have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim,
+                                    scale, work, group)
+            have_off = off
+            _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores,
+                  work, count_l, group, off, k_next, v_next, n_next)
+            u += 1
+    _merge(out, scores, work, count_l, group, mass)
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
                   softcap, scores, work, mass):
@@ -247,18 +276,21 @@ def attend_stored(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
     mass (n_kv, cap) f32: per-slot attention mass summed over the group's query heads, written
         when mass.shape[0] > 0, else untouched.
     """
-    group = q.shape[0] // k_l.shape[0]
-    # int64 from the start: a counter starting as a literal 0 makes Numba compile _unit twice
-    u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
-    for h in range(k_l.shape[0]):                  # nothing allocated: a batched step calls this per sequence
-        for j0 in range(0, count_l[h], UNIT_SLOTS):
-            off, have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim,
-                                    scale, work, group)
-            have_off = off
-            _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores,
-                  work, count_l, group, off)
-            u += 1
-    _merge(out, scores, work, count_l, group, mass)
+    _attend_units(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap,
+                  scores, work, mass, k_l, v_l, count_l, False)
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def attend_stored_ahead(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
+                        softcap, scores, work, mass, k_next, v_next, count_next, hint_next):
+    """attend_stored (same bits) that, when hint_next, hints into L2 the rows of the work that follows
+    on this thread: layer arrays k_next, v_next (same shape and KV types as k_l, v_l) with count_next
+    (n_kv,) occupied slots. Row j of the next layer is hinted as row j of this one is read, so the next
+    work's reads from memory overlap this work's arithmetic (a batched step whose stores do not fit in
+    the cache, stream_attention.py); this layer's own rows are then not hinted ahead, since the work
+    before it hinted them. Without hint_next it is attend_stored."""
+    _attend_units(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap,
+                  scores, work, mass, k_next, v_next, count_next, hint_next)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
@@ -283,5 +315,5 @@ def attend_stored_parallel(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_f
     for i in prange(n_units):
         u = np.int64(i)
         _unit(u, uh[u], uj[u], q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap,
-              scores, work, count_l, group, offs[u])
+              scores, work, count_l, group, offs[u], k_l, v_l, np.int64(0))
     _merge(out, scores, work, count_l, group, mass)
