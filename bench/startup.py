@@ -1,9 +1,12 @@
 """Start-up: process start to first token, ringllm beside llama.cpp, cold, warm and after `ringllm warmup`.
 
-Each figure is one fresh process, timed from its start to its exit after one generated token
-(`ringllm generate -m MODEL -p PROMPT -n 1`; for llama.cpp, llama-cpp-python's Llama on the same GGUF
-with the same threads generating one token), so interpreter start, imports, model loading, kernel
-compilation or cache loading and the prompt all count:
+Each figure is one fresh process, timed from its start to the first generated text on its standard
+output (first token) and to its exit (`ringllm generate -m MODEL -p PROMPT -n 1`, which writes each
+token as it comes; for llama.cpp, llama-cpp-python's Llama on the same GGUF with the same threads
+generating one token and writing it), so interpreter start, imports, model loading, kernel
+compilation or cache loading and the prompt all count. The two differ where a process has work left
+after its token: a cold start's parent waits at exit for its compile helper to save the kernels it
+ran stand-ins for (runtime/compile_share.py).
 
 - cold: ringllm with an empty kernel cache (a fresh install, an upgrade, a new container), compiling
   on two cores (the run and its compile helper, runtime/compile_share.py);
@@ -42,7 +45,9 @@ import sys
 from llama_cpp import Llama
 llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=int(sys.argv[2]), n_threads_batch=int(sys.argv[2]),
             verbose=False)
-llm(sys.argv[3], max_tokens=1, temperature=0.0)
+out = llm(sys.argv[3], max_tokens=1, temperature=0.0)
+sys.stdout.write(out["choices"][0]["text"] or " ")
+sys.stdout.flush()
 """
 
 
@@ -58,19 +63,32 @@ def _model_paths(names: list[str]) -> dict[str, str]:
     return {name: found[name]() if name in found else synthetic_path(name) for name in names}
 
 
-def _timed(cmd: list[str], cache_dir: str | None = None, **extra_env: str) -> tuple[float, str]:
-    """Wall seconds of `cmd` as a fresh process (its stderr for the log); raises when it fails."""
+def _env(cache_dir: str | None, **extra_env: str) -> dict:
+    """A fresh process's environment: the kernel cache under cache_dir (None: the user's), as a user's."""
     env = dict(os.environ, **extra_env)
-    env.pop("RINGLLM_NUMBA_CACHE_BASE", None)
+    env.pop("RINGLLM_NUMBA_CACHE_BASE", None)     # this process's (ringllm is imported here): not a user's
     env.pop("PYTHONDONTWRITEBYTECODE", None)      # Python's default, as a user's runs: modules load from bytecode
     if cache_dir is not None:
         env["NUMBA_CACHE_DIR"] = cache_dir
-    t0 = time.perf_counter()
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
-    return wall, res.stderr
+    return env
+
+
+def _timed(cmd: list[str], cache_dir: str | None = None, **extra_env: str) -> tuple[float, float]:
+    """Wall seconds of `cmd` as a fresh process until its first byte on standard output (its first
+    token) and until its exit; raises when it fails or writes nothing."""
+    env = _env(cache_dir, **extra_env)
+    with tempfile.TemporaryFile() as err:          # a file: a full stderr pipe cannot stall the process
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err)
+        first = proc.stdout.read(1)
+        t_first = time.perf_counter() - t0
+        proc.stdout.read()
+        code = proc.wait()
+        wall = time.perf_counter() - t0
+        if code != 0 or not first:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{err.read().decode()[-2000:]}")
+    return t_first, wall
 
 
 def _ringllm(path: str, threads: int) -> list[str]:
@@ -79,22 +97,27 @@ def _ringllm(path: str, threads: int) -> list[str]:
 
 
 def run_model(path: str, threads: int) -> dict:
-    """One repeat for one model: cold, warm, warmup + after warmup, llama.cpp (seconds)."""
+    """One repeat for one model: cold, warm, warmup + after warmup, llama.cpp (seconds to the first
+    token, and "<name>_exit" to the process's exit)."""
     out = {}
     with tempfile.TemporaryDirectory() as cache:
-        out["cold"], _ = _timed(_ringllm(path, threads), cache)
-        out["warm"], _ = _timed(_ringllm(path, threads), cache)
+        out["cold"], out["cold_exit"] = _timed(_ringllm(path, threads), cache)
+        out["warm"], out["warm_exit"] = _timed(_ringllm(path, threads), cache)
     with tempfile.TemporaryDirectory() as cache:        # the cold start without its compile helper
-        out["cold_alone"], _ = _timed(_ringllm(path, threads), cache, RINGLLM_COMPILE_HELPER="0")
+        out["cold_alone"], out["cold_alone_exit"] = _timed(_ringllm(path, threads), cache,
+                                                           RINGLLM_COMPILE_HELPER="0")
     with tempfile.TemporaryDirectory() as cache:
-        out["warmup_command"], _ = _timed([sys.executable, "-m", "ringllm", "warmup", "-m", path, "--policy", "full"],
-                                          cache)
-        out["after_warmup"], _ = _timed(_ringllm(path, threads), cache)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "ringllm", "warmup", "-m", path, "--policy", "full"], check=True,
+                       env=_env(cache), capture_output=True)
+        out["warmup_command"] = time.perf_counter() - t0
+        out["after_warmup"], out["after_warmup_exit"] = _timed(_ringllm(path, threads), cache)
     try:
         import llama_cpp  # noqa: F401
-        out["llama_cpp"], _ = _timed([sys.executable, "-c", LLAMA_CPP, path, str(threads), PROMPT])
+        out["llama_cpp"], out["llama_cpp_exit"] = _timed([sys.executable, "-c", LLAMA_CPP, path, str(threads),
+                                                          PROMPT])
     except ImportError:
-        out["llama_cpp"] = None
+        out["llama_cpp"] = out["llama_cpp_exit"] = None
     return out
 
 
@@ -112,7 +135,8 @@ def main():
         for name, path in paths.items():
             runs[name].append(run_model(path, args.threads))
             print(name, runs[name][-1], file=sys.stderr, flush=True)
-    cols = ["cold", "cold_alone", "warm", "warmup_command", "after_warmup", "llama_cpp"]
+    cols = ["cold", "cold_exit", "cold_alone", "cold_alone_exit", "warm", "warm_exit", "warmup_command",
+            "after_warmup", "after_warmup_exit", "llama_cpp", "llama_cpp_exit"]
     medians = {name: {c: (None if any(r[c] is None for r in rs) else float(np.median([r[c] for r in rs])))
                       for c in cols} for name, rs in runs.items()}
     payload = {"machine": machine(), "command": f"python bench/startup.py --repeats {args.repeats} --threads "
@@ -124,19 +148,24 @@ def main():
 
     md = ["# Start-up: process start to first token, beside llama.cpp\n",
           f"`{payload['command']}` on {payload['machine']['cpu']}, {payload['machine']['cores']} cores, "
-          f"{args.threads} threads. Each figure: one fresh process from its start to its exit after one generated "
-          f"token (`ringllm generate -n 1`; llama-cpp-python `Llama(...)(prompt, max_tokens=1)`), median of "
+          f"{args.threads} threads. Each figure: one fresh process from its start to its first generated token "
+          f"on standard output / to its exit (`ringllm generate -n 1`; llama-cpp-python "
+          f"`Llama(...)(prompt, max_tokens=1)` writing its token), median of "
           f"{args.repeats}; runs alternate. cold: empty kernel cache (compiling on two cores: the run and its "
           "compile helper, runtime/compile_share.py); cold alone: the same without the helper "
           "(RINGLLM_COMPILE_HELPER=0); warm: the cache the cold run filled; "
           "after warmup: a fresh cache filled by `ringllm warmup -m MODEL --policy full` (its own time in the "
-          "warmup column).\n",
+          "warmup column). warm / llama.cpp: first tokens.\n",
           "| model | ringllm cold (s) | cold alone (s) | ringllm warm (s) | `ringllm warmup` (s) | after warmup (s) "
           "| llama.cpp (s) | warm / llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+
+    def both(m, c):
+        return f"{fmt(m[c])} / {fmt(m[c + '_exit'])}"
+
     for name, m in medians.items():
         ratio = "n/a" if m["llama_cpp"] is None else f"{m['warm'] / m['llama_cpp']:.2f}x"
-        md.append(f"| {name} | {fmt(m['cold'])} | {fmt(m['cold_alone'])} | {fmt(m['warm'])} | {fmt(m['warmup_command'])} | "
-                  f"{fmt(m['after_warmup'])} | {fmt(m['llama_cpp'])} | {ratio} |")
+        md.append(f"| {name} | {both(m, 'cold')} | {both(m, 'cold_alone')} | {both(m, 'warm')} | "
+                  f"{fmt(m['warmup_command'])} | {both(m, 'after_warmup')} | {both(m, 'llama_cpp')} | {ratio} |")
     text = "\n".join(md) + "\n"
     print(text)
     write_results(args.name, payload, text)

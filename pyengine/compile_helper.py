@@ -2,7 +2,8 @@
 
 An LLM that finds the kernel cache empty starts this beside itself (compile_share.start_helper),
 with the same model, KV configuration and precision. It builds its own engine for the model and runs a decode
-step's kernels attention-first (runtime/warmup.warm_decode), claiming each kernel it compiles in
+step's kernels attention-first (runtime/warmup.warm_decode; first the one-thread attention, which
+the parent's prompt runs until the threaded one is compiled), claiming each kernel it compiles in
 the parent's claims directory; the parent, busy with the prompt's matrix products meanwhile, loads
 those kernels from the cache when it reaches them instead of compiling them. It prints nothing and
 exits when done (or when the parent stops it).
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_share.join(claims)
     loaded = load_model(args.model, tokenizer=False)
     engine = CPUEngine(loaded.spec, loaded.tensors, n_threads=1, precision=args.precision)
-    warm_decode(engine, KVConfig.from_dict(json.loads(args.kv)))
+    warm_decode(engine, KVConfig.from_dict(json.loads(args.kv)), one_thread_first=True)
     return 0
 
 

@@ -25,6 +25,14 @@ by reading it, adding an entry and writing it back; two processes saving signatu
 the same moment could lose an entry or pair it with the other's data file, so saves under sharing
 hold an exclusive lock per index file.
 
+A kernel with a stand-in (another kernel that gives the same bits: attention on one thread for
+attention over the threads) need not be waited for: the parent calls it under `unless_compiling()`,
+where a signature that is neither compiled nor cached raises `NotReady` instead of being claimed or
+awaited, and runs the stand-in meanwhile; the helper compiles the stand-in first and the kernel
+after it, so the parent's first token waits only for the smaller compile. At exit the parent waits
+for the helper to save the kernels it stood in for, so the cache it leaves is the one it would have
+left by waiting for them.
+
 `start_helper(argv, model_bytes)` starts the helper (ringllm.compile_helper) when the kernel cache
 holds no kernel at all, the process may use two cores (affinity and cgroup quota), the machine has
 memory for a second copy of the model, and the platform is POSIX; never on a warm or partly filled
@@ -37,6 +45,7 @@ gone are removed by the next one made. `HELPER_ENV=0` turns the helper off.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import math
 import os
@@ -49,8 +58,8 @@ import time
 from ringllm.runtime import compile_clock
 from ringllm.runtime.atomic_file import pid_alive
 
-__all__ = ["CLAIMS_ENV", "HELPER_ENV", "PARENT_ENV", "WAIT_S", "helper_wanted", "start_helper", "join",
-           "stop_helper", "stats"]
+__all__ = ["CLAIMS_ENV", "HELPER_ENV", "PARENT_ENV", "WAIT_S", "NotReady", "helper_wanted", "start_helper", "join",
+           "stop_helper", "stats", "unless_compiling"]
 
 CLAIMS_ENV = "RINGLLM_COMPILE_CLAIMS"     # the shared claims directory, for a helper process
 HELPER_ENV = "RINGLLM_COMPILE_HELPER"     # "0": compile alone (no helper process)
@@ -61,7 +70,8 @@ _PREFIX = ".claims-"
 
 _lock = threading.Lock()
 _local = threading.local()               # .claimed: keys this thread claimed and has not saved yet
-_state: dict = {"dir": None, "creator": None, "helper": None, "claimed": 0, "waited": 0, "wait_s": 0.0}
+_state: dict = {"dir": None, "creator": None, "helper": None, "claimed": 0, "waited": 0, "wait_s": 0.0,
+                "stood_in": set()}
 
 
 def helper_wanted() -> bool:
@@ -213,11 +223,28 @@ def _sweep(base: str) -> None:
 
 
 def _shutdown() -> None:
-    """At exit of the process that made the claims directory (not of a child forked from it)."""
+    """At exit of the process that made the claims directory (not of a child forked from it): wait for
+    the helper to save the kernels this process ran stand-ins for (else the next process, with no
+    helper, would compile them alone on its first use), then stop it."""
     if _state["creator"] != os.getpid():
         return
+    _await_stood_in()
     stop_helper()
     shutil.rmtree(_state["dir"], ignore_errors=True)
+
+
+def _await_stood_in() -> None:
+    """Wait (at most WAIT_S in all) until every signature asked for under unless_compiling() is saved,
+    or the helper has ended."""
+    helper = _state["helper"]
+    if helper is None:
+        return
+    t0 = time.monotonic()
+    for key in sorted(_state["stood_in"]):
+        while not os.path.exists(_path(key) + ".done") and helper.poll() is None:
+            if time.monotonic() - t0 > WAIT_S:
+                return
+            time.sleep(_POLL_S)
 
 
 def _die_with_parent() -> None:
@@ -246,6 +273,23 @@ def _alive(pid: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Claims
 # ---------------------------------------------------------------------------------------------
+
+
+class NotReady(Exception):
+    """A kernel signature asked for under unless_compiling() that the helper has yet to compile."""
+
+
+@contextlib.contextmanager
+def unless_compiling():
+    """Inside this block, in a process whose helper runs (the parent of a cold start), a ringllm
+    kernel signature that is neither compiled in this process nor in the cache raises NotReady
+    instead of being compiled or waited for (module docstring: stand-ins). Elsewhere, and once the
+    helper has ended, it changes nothing."""
+    _local.no_wait = True
+    try:
+        yield
+    finally:
+        _local.no_wait = False
 
 
 def _sharing() -> bool:
@@ -380,6 +424,10 @@ def _install_hooks() -> None:
             if cres is not None or not _sharing() or not _ours(self):
                 return cres
             key = _key(self, sig)
+            if getattr(_local, "no_wait", False) and _state["creator"] == os.getpid():
+                with _lock:
+                    _state["stood_in"].add(key)
+                raise NotReady(f"{getattr(self._py_func, '__name__', '?')} is being compiled by the helper")
             if _take(key):
                 return None
             if _wait(key):

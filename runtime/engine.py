@@ -506,6 +506,7 @@ class CPUEngine:
                                kk[rows], v3[rows], seq0, scale, attn_cap, self.chunk_q, self.sc.ktmp)
             return
         strategy, sc = STRATEGIES[store.layer_rope_mode[il]], self.sc
+        sc.prompt = T > 1
         for t in range(t0, t0 + T):
             seq = seq0 + t - t0
             strategy.write(store, il, rope, kk[t], v3[t], seq, sc)

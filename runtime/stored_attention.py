@@ -181,7 +181,7 @@ def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotar
     _weighted_values(work[1, u], scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group):
     """Rotate unit u's queries at the offset of its first slot j0; returns (that offset, the unit
     whose angles row now holds it). The angles of an offset are computed once (the unit `have`
@@ -200,7 +200,7 @@ def _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_
     return off, have
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _merge(out, scores, work, count_l, group, mass):
     """out[h0 + g] = the merged attention of each head's units; mass[h, :count] when it has rows."""
     n_kv = count_l.shape[0]
@@ -293,27 +293,34 @@ def attend_stored_ahead(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq
                   scores, work, mass, k_next, v_next, count_next, hint_next)
 
 
+@njit(cache=True, nogil=True)
+def _plan_units(q, k_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group):
+    """attend_stored_parallel's units before they run: (3, n_units) i64 of each unit's kv head, first
+    slot and query offset, its queries rotated (_unit_query). A function of its own, not inlined:
+    the parallel kernel's compile then holds the loop alone."""
+    n_units = 0
+    for h in range(k_l.shape[0]):
+        n_units += (count_l[h] + UNIT_SLOTS - 1) // UNIT_SLOTS
+    plan = np.empty((3, n_units), np.int64)
+    u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
+    for h in range(k_l.shape[0]):
+        for j0 in range(0, count_l[h], UNIT_SLOTS):
+            plan[0, u], plan[1, u] = h, j0
+            plan[2, u], have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale,
+                                           rotary_dim, scale, work, group)
+            have_off = plan[2, u]
+            u += 1
+    return plan
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def attend_stored_parallel(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
                            softcap, scores, work, mass):
     """attend_stored with the units spread over the threads: the same bits for any thread count."""
     group = q.shape[0] // k_l.shape[0]
-    n_units = 0
-    for h in range(k_l.shape[0]):
-        n_units += (count_l[h] + UNIT_SLOTS - 1) // UNIT_SLOTS
-    uh = np.empty(n_units, np.int64)
-    uj = np.empty(n_units, np.int64)
-    offs = np.empty(n_units, np.int64)
-    u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
-    for h in range(k_l.shape[0]):
-        for j0 in range(0, count_l[h], UNIT_SLOTS):
-            uh[u], uj[u] = h, j0
-            offs[u], have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale,
-                                        rotary_dim, scale, work, group)
-            have_off = offs[u]
-            u += 1
-    for i in prange(n_units):
+    plan = _plan_units(q, k_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group)
+    for i in prange(plan.shape[1]):
         u = np.int64(i)
-        _unit(u, uh[u], uj[u], q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap,
-              scores, work, count_l, group, offs[u], k_l, v_l, np.int64(0))
+        _unit(u, plan[0, u], plan[1, u], q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
+              softcap, scores, work, count_l, group, plan[2, u], k_l, v_l, np.int64(0))
     _merge(out, scores, work, count_l, group, mass)

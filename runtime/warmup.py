@@ -89,13 +89,22 @@ def warm(engine, kv: KVConfig, few_rows: bool = True) -> None:
         warm_few_rows(engine)
 
 
-def warm_decode(engine, kv: KVConfig) -> None:
+def warm_decode(engine, kv: KVConfig, one_thread_first: bool = False) -> None:
     """Run a decode step's kernels on a small store of kv's configuration (small_config), attention
     first: every layer's write and attention and the output head (CPUEngine.attend_and_head), then
     a whole step (the decode matvecs, the FFN). The order of a helper compiling beside a process
     that feeds a prompt (runtime/compile_share.py): the prompt's matrix products come first there,
-    its attention next, the head at its end, decode's matvecs only after its first token."""
+    its attention next, the head at its end, decode's matvecs only after its first token.
+    one_thread_first: the attention on one thread (attend_stored) before the threaded kernel; the
+    parent's prompt runs it while the threaded one compiles (rope._attend_stored)."""
     small = _small_or_full(kv)
+    sc = getattr(engine, "sc", None)
+    if one_thread_first and sc is not None:
+        parallel, sc.parallel = sc.parallel, False
+        try:
+            engine.attend_and_head(engine.new_store(small))
+        finally:
+            sc.parallel = parallel
     engine.attend_and_head(engine.new_store(small))
     engine.step(1 % engine.spec.n_vocab, engine.new_store(small))
 

@@ -2,7 +2,8 @@
 is loaded from the cache by the other, never compiled twice; a claimant that dies or a compile that
 fails leaves the other to compile it; an LLM's cold start hands kernels over from its helper and
 generates what a warm start generates; the helper ends with its parent (exit, kill), a forked child
-leaves both alone, and a killed parent's claims directory is swept by the next.
+leaves both alone, and a killed parent's claims directory is swept by the next; a kernel asked for
+under unless_compiling() while the helper runs is refused (NotReady), neither compiled nor awaited.
 
 Every program runs as a subprocess on a kernel cache of its own (an empty NUMBA_CACHE_DIR)."""
 from __future__ import annotations
@@ -42,12 +43,20 @@ print(json.dumps({"compiled": span.signatures, "stats": compile_share.stats(), "
 """
 
 LLM_RUN = r"""
-import json
+import json, sys
+from numba.core import event
 from ringllm import LLM
 from ringllm.runtime import compile_share
+compiled = []                       # every kernel this process compiles (not those it loads)
+class Compiled(event.Listener):
+    def on_start(self, ev):
+        compiled.append(ev.data["dispatcher"].py_func.__name__)
+    def on_end(self, ev):
+        pass
+event.register("numba:compile", Compiled())
 llm = LLM(n_threads=2)
-done = llm.complete("The capital of France is", max_tokens=4, ignore_eos=True)
-print(json.dumps({"tokens": list(done.tokens), "stats": compile_share.stats(),
+done = llm.complete("The capital of France is", max_tokens=int(sys.argv[1]), ignore_eos=True)
+print(json.dumps({"tokens": list(done.tokens), "stats": compile_share.stats(), "compiled": compiled,
                   "compile_s": done.timings.compile_s, "prompt_s": done.timings.prompt_s}))
 """
 
@@ -128,21 +137,28 @@ def test_a_failing_compile_releases_its_claims(dirs):
     assert held and held <= {f[:-5] for f in os.listdir(claims) if f.endswith(".done")}
 
 
-def test_llm_cold_start_shares_compiles_with_its_helper_and_generates_as_warm(tmp_path):
+@pytest.mark.parametrize("cold_tokens", [1, 4])
+def test_llm_cold_start_shares_compiles_with_its_helper_and_generates_as_warm(tmp_path, cold_tokens):
+    """A cold run that only feeds its prompt (1 token: the prompt's attention ran the one-thread stand-in)
+    still leaves the threaded attention in the cache (its exit waits for the helper to save it); one that
+    decodes leaves every kernel a decode needs."""
     if not compile_share.helper_wanted():
         pytest.skip("one core for this process: a cold start compiles alone")
-    run = lambda: subprocess.run([sys.executable, "-c", LLM_RUN], env=_env(tmp_path), capture_output=True,
-                                 text=True, timeout=900)
-    cold = run()
+    run = lambda n: subprocess.run([sys.executable, "-c", LLM_RUN, str(n)], env=_env(tmp_path), capture_output=True,
+                                   text=True, timeout=900)
+    cold = run(cold_tokens)
     assert cold.returncode == 0, cold.stderr[-3000:]
     c = json.loads(cold.stdout.strip().splitlines()[-1])
     assert c["stats"]["helper"] and c["stats"]["waited"] >= 1      # it loaded a kernel the helper compiled
     assert c["compile_s"] > 0
-    warm = run()
+    warm = run(4)
     assert warm.returncode == 0, warm.stderr[-3000:]
     w = json.loads(warm.stdout.strip().splitlines()[-1])
-    assert not w["stats"]["helper"] and w["stats"]["claimed"] == 0 and w["compile_s"] == 0.0
-    assert w["tokens"] == c["tokens"]
+    assert not w["stats"]["helper"] and w["stats"]["claimed"] == 0
+    assert "attend_stored_parallel" not in w["compiled"]
+    if cold_tokens > 1:
+        assert w["compiled"] == [] and w["compile_s"] == 0.0
+    assert w["tokens"][:cold_tokens] == c["tokens"]
     assert not [d for d in os.listdir(tmp_path / os.listdir(tmp_path)[0]) if d.startswith(".claims-")]
 
 
@@ -204,6 +220,48 @@ def test_the_helper_ends_with_a_killed_parent_and_its_claims_are_swept(tmp_path)
     out, err = again.communicate(timeout=120)
     assert again.returncode == 0, err[-3000:]
     assert not _claims_dirs(tmp_path)
+
+
+# a parent with a stand-in helper (it joins the claims and sleeps) on an empty cache: a kernel asked for under
+# unless_compiling() raises NotReady and is neither compiled nor run; with the helper stopped, the same call compiles
+STAND_IN = r"""
+import json, sys
+import numpy as np
+from ringllm.runtime import compile_share
+from ringllm.runtime.compile_clock import CompileSpan
+from ringllm.runtime.ops import gated_act_fused
+helper = ("import os, time; from ringllm.runtime import compile_share as c; "
+          "c.join(os.environ[c.CLAIMS_ENV]); time.sleep(120)")
+assert compile_share.start_helper([sys.executable, "-c", helper], 1)
+x = np.linspace(-2, 2, 256, dtype=np.float32).reshape(2, 128)
+out = np.zeros((2, 64), np.float32)
+result = {}
+with CompileSpan() as span:
+    try:
+        with compile_share.unless_compiling():
+            gated_act_fused(out, x, 0)
+        result["first"] = "ran"
+    except compile_share.NotReady as exc:
+        result["first"] = "not ready: " + str(exc)
+result["compiled_first"], result["out_first"] = span.signatures, float(np.abs(out).sum())
+compile_share.stop_helper()
+with CompileSpan() as span:
+    with compile_share.unless_compiling():
+        gated_act_fused(out, x, 0)
+result["compiled_after"], result["out_after"] = span.signatures, float(np.abs(out).sum())
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(os.name != "posix" or not compile_share.helper_wanted(), reason="POSIX, two cores")
+def test_unless_compiling_refuses_a_kernel_the_helper_has_yet_to_compile(tmp_path):
+    p = subprocess.run([sys.executable, "-c", STAND_IN], env=_env(tmp_path), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["first"].startswith("not ready: gated_act_fused")
+    assert r["compiled_first"] == 0 and r["out_first"] == 0.0           # nothing compiled, nothing run
+    assert r["compiled_after"] >= 1 and r["out_after"] > 0.0            # the helper gone: compiled here
 
 
 def test_helper_command_line_takes_numpy_knobs():
