@@ -19,8 +19,9 @@ block it frees (up to 32 MiB), so once one store has been freed the next store's
 heap and calloc clears them byte by byte: tens of milliseconds for a store sized to an 8192-token
 context, paid by every request a server starts. A fresh mapping is zero by construction and costs
 nothing until its pages are written; it is unmapped when the array is collected (`lazy_zeros_group`:
-one mapping for many arrays, unmapped with the last of them). Under the kernel's
-`madvise` huge-page mode (the common default) such a mapping gets ordinary pages.
+one mapping for many arrays, unmapped with the last of them). The mapping is private (a forked child
+copies on write; Python's default for an anonymous mapping is shared memory) and advised against
+huge pages, so it gets ordinary pages under every huge-page mode.
 
 Loading leaves two things resident that the process no longer needs: the model file's pages, once
 the engine has repacked the weights into its own buffers (`release_array_pages` drops one tensor's
@@ -89,11 +90,29 @@ def lazy_zeros_group(groups: dict) -> dict:
             layout[name, i] = (shape, dtype, nbytes, total if nbytes >= LAZY_MIN_BYTES else None)
             if nbytes >= LAZY_MIN_BYTES:
                 total += -(-nbytes // page) * page
-    arena = np.frombuffer(mmap.mmap(-1, total), np.uint8) if total else None
+    arena = np.frombuffer(_anonymous(total), np.uint8) if total else None
     out = {name: [] for name in groups}
     for (name, _), (shape, dtype, nbytes, off) in layout.items():
         out[name].append(np.zeros(shape, dtype) if off is None else arena[off:off + nbytes].view(dtype).reshape(shape))
     return out
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    """A private anonymous mapping of `size` bytes, advised not to use huge pages where the kernel has
+    them. mmap.mmap(-1, size) alone would map MAP_SHARED, i.e. shared memory: a child forked from this
+    process would write into the parent's KV store and the parent into the child's, and the pages
+    would count as shared memory rather than as the process's own. Private, a fork copies on write
+    as it does for any other array. MADV_NOHUGEPAGE keeps ordinary pages under the `always`
+    huge-page mode too (module docstring)."""
+    if not hasattr(mmap, "MAP_PRIVATE"):            # Windows: an anonymous mapping is the process's own
+        return mmap.mmap(-1, size)
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:                             # a kernel without transparent huge pages
+            pass
+    return m
 
 
 def _file_mapping(a):

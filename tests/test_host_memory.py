@@ -112,6 +112,27 @@ def test_lazy_zeros_group_shares_one_mapping_paid_for_as_written():
     assert one.shape == (300, 100) and one.dtype == np.int64 and not one.any()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_writes_its_own_copy_of_a_store_array():
+    """A store's arena is the process's private memory: a child forked from it writes into its own copy
+    (copy on write), never into the parent's, and sees the parent's rows as they were at the fork."""
+    a = lazy_zeros((256, 1024), np.float32)               # 1 MiB: from the shared arena mapping
+    a[0] = 1.0
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                          # the child: write, report what it sees, leave
+        os.close(r)
+        a[:4] = 7.0
+        os.write(w, bytes([int(a[0, 0] == 7.0 and a[3, -1] == 7.0 and not a[4:].any())]))
+        os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    seen = os.read(r, 1)
+    os.close(r)
+    assert status == 0 and seen == b"\x01"
+    assert (a[0] == 1.0).all() and not a[1:].any()       # the child's rows never reached the parent
+
+
 def test_embedding_lookups_keep_no_table_pages_resident(smollm2_path):
     """The table's resident bytes stay under what one fault can map (FAULT_SPAN_BYTES) however many
     distinct rows are read. The rows read lie on 8 spans' worth of distinct pages or more, so without
