@@ -96,14 +96,15 @@ def _write_attend(out, q, k_new, v_new, seqs, ks, vs, seq_ls, pos_ls, count_ls, 
     B = np.int64(q.shape[0])
     n_chunks = min(n_threads, B)
     for c in prange(n_chunks):          # one run of consecutive sequences per thread
-        for b in range(c * B // n_chunks, (c + 1) * B // n_chunks):   # int64: typed lists index signed
+        hi = (c + 1) * B // n_chunks
+        for b in range(c * B // n_chunks, hi):      # int64: typed lists index signed
             rope_rows_at(k_new[b], seqs[b], inv_freq, inv_scale, rotary_dim, ktmp[b])
             count_l = count_ls[b]
             kv_write_streaming(ks[b], vs[b], seq_ls[b], pos_ls[b], count_l, evicted_ls[b], k_new[b], v_new[b],
                                seqs[b], sinks[b], reindexed[b])
             q_pos = count_l[0] - 1 if reindexed[b] else seqs[b]
             # the thread's next sequence is read from memory meanwhile (the last has none to hint)
-            last = b + 1 == (c + 1) * B // n_chunks
+            last = b + 1 == hi
             nb = b if last else b + 1
             attend_stored_ahead(out[b], q[b], ks[b], vs[b], pos_ls[b], seq_ls[b], count_l, q_pos, inv_freq,
                                 inv_scale, rotary_dim, scale, softcap, scores[b], work[b], no_mass, ks[nb], vs[nb],

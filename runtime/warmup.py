@@ -98,13 +98,12 @@ def warm_decode(engine, kv: KVConfig, one_thread_first: bool = False) -> None:
     one_thread_first: the attention on one thread (attend_stored) before the threaded kernel; the
     parent's prompt runs it while the threaded one compiles (rope._attend_stored)."""
     small = _small_or_full(kv)
-    sc = getattr(engine, "sc", None)
-    if one_thread_first and sc is not None:
-        parallel, sc.parallel = sc.parallel, False
+    if one_thread_first:
+        parallel, engine.sc.parallel = engine.sc.parallel, False
         try:
             engine.attend_and_head(engine.new_store(small))
         finally:
-            sc.parallel = parallel
+            engine.sc.parallel = parallel
     engine.attend_and_head(engine.new_store(small))
     engine.step(1 % engine.spec.n_vocab, engine.new_store(small))
 

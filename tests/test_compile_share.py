@@ -162,15 +162,20 @@ def test_llm_cold_start_shares_compiles_with_its_helper_and_generates_as_warm(tm
     assert not [d for d in os.listdir(tmp_path / os.listdir(tmp_path)[0]) if d.startswith(".claims-")]
 
 
-# start a stand-in helper (it joins the claims and sleeps) on an empty cache, print its pid and the claims
-# directories, then: "fork" forks a child that exits normally; "kill" waits to be killed
-LIFETIME = r"""
-import glob, os, sys, time
+# the start of a program: a stand-in helper (it joins the claims and sleeps) started on an empty cache
+SLEEPING_HELPER = r"""
+import sys
 from ringllm.runtime import compile_share
-from numba.core import config
 helper = ("import os, time; from ringllm.runtime import compile_share as c; "
           "c.join(os.environ[c.CLAIMS_ENV]); time.sleep(120)")
 assert compile_share.start_helper([sys.executable, "-c", helper], 1)
+"""
+
+# with a stand-in helper, print whether it started and the claims directories, then: "fork" forks a child
+# that exits normally; "kill" waits to be killed
+LIFETIME = SLEEPING_HELPER + r"""
+import glob, os, time
+from numba.core import config
 print(compile_share.stats()["helper"], flush=True)
 claims = lambda: sorted(glob.glob(os.path.join(config.CACHE_DIR, ".claims-*")))
 if sys.argv[1] == "fork":
@@ -222,17 +227,13 @@ def test_the_helper_ends_with_a_killed_parent_and_its_claims_are_swept(tmp_path)
     assert not _claims_dirs(tmp_path)
 
 
-# a parent with a stand-in helper (it joins the claims and sleeps) on an empty cache: a kernel asked for under
-# unless_compiling() raises NotReady and is neither compiled nor run; with the helper stopped, the same call compiles
-STAND_IN = r"""
-import json, sys
+# with a stand-in helper: a kernel asked for under unless_compiling() raises NotReady and is neither compiled
+# nor run; with the helper stopped, the same call compiles
+STAND_IN = SLEEPING_HELPER + r"""
+import json
 import numpy as np
-from ringllm.runtime import compile_share
 from ringllm.runtime.compile_clock import CompileSpan
 from ringllm.runtime.ops import gated_act_fused
-helper = ("import os, time; from ringllm.runtime import compile_share as c; "
-          "c.join(os.environ[c.CLAIMS_ENV]); time.sleep(120)")
-assert compile_share.start_helper([sys.executable, "-c", helper], 1)
 x = np.linspace(-2, 2, 256, dtype=np.float32).reshape(2, 128)
 out = np.zeros((2, 64), np.float32)
 result = {}
