@@ -11,6 +11,9 @@ ran stand-ins for (runtime/compile_share.py).
 - cold: ringllm with an empty kernel cache (a fresh install, an upgrade, a new container), compiling
   on two cores (the run and its compile helper, runtime/compile_share.py);
 - cold alone: the same with RINGLLM_COMPILE_HELPER=0 (one process compiles everything);
+- cold chat: the README's first command (`generate --chat ... -n 48`) on an empty cache, to its first
+  text and its exit: its first text waits for the first decode step too (generate writes a token's
+  text once the engine has run that token, ringllm.decoder.Decoder.advance);
 - warm: ringllm again on the cache the cold run filled;
 - after warmup: an empty cache filled by `ringllm warmup -m MODEL --policy full` (its own time is
   reported apart), then a fresh `generate`;
@@ -40,6 +43,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, write_results  # noqa: E402
 
 PROMPT = "The capital of France is"
+CHAT_PROMPT = "Write a haiku about the sea."
 LLAMA_CPP = r"""
 import sys
 from llama_cpp import Llama
@@ -96,6 +100,13 @@ def _ringllm(path: str, threads: int) -> list[str]:
             "--no-progress", "--ignore-eos"]
 
 
+def _ringllm_chat(path: str, threads: int) -> list[str]:
+    """The README's first command on this model: a chat turn of 48 tokens (a token's text is written once
+    the engine has run that token, so its first byte waits for the first decode step too)."""
+    return [sys.executable, "-m", "ringllm", "generate", "-m", path, "--chat", "-p", CHAT_PROMPT, "-n", "48",
+            "-t", str(threads), "--no-progress", "--ignore-eos"]
+
+
 def run_model(path: str, threads: int) -> dict:
     """One repeat for one model: cold, warm, warmup + after warmup, llama.cpp (seconds to the first
     token, and "<name>_exit" to the process's exit)."""
@@ -103,6 +114,8 @@ def run_model(path: str, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         out["cold"], out["cold_exit"] = _timed(_ringllm(path, threads), cache)
         out["warm"], out["warm_exit"] = _timed(_ringllm(path, threads), cache)
+    with tempfile.TemporaryDirectory() as cache:        # the README's chat command on an empty cache
+        out["cold_chat"], out["cold_chat_exit"] = _timed(_ringllm_chat(path, threads), cache)
     with tempfile.TemporaryDirectory() as cache:        # the cold start without its compile helper
         out["cold_alone"], out["cold_alone_exit"] = _timed(_ringllm(path, threads), cache,
                                                            RINGLLM_COMPILE_HELPER="0")
@@ -135,8 +148,8 @@ def main():
         for name, path in paths.items():
             runs[name].append(run_model(path, args.threads))
             print(name, runs[name][-1], file=sys.stderr, flush=True)
-    cols = ["cold", "cold_exit", "cold_alone", "cold_alone_exit", "warm", "warm_exit", "warmup_command",
-            "after_warmup", "after_warmup_exit", "llama_cpp", "llama_cpp_exit"]
+    cols = ["cold", "cold_exit", "cold_alone", "cold_alone_exit", "cold_chat", "cold_chat_exit", "warm", "warm_exit",
+            "warmup_command", "after_warmup", "after_warmup_exit", "llama_cpp", "llama_cpp_exit"]
     medians = {name: {c: (None if any(r[c] is None for r in rs) else float(np.median([r[c] for r in rs])))
                       for c in cols} for name, rs in runs.items()}
     payload = {"machine": machine(), "command": f"python bench/startup.py --repeats {args.repeats} --threads "
@@ -153,18 +166,20 @@ def main():
           f"`Llama(...)(prompt, max_tokens=1)` writing its token), median of "
           f"{args.repeats}; runs alternate. cold: empty kernel cache (compiling on two cores: the run and its "
           "compile helper, runtime/compile_share.py); cold alone: the same without the helper "
-          "(RINGLLM_COMPILE_HELPER=0); warm: the cache the cold run filled; "
+          "(RINGLLM_COMPILE_HELPER=0); cold chat: the README's command (`generate --chat -p "
+          f"\"{CHAT_PROMPT}\" -n 48`) on an empty cache, to its first text / its exit; warm: the cache the cold "
+          "run filled; "
           "after warmup: a fresh cache filled by `ringllm warmup -m MODEL --policy full` (its own time in the "
           "warmup column). warm / llama.cpp: first tokens.\n",
-          "| model | ringllm cold (s) | cold alone (s) | ringllm warm (s) | `ringllm warmup` (s) | after warmup (s) "
-          "| llama.cpp (s) | warm / llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+          "| model | ringllm cold (s) | cold alone (s) | cold chat (s) | ringllm warm (s) | `ringllm warmup` (s) "
+          "| after warmup (s) | llama.cpp (s) | warm / llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
 
     def both(m, c):
         return f"{fmt(m[c])} / {fmt(m[c + '_exit'])}"
 
     for name, m in medians.items():
         ratio = "n/a" if m["llama_cpp"] is None else f"{m['warm'] / m['llama_cpp']:.2f}x"
-        md.append(f"| {name} | {both(m, 'cold')} | {both(m, 'cold_alone')} | {both(m, 'warm')} | "
+        md.append(f"| {name} | {both(m, 'cold')} | {both(m, 'cold_alone')} | {both(m, 'cold_chat')} | {both(m, 'warm')} | "
                   f"{fmt(m['warmup_command'])} | {both(m, 'after_warmup')} | {both(m, 'llama_cpp')} | {ratio} |")
     text = "\n".join(md) + "\n"
     print(text)

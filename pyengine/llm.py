@@ -149,6 +149,9 @@ class LLM:
             if self._engine is not None:    # the engine holds its own copy of the weights: the file's pages go
                 release_file_pages(t.data for t in self.model.tensors.values())
                 trim_heap()                  # and so does the heap memory the repacking's temporaries were freed into
+            if backend == "cpu":             # a cold start: what to compile while the helper has the attention
+                for job in self._engine.warm_ahead():
+                    compile_share.when_idle(job)
             self.compile_s = 0.0
             bar.update(1)
             if warmup and backend in ("cpu", "cuda"):

@@ -33,6 +33,10 @@ after it, so the parent's first token waits only for the smaller compile. At exi
 for the helper to save the kernels it stood in for, so the cache it leaves is the one it would have
 left by waiting for them.
 
+Waits are not idle: the parent queues jobs (`when_idle`; the engine's are CPUEngine.warm_ahead:
+kernels its prompt needs after the attention, then decode's products) and runs them, one after
+another, while it waits for a kernel the helper is compiling.
+
 `start_helper(argv, model_bytes)` starts the helper (ringllm.compile_helper) when the kernel cache
 holds no kernel at all, the process may use two cores (affinity and cgroup quota), the machine has
 memory for a second copy of the model, and the platform is POSIX; never on a warm or partly filled
@@ -59,7 +63,7 @@ from ringllm.runtime import compile_clock
 from ringllm.runtime.atomic_file import pid_alive
 
 __all__ = ["CLAIMS_ENV", "HELPER_ENV", "PARENT_ENV", "WAIT_S", "NotReady", "helper_wanted", "start_helper", "join",
-           "stop_helper", "stats", "unless_compiling"]
+           "stop_helper", "stats", "unless_compiling", "when_idle"]
 
 CLAIMS_ENV = "RINGLLM_COMPILE_CLAIMS"     # the shared claims directory, for a helper process
 HELPER_ENV = "RINGLLM_COMPILE_HELPER"     # "0": compile alone (no helper process)
@@ -71,7 +75,7 @@ _PREFIX = ".claims-"
 _lock = threading.Lock()
 _local = threading.local()               # .claimed: keys this thread claimed and has not saved yet
 _state: dict = {"dir": None, "creator": None, "helper": None, "claimed": 0, "waited": 0, "wait_s": 0.0,
-                "stood_in": set()}
+                "stood_in": set(), "idle_jobs": [], "deferred": []}
 
 
 def helper_wanted() -> bool:
@@ -276,7 +280,8 @@ def _alive(pid: int) -> bool:
 
 
 class NotReady(Exception):
-    """A kernel signature asked for under unless_compiling() that the helper has yet to compile."""
+    """A kernel signature the helper has yet to compile, asked for under unless_compiling() (or by an
+    idle job, when the helper has claimed it)."""
 
 
 @contextlib.contextmanager
@@ -290,6 +295,50 @@ def unless_compiling():
         yield
     finally:
         _local.no_wait = False
+
+
+def when_idle(job) -> None:
+    """In a process whose helper runs (the parent of a cold start), run `job` (a callable of no
+    arguments that compiles kernels by running them on scratch data) the first time this process
+    would otherwise sit waiting for a kernel the helper is compiling, instead of sleeping. Jobs run in
+    the order queued, one after another while the awaited kernel is not saved yet; a job that meets a
+    kernel the helper has claimed stops there (it would only wait again) and is tried again in a
+    later wait. Elsewhere (no helper, or the helper itself) it does nothing: the job's kernels then
+    compile when first used."""
+    helper = _state["helper"]
+    if helper is not None and _state["creator"] == os.getpid() and helper.poll() is None:
+        with _lock:
+            _state["idle_jobs"].append(job)
+
+
+def _run_idle_job() -> float:
+    """Run the next queued idle job on this thread (none inside another's run); its seconds (0.0: none ran).
+    A job that raises is dropped: it only compiles ahead what the run compiles anyway when it gets there,
+    and the same error surfaces there with its own context."""
+    if getattr(_local, "in_job", False):
+        return 0.0
+    with _lock:
+        if not _state["idle_jobs"]:
+            return 0.0
+        job = _state["idle_jobs"].pop(0)
+    t0 = time.monotonic()
+    _local.in_job = True
+    try:
+        job()
+    except NotReady:            # a kernel the helper holds: this job again in the next wait
+        with _lock:
+            _state["deferred"].append(job)
+    except Exception:           # noqa: BLE001 (see the docstring)
+        pass
+    finally:
+        _local.in_job = False
+    return time.monotonic() - t0
+
+
+def _requeue_deferred() -> None:
+    with _lock:
+        _state["idle_jobs"][:0] = _state["deferred"]
+        _state["deferred"].clear()
 
 
 def _sharing() -> bool:
@@ -366,15 +415,19 @@ def _wait(key: str) -> bool:
         return False
     if pid == os.getpid():
         return False
-    t0 = time.monotonic()
+    t0, working = time.monotonic(), 0.0
     try:
         while not os.path.exists(done):
-            if not _alive(pid) or time.monotonic() - t0 > WAIT_S:
+            if not _alive(pid) or time.monotonic() - t0 - working > WAIT_S:
                 return os.path.exists(done)
-            time.sleep(_POLL_S)
+            ran = _run_idle_job()
+            if ran == 0.0:
+                time.sleep(_POLL_S)
+            working += ran
         return True
     finally:
-        waited = time.monotonic() - t0
+        _requeue_deferred()
+        waited = time.monotonic() - t0 - working    # a job's own compiles are counted as they happen
         compile_clock.count_wait(waited)
         with _lock:
             _state["waited"] += 1
@@ -430,6 +483,8 @@ def _install_hooks() -> None:
                 raise NotReady(f"{getattr(self._py_func, '__name__', '?')} is being compiled by the helper")
             if _take(key):
                 return None
+            if getattr(_local, "in_job", False) and not os.path.exists(_path(key) + ".done"):
+                raise NotReady(f"{getattr(self._py_func, '__name__', '?')} is being compiled by the helper")
             if _wait(key):
                 return load(self, sig, target_context)
             return None

@@ -279,6 +279,43 @@ class CPUEngine:
         store.n_seen += 1
         return self._head(b, 1)
 
+    def attend_empty(self, store: KVStore) -> None:
+        """Layer 0's attention kernel alone, over `store` before anything is written to it (a zero
+        query over no slots; the output is discarded; a policy layer 0 does nothing): the kernel a
+        compile helper wants first (runtime/warmup.warm_decode), without the RoPE and write kernels a
+        token's attention runs before it, which the parent compiles meanwhile."""
+        if getattr(store, "paged", False) or store.uses_policy(0):
+            return
+        self._prepare(store, 0)
+        s = self.spec
+        q = np.zeros((s.n_head, s.head_dim), np.float32)
+        STRATEGIES[store.layer_rope_mode[0]].attend(store, 0, self.layer_ropes[0], q, store.n_seen,
+                                                    np.float32(s.attn_scale), np.float32(s.attn_softcap),
+                                                    self.no_mass, self.sc)
+
+    def warm_ahead(self) -> list:
+        """Callables that each run, on private one-row buffers (nothing a run or a store holds is
+        touched), kernels a prompt meets only after its first layer's attention, in the order it meets
+        them: the FFN activation; the output head (its norm, its one-row product, the final softcap);
+        then a decode step's products (one callable per product kernel). A cold start's parent runs
+        them while it waits for the helper's attention kernel (compile_share.when_idle), so that its
+        first tokens do not compile them after that wait."""
+        s = self.spec
+
+        def activation():
+            self._activate(_Buffers(s, 1), self._ffn_fused(0))
+
+        def head():
+            self._head(_Buffers(s, 1), 1, out=np.empty((1, s.n_vocab), np.float32))
+
+        def product(pm):
+            return lambda: self._matmul(np.empty((1, pm.n_rows), np.float32), pm, np.zeros((1, pm.n_cols), np.float32))
+
+        kernels = {}
+        for pm in self.mats.values():
+            kernels.setdefault(pm.q8_kernel if pm.q8 is not None else pm.kernel, pm)
+        return [activation, head] + [product(pm) for pm in kernels.values()]
+
     def step_batch(self, tokens, stores) -> np.ndarray:
         """Decode one token for each of B sequences at once: tokens (B,) ints, stores (B,) distinct
         KVStores (each with its own capacity, policy and position). The projections, FFN and head run
@@ -432,11 +469,11 @@ class CPUEngine:
         if self.spec.embed_scale != 1.0:
             b.x *= np.float32(self.spec.embed_scale)
 
-    def _head(self, b: _Buffers, T: int) -> np.ndarray:
-        """Logits (T, n_vocab) of the run's rows (a view of the run buffer)."""
+    def _head(self, b: _Buffers, T: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Logits (T, n_vocab) of the run's rows: into `out`, else a view of the run buffer."""
         s = self.spec
         self._norm(b.h, b.x, "output_norm")
-        logits = self.logits_buf[:T]
+        logits = self.logits_buf[:T] if out is None else out
         self._matmul(logits, self.out_w, b.h)
         if s.final_logit_softcap:
             softcap(logits, np.float32(s.final_logit_softcap))
@@ -506,7 +543,6 @@ class CPUEngine:
                                kk[rows], v3[rows], seq0, scale, attn_cap, self.chunk_q, self.sc.ktmp)
             return
         strategy, sc = STRATEGIES[store.layer_rope_mode[il]], self.sc
-        sc.prompt = T > 1
         for t in range(t0, t0 + T):
             seq = seq0 + t - t0
             strategy.write(store, il, rope, kk[t], v3[t], seq, sc)
@@ -561,20 +597,32 @@ class CPUEngine:
                 hook(il, mass, store)
             b.att[t] = sc.out.reshape(-1)
 
+    def _ffn_fused(self, il: int) -> bool:
+        """Whether layer il's FFN takes its stacked gate|up product and the fused activation."""
+        p = f"blk.{il}."
+        return (p + "ffn_gate_up.weight" in self.mats and p + "ffn_gate.bias" not in self.vecs
+                and p + "ffn_up.bias" not in self.vecs)
+
     def _ffn(self, il: int, b: _Buffers) -> None:
         """b.h2 = ffn(b.h)."""
         p = f"blk.{il}."
-        gate_up = self.mats.get(p + "ffn_gate_up.weight")
-        if gate_up is not None and p + "ffn_gate.bias" not in self.vecs and p + "ffn_up.bias" not in self.vecs:
-            self._matmul(b.ff_gu, gate_up, b.h)
-            gated_act_fused(b.ff_a, b.ff_gu, self.act)
+        if self._ffn_fused(il):
+            self._matmul(b.ff_gu, self.mats[p + "ffn_gate_up.weight"], b.h)
+            self._activate(b, fused=True)
             self._linear(b.h2, p + "ffn_down", b.ff_a)
             return
         self._linear(b.ff_b, p + "ffn_up", b.h)
         if self.spec.gated_ffn:
             self._linear(b.ff_a, p + "ffn_gate", b.h)
+        self._activate(b, fused=False)
+        self._linear(b.h2, p + "ffn_down", b.ff_a if self.spec.gated_ffn else b.ff_b)
+
+    def _activate(self, b: _Buffers, fused: bool) -> None:
+        """The FFN's activation between its products: fused, b.ff_a = act(gate) * up from the stacked
+        b.ff_gu; gated, b.ff_a = act(b.ff_a) * b.ff_b; otherwise b.ff_b = act(b.ff_b) in place."""
+        if fused:
+            gated_act_fused(b.ff_a, b.ff_gu, self.act)
+        elif self.spec.gated_ffn:
             gated_act(b.ff_a, b.ff_a, b.ff_b, self.act)
-            self._linear(b.h2, p + "ffn_down", b.ff_a)
         else:
             act_inplace(b.ff_b, self.act)
-            self._linear(b.h2, p + "ffn_down", b.ff_b)

@@ -130,11 +130,10 @@ class AttendScratch:
     out (n_head, hd) f32 result, scores (n_head, P) f32 and work (stored_attention.stored_work for P
     slots) (both grown by grow()), krot (hd,) f32, qrot (n_head, hd) f32, angles (2, rotary_dim/2)
     f32, ktmp (hd + rotary_dim,) f32, qpos (n_kv,) i64. parallel: the stored layouts' attention
-    spreads a layer's slots over the threads (when it holds at least PARALLEL_MIN_SLOTS). prompt:
-    the tokens attending now are a prompt's rows, not a decode step's (the engine sets it)."""
+    spreads a layer's slots over the threads (when it holds at least PARALLEL_MIN_SLOTS)."""
 
     def __init__(self, n_head: int, n_kv: int, head_dim: int, rotary_dim: int, parallel: bool = True):
-        self.n_kv, self.parallel, self.prompt = n_kv, parallel, False
+        self.n_kv, self.parallel = n_kv, parallel
         self.out = np.zeros((n_head, head_dim), np.float32)
         self.scores = np.zeros((n_head, 0), np.float32)
         self.work = stored_work(n_kv, n_head, head_dim, 0)
@@ -190,8 +189,8 @@ def _query_position_grown(store, il: int, rope: LayerRope, seq: int) -> int:
     return qp
 
 
-# The threaded attention in this process: "ready" once a prompt has run it, else the monotonic time at
-# which a cold start's parent may next ask for it (_attend_stored).
+# The threaded attention in this process: "ready" once it has run, else the monotonic time at which a
+# cold start's parent may next ask for it (_attend_stored).
 _THREADED = {"ready": False, "ask_at": 0.0}
 THREADED_ASK_S = 0.25
 
@@ -201,16 +200,16 @@ def _attend_stored(store, il: int, rope: LayerRope, seq_l: np.ndarray, q: np.nda
     """stored_attention.attend_stored over layer il, keys stored rotated at seq_l (n_kv, P); on the
     threads unless sc.parallel is off (stored_attention.PARALLEL_MIN_SLOTS; the same bits either way).
 
-    A prompt's rows on a cold start (runtime/compile_share.py: stand-ins) do not wait for the threaded
-    kernel, the longest compile before a first token: while the helper has yet to compile it, they
-    run the one-thread kernel, which the helper compiles first, and ask again after THREADED_ASK_S.
-    A decode step waits for it as for any kernel, so a process that decodes leaves it in the cache."""
+    A cold start (runtime/compile_share.py: stand-ins) does not wait for the threaded kernel, the
+    longest compile before its first tokens: while the helper has yet to compile it, a prompt's rows
+    and decode steps run the one-thread kernel, which the helper compiles first, and ask again after
+    THREADED_ASK_S. The process's exit waits for the helper to save it, so the cache it leaves holds it."""
     count = store.count[il]
     args = (sc.out, q, store.k[il], store.v[il], store.pos[il], seq_l, count, store.query_position(il, seq),
             rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, sc.scores, sc.work, mass)
     if not sc.parallel or count.sum() < PARALLEL_MIN_SLOTS:
         attend_stored(*args)
-    elif not sc.prompt or _THREADED["ready"]:
+    elif _THREADED["ready"]:
         attend_stored_parallel(*args)
     elif time.monotonic() < _THREADED["ask_at"]:
         attend_stored(*args)

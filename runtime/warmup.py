@@ -95,13 +95,16 @@ def warm_decode(engine, kv: KVConfig, one_thread_first: bool = False) -> None:
     a whole step (the decode matvecs, the FFN). The order of a helper compiling beside a process
     that feeds a prompt (runtime/compile_share.py): the prompt's matrix products come first there,
     its attention next, the head at its end, decode's matvecs only after its first token.
-    one_thread_first: the attention on one thread (attend_stored) before the threaded kernel; the
-    parent's prompt runs it while the threaded one compiles (rope._attend_stored)."""
+    one_thread_first: the attention on one thread (attend_stored) before anything else, even the
+    RoPE and write kernels a token's attention runs first (CPUEngine.attend_empty), then before the
+    threaded kernel; the parent's prompt runs it while the threaded one compiles (rope._attend_stored)."""
     small = _small_or_full(kv)
     if one_thread_first:
         parallel, engine.sc.parallel = engine.sc.parallel, False
         try:
-            engine.attend_and_head(engine.new_store(small))
+            store = engine.new_store(small)
+            engine.attend_empty(store)
+            engine.attend_and_head(store)
         finally:
             engine.sc.parallel = parallel
     engine.attend_and_head(engine.new_store(small))

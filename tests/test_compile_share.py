@@ -265,6 +265,78 @@ def test_unless_compiling_refuses_a_kernel_the_helper_has_yet_to_compile(tmp_pat
     assert r["compiled_after"] >= 1 and r["out_after"] > 0.0            # the helper gone: compiled here
 
 
+# a parent whose helper compiles gated_act_fused and holds it back for 3 s before saving it: the parent queues
+# idle jobs (one compiles rms_norm_rows, one raises, one asks for the kernel the helper holds, one records the
+# time), asks for gated_act_fused while the helper holds its claim, and prints what ran during its wait
+IDLE_HELPER = r"""
+import os, time
+import numpy as np
+from numba.core.caching import Cache
+from ringllm.runtime import compile_share as c
+from ringllm.runtime.ops import gated_act_fused
+c.join(os.environ[c.CLAIMS_ENV])
+save = Cache.save_overload
+def slow_save(self, sig, data):
+    time.sleep(3.0)
+    save(self, sig, data)
+Cache.save_overload = slow_save
+x = np.linspace(-2, 2, 256, dtype=np.float32).reshape(2, 128)
+gated_act_fused(np.zeros((2, 64), np.float32), x, 0)
+time.sleep(120)
+"""
+IDLE_JOBS = r"""
+import glob, json, os, sys, time
+import numpy as np
+from numba.core import config
+from ringllm.runtime import compile_share
+from ringllm.runtime.compile_clock import CompileSpan
+from ringllm.runtime.ops import gated_act_fused, rms_norm_rows
+ran = []
+compile_share.when_idle(lambda: ran.append("before the helper"))      # no helper yet: never queued
+assert compile_share.start_helper([sys.executable, "-c", sys.argv[1]], 1)
+def norm():
+    out = np.zeros((2, 128), np.float32)
+    rms_norm_rows(out, np.ones((2, 128), np.float32), np.ones(128, np.float32), np.float32(1e-6))
+    ran.append("norm %.3f" % out[0, 0])
+def boom():
+    raise RuntimeError("a failing idle job")
+def held():
+    gated_act_fused(np.zeros((2, 64), np.float32), np.ones((2, 128), np.float32), 0)
+    ran.append("held")
+def last():
+    ran.append("last")
+    marks.append(time.monotonic())
+marks = []
+for job in (norm, boom, held, last):
+    compile_share.when_idle(job)
+claims = lambda: glob.glob(os.path.join(config.CACHE_DIR, ".claims-*", "*.claim"))
+t0 = time.monotonic()
+while not claims():
+    assert time.monotonic() - t0 < 120
+    time.sleep(0.002)
+x = np.linspace(-2, 2, 256, dtype=np.float32).reshape(2, 128)
+out = np.zeros((2, 64), np.float32)
+with CompileSpan() as span:
+    gated_act_fused(out, x, 0)
+print(json.dumps({"ran": ran, "stats": compile_share.stats(), "compiled": span.signatures,
+                  "out": float(np.abs(out).sum()), "last_before_end": time.monotonic() - marks[0]}))
+"""
+
+
+@pytest.mark.skipif(os.name != "posix" or not compile_share.helper_wanted(), reason="POSIX, two cores")
+def test_a_parent_runs_its_idle_jobs_while_it_waits_for_the_helper(tmp_path):
+    p = subprocess.run([sys.executable, "-c", IDLE_JOBS, IDLE_HELPER], env=_env(tmp_path), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    # in order; the failing job dropped; the one asking for the helper's kernel put off (not waiting there:
+    # the next job ran long before the helper saved it); none queued before the helper started
+    assert r["ran"] == ["norm 1.000", "last"]
+    assert r["last_before_end"] > 0.5
+    assert r["compiled"] == 1                           # rms_norm_rows compiled here, gated_act_fused loaded
+    assert r["stats"]["waited"] >= 1 and r["out"] > 0.0
+
+
 def test_helper_command_line_takes_numpy_knobs():
     import numpy as np
     from ringllm.compile_helper import helper_argv

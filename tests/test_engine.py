@@ -68,6 +68,36 @@ def test_tiny_models_full_cache(tiny):
     run_pair(tiny, prompt, 20, capacity=None, policy="full", positions="reindexed", n_batch=8)
 
 
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_compile_ahead_calls_leave_a_run_unchanged(tiny, policy):
+    """attend_empty (a compile helper's first kernel) and warm_ahead's jobs (what a cold start's parent
+    compiles while it waits for the helper) touch no store, run buffer or logits a run holds: a run they
+    interrupt gives the same bits, and a store attend_empty ran on is still empty."""
+    prompt = np.random.default_rng(2).integers(0, 256, 33).tolist()
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    new = lambda: eng.new_store(capacity=12, policy=policy, sinks=4)
+    ref_store = new()
+    want = [eng.logits(prompt, ref_store)] + [eng.step(t, ref_store).copy() for t in (5, 6)]
+    st, empty = new(), new()
+    eng.attend_empty(empty)
+    assert empty.n_seen == 0 and int(np.sum(empty.count)) == 0
+    got = [eng.logits(prompt[:16], st)]
+    jobs = eng.warm_ahead()
+    assert len(jobs) >= 3
+    for job in jobs:
+        job()
+    eng.attend_empty(empty)
+    got[0] = np.concatenate([got[0], eng.logits(prompt[16:], st)])
+    step = eng.step(5, st)
+    kept = step.copy()
+    for job in jobs:
+        job()
+    np.testing.assert_array_equal(step, kept)
+    got += [kept, eng.step(6, st).copy()]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_bad_engine_options(tiny):
     with pytest.raises(ConfigError, match="n_threads"):
         CPUEngine(tiny.spec, tiny.tensors, n_threads=0)
