@@ -63,7 +63,7 @@ from ringllm.runtime import compile_clock
 from ringllm.runtime.atomic_file import pid_alive
 
 __all__ = ["CLAIMS_ENV", "HELPER_ENV", "PARENT_ENV", "WAIT_S", "NotReady", "helper_wanted", "start_helper", "join",
-           "stop_helper", "stats", "unless_compiling", "when_idle"]
+           "stop_helper", "stats", "unless_compiling", "when_idle", "run_unclaimed"]
 
 CLAIMS_ENV = "RINGLLM_COMPILE_CLAIMS"     # the shared claims directory, for a helper process
 HELPER_ENV = "RINGLLM_COMPILE_HELPER"     # "0": compile alone (no helper process)
@@ -309,6 +309,21 @@ def when_idle(job) -> None:
     if helper is not None and _state["creator"] == os.getpid() and helper.poll() is None:
         with _lock:
             _state["idle_jobs"].append(job)
+
+
+def run_unclaimed(jobs) -> None:
+    """Run jobs (callables of no arguments that compile kernels by running them on scratch data) now,
+    one after another; a job that meets a kernel another process has claimed and not yet saved stops
+    there and is dropped (that process is compiling it). The helper's way of taking up, after its own
+    first kernels, what its parent would otherwise compile next (runtime/warmup.warm_decode)."""
+    for job in jobs:
+        _local.in_job = True
+        try:
+            job()
+        except NotReady:
+            pass
+        finally:
+            _local.in_job = False
 
 
 def _run_idle_job() -> float:

@@ -294,12 +294,16 @@ class CPUEngine:
                                                     self.no_mass, self.sc)
 
     def warm_ahead(self) -> list:
-        """Callables that each run, on private one-row buffers (nothing a run or a store holds is
-        touched), kernels a prompt meets only after its first layer's attention, in the order it meets
-        them: the FFN activation; the output head (its norm, its one-row product, the final softcap);
-        then a decode step's products (one callable per product kernel). A cold start's parent runs
-        them while it waits for the helper's attention kernel (compile_share.when_idle), so that its
-        first tokens do not compile them after that wait."""
+        """Callables that each run, on private buffers (nothing a run or a store holds is touched),
+        kernels a prompt meets only after its first layer's attention, in about the order it meets
+        them: the FFN activation; a prompt chunk's product for each weight family (the tiled kernel,
+        TILED_MIN_T rows: layers past the first may hold other types); the output head (its norm, its
+        one-row product, the final softcap); then a decode step's products (one callable per product
+        kernel). A cold start's parent runs them while it waits for the helper's attention kernel
+        (compile_share.when_idle), and the helper after that kernel (compile_share.run_unclaimed), so
+        that the two split them (each skips what the other has claimed) rather than the parent
+        compiling them one after another after its wait. A prompt of fewer than TILED_MIN_T tokens
+        never needs the tiled kernels (its products are matvecs)."""
         s = self.spec
 
         def activation():
@@ -308,13 +312,22 @@ class CPUEngine:
         def head():
             self._head(_Buffers(s, 1), 1, out=np.empty((1, s.n_vocab), np.float32))
 
-        def product(pm):
-            return lambda: self._matmul(np.empty((1, pm.n_rows), np.float32), pm, np.zeros((1, pm.n_cols), np.float32))
+        def product(pm, rows):
+            def run():
+                out, x = np.empty((rows, pm.n_rows), np.float32), np.zeros((rows, pm.n_cols), np.float32)
+                if rows == 1:
+                    self._matmul(out, pm, x)
+                else:
+                    mv.matmul(out, pm, x, few_rows=False)        # as a prompt chunk's product (_matmul)
+            return run
 
-        kernels = {}
+        decode_kernels, families = {}, {}
         for pm in self.mats.values():
-            kernels.setdefault(pm.q8_kernel if pm.q8 is not None else pm.kernel, pm)
-        return [activation, head] + [product(pm) for pm in kernels.values()]
+            decode_kernels.setdefault(pm.q8_kernel if pm.q8 is not None else pm.kernel, pm)
+            if pm.q8 is None:            # (the q8 mode's products are its decode kernels at any row count)
+                families.setdefault(pm.family, pm)
+        return ([activation] + [product(pm, mv.TILED_MIN_T) for pm in families.values()] + [head]
+                + [product(pm, 1) for pm in decode_kernels.values()])
 
     def step_batch(self, tokens, stores) -> np.ndarray:
         """Decode one token for each of B sequences at once: tokens (B,) ints, stores (B,) distinct

@@ -23,6 +23,7 @@ import dataclasses
 
 import numpy as np
 
+from ringllm.runtime import compile_share
 from ringllm.runtime import matvec as mv
 from ringllm.runtime.dequant import dequantize_rows
 from ringllm.runtime.errors import ConfigError
@@ -96,14 +97,17 @@ def warm_decode(engine, kv: KVConfig, one_thread_first: bool = False) -> None:
     that feeds a prompt (runtime/compile_share.py): the prompt's matrix products come first there,
     its attention next, the head at its end, decode's matvecs only after its first token.
     one_thread_first: the attention on one thread (attend_stored) before anything else, even the
-    RoPE and write kernels a token's attention runs first (CPUEngine.attend_empty), then before the
-    threaded kernel; the parent's prompt runs it while the threaded one compiles (rope._attend_stored)."""
+    RoPE and write kernels a token's attention runs first (CPUEngine.attend_empty); then what the
+    parent needs after it and has not claimed (CPUEngine.warm_ahead, compile_share.run_unclaimed);
+    the threaded kernel after those: the parent runs the one-thread one until it is saved
+    (rope._attend_stored)."""
     small = _small_or_full(kv)
     if one_thread_first:
         parallel, engine.sc.parallel = engine.sc.parallel, False
         try:
             store = engine.new_store(small)
             engine.attend_empty(store)
+            compile_share.run_unclaimed(engine.warm_ahead())
             engine.attend_and_head(store)
         finally:
             engine.sc.parallel = parallel

@@ -267,7 +267,8 @@ def test_unless_compiling_refuses_a_kernel_the_helper_has_yet_to_compile(tmp_pat
 
 # a parent whose helper compiles gated_act_fused and holds it back for 3 s before saving it: the parent queues
 # idle jobs (one compiles rms_norm_rows, one raises, one asks for the kernel the helper holds, one records the
-# time), asks for gated_act_fused while the helper holds its claim, and prints what ran during its wait
+# time); while the helper holds its claim it runs two jobs at once with run_unclaimed (one asks for the held
+# kernel), then asks for gated_act_fused itself; it prints what ran and when
 IDLE_HELPER = r"""
 import os, time
 import numpy as np
@@ -314,11 +315,14 @@ t0 = time.monotonic()
 while not claims():
     assert time.monotonic() - t0 < 120
     time.sleep(0.002)
+t0 = time.monotonic()
+compile_share.run_unclaimed([held, lambda: ran.append("unclaimed")])
+unclaimed_s = time.monotonic() - t0
 x = np.linspace(-2, 2, 256, dtype=np.float32).reshape(2, 128)
 out = np.zeros((2, 64), np.float32)
 with CompileSpan() as span:
     gated_act_fused(out, x, 0)
-print(json.dumps({"ran": ran, "stats": compile_share.stats(), "compiled": span.signatures,
+print(json.dumps({"ran": ran, "stats": compile_share.stats(), "compiled": span.signatures, "unclaimed_s": unclaimed_s,
                   "out": float(np.abs(out).sum()), "last_before_end": time.monotonic() - marks[0]}))
 """
 
@@ -329,9 +333,11 @@ def test_a_parent_runs_its_idle_jobs_while_it_waits_for_the_helper(tmp_path):
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    # in order; the failing job dropped; the one asking for the helper's kernel put off (not waiting there:
-    # the next job ran long before the helper saved it); none queued before the helper started
-    assert r["ran"] == ["norm 1.000", "last"]
+    # run_unclaimed first: the job asking for the kernel the helper holds is dropped at once, the next one runs.
+    # Then the wait's jobs in order; the failing one dropped; the one asking for the helper's kernel put off
+    # (not waiting there: the next job ran long before the helper saved it); none queued before the helper started
+    assert r["ran"] == ["unclaimed", "norm 1.000", "last"]
+    assert r["unclaimed_s"] < 2.0
     assert r["last_before_end"] > 0.5
     assert r["compiled"] == 1                           # rms_norm_rows compiled here, gated_act_fused loaded
     assert r["stats"]["waited"] >= 1 and r["out"] > 0.0
