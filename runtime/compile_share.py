@@ -317,13 +317,20 @@ def run_unclaimed(jobs) -> None:
     there and is dropped (that process is compiling it). The helper's way of taking up, after its own
     first kernels, what its parent would otherwise compile next (runtime/warmup.warm_decode)."""
     for job in jobs:
-        _local.in_job = True
-        try:
-            job()
-        except NotReady:
-            pass
-        finally:
-            _local.in_job = False
+        _run_job(job)
+
+
+def _run_job(job) -> bool:
+    """Run job on this thread with a kernel another process has claimed refused (NotReady, see
+    _install_hooks) rather than awaited; False when the job stopped at one."""
+    _local.in_job = True
+    try:
+        job()
+        return True
+    except NotReady:
+        return False
+    finally:
+        _local.in_job = False
 
 
 def _run_idle_job() -> float:
@@ -337,16 +344,12 @@ def _run_idle_job() -> float:
             return 0.0
         job = _state["idle_jobs"].pop(0)
     t0 = time.monotonic()
-    _local.in_job = True
     try:
-        job()
-    except NotReady:            # a kernel the helper holds: this job again in the next wait
-        with _lock:
-            _state["deferred"].append(job)
+        if not _run_job(job):   # a kernel the helper holds: this job again in the next wait
+            with _lock:
+                _state["deferred"].append(job)
     except Exception:           # noqa: BLE001 (see the docstring)
         pass
-    finally:
-        _local.in_job = False
     return time.monotonic() - t0
 
 
@@ -499,7 +502,7 @@ def _install_hooks() -> None:
             if _take(key):
                 return None
             if getattr(_local, "in_job", False) and not os.path.exists(_path(key) + ".done"):
-                raise NotReady(f"{getattr(self._py_func, '__name__', '?')} is being compiled by the helper")
+                raise NotReady(f"{getattr(self._py_func, '__name__', '?')} is being compiled by another process")
             if _wait(key):
                 return load(self, sig, target_context)
             return None

@@ -19,6 +19,7 @@ made once, so the decode loop allocates no arrays.
 from __future__ import annotations
 
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -303,31 +304,41 @@ class CPUEngine:
         (compile_share.when_idle), and the helper after that kernel (compile_share.run_unclaimed), so
         that the two split them (each skips what the other has claimed) rather than the parent
         compiling them one after another after its wait. A prompt of fewer than TILED_MIN_T tokens
-        never needs the tiled kernels (its products are matvecs)."""
-        s = self.spec
+        never needs the tiled kernels (its products are matvecs). The callables hold this engine
+        weakly (a queued job that never ran must not keep a dropped engine's weights alive); once it
+        is gone they do nothing."""
+        engine = weakref.ref(self)
 
-        def activation():
-            self._activate(_Buffers(s, 1), self._ffn_fused(0))
-
-        def head():
-            self._head(_Buffers(s, 1), 1, out=np.empty((1, s.n_vocab), np.float32))
-
-        def product(pm, rows):
+        def job(work):
             def run():
-                out, x = np.empty((rows, pm.n_rows), np.float32), np.zeros((rows, pm.n_cols), np.float32)
-                if rows == 1:
-                    self._matmul(out, pm, x)
-                else:
-                    mv.matmul(out, pm, x, few_rows=False)        # as a prompt chunk's product (_matmul)
+                eng = engine()
+                if eng is not None:
+                    work(eng)
             return run
 
+        def activation(eng):
+            eng._activate(_Buffers(eng.spec, 1), eng._ffn_fused(0))
+
+        def head(eng):
+            eng._head(_Buffers(eng.spec, 1), 1, out=np.empty((1, eng.spec.n_vocab), np.float32))
+
+        def product(name, rows):
+            def work(eng):
+                pm = eng.mats[name]
+                out, x = np.empty((rows, pm.n_rows), np.float32), np.zeros((rows, pm.n_cols), np.float32)
+                if rows == 1:
+                    eng._matmul(out, pm, x)
+                else:
+                    mv.matmul(out, pm, x, few_rows=False)        # as a prompt chunk's product (_matmul)
+            return job(work)
+
         decode_kernels, families = {}, {}
-        for pm in self.mats.values():
-            decode_kernels.setdefault(pm.q8_kernel if pm.q8 is not None else pm.kernel, pm)
+        for name, pm in self.mats.items():
+            decode_kernels.setdefault(pm.q8_kernel if pm.q8 is not None else pm.kernel, name)
             if pm.q8 is None:            # (the q8 mode's products are its decode kernels at any row count)
-                families.setdefault(pm.family, pm)
-        return ([activation] + [product(pm, mv.TILED_MIN_T) for pm in families.values()] + [head]
-                + [product(pm, 1) for pm in decode_kernels.values()])
+                families.setdefault(pm.family, name)
+        return ([job(activation)] + [product(name, mv.TILED_MIN_T) for name in families.values()] + [job(head)]
+                + [product(name, 1) for name in decode_kernels.values()])
 
     def step_batch(self, tokens, stores) -> np.ndarray:
         """Decode one token for each of B sequences at once: tokens (B,) ints, stores (B,) distinct

@@ -6,6 +6,9 @@ and chunked prefill longer than the capacity.
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -96,6 +99,12 @@ def test_compile_ahead_calls_leave_a_run_unchanged(tiny, policy):
     got += [kept, eng.step(6, st).copy()]
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+    alive = weakref.ref(eng)               # queued jobs hold the engine weakly: dropped, it is freed
+    del eng, new
+    gc.collect()
+    assert alive() is None
+    for job in jobs:
+        job()                              # and its jobs do nothing
 
 
 def test_bad_engine_options(tiny):
