@@ -73,7 +73,7 @@ def main():
     from ringllm.runtime.speculative import greedy_generate, make_layer_draft, speculative_generate
 
     m = load_model(args.model or default_model_path())
-    text = open(DATA, encoding="utf-8").read()[:4000]
+    text = open(DATA, encoding="utf-8").read()[:max(4000, 8 * args.prompt_tokens)]
     prompt = m.tokenizer.encode(text)[:args.prompt_tokens]
     target = CPUEngine(m.spec, m.tensors, n_threads=args.threads, precision=args.precision)
     gammas = [int(g) for g in args.gammas.split(",")]

@@ -19,9 +19,12 @@ ran stand-ins for (runtime/compile_share.py).
   reported apart), then a fresh `generate`;
 - llama.cpp: the same GGUF and thread count (its kernels are compiled ahead of time).
 
-Runs alternate (cold, warm, warmup + after, llama.cpp) within each repeat; medians are reported.
+Each repeat runs the cold starts, then the warmup command, then warm, after warmup and llama.cpp in
+turn, --warm-runs times each (a repeat counts each one's median, so that none of them is the run
+right after a cold start or a warmup); the table gives the medians over the repeats.
 
-    python bench/startup.py [--repeats 3] [--threads 2] [--models smollm2,gemma3,qwen3-1.7b] [--name startup]
+    python bench/startup.py [--repeats 3] [--warm-runs 3] [--threads 2] [--models smollm2,gemma3,qwen3-1.7b]
+                            [--name startup]
 
 Synthetic shapes (bench/synthetic_gguf.py: random weights, Q4_K_M, the real model's shapes and
 vocabulary size) time what a 1-2B model's start costs: parsing, tokenizer, repacking a gigabyte.
@@ -107,30 +110,40 @@ def _ringllm_chat(path: str, threads: int) -> list[str]:
             "-t", str(threads), "--no-progress", "--ignore-eos"]
 
 
-def run_model(path: str, threads: int) -> dict:
-    """One repeat for one model: cold, warm, warmup + after warmup, llama.cpp (seconds to the first
-    token, and "<name>_exit" to the process's exit)."""
+def run_model(path: str, threads: int, warm_runs: int = 3) -> dict:
+    """One repeat for one model: cold, cold chat and cold alone (each on its own empty cache), then warmup
+    into a fresh cache; then warm (the cache the cold run filled), after warmup and llama.cpp, warm_runs
+    times each in turn, reported as their medians (seconds to the first token, and "<name>_exit" to the
+    process's exit; every run under "samples"). Alternating the three keeps them in the same conditions:
+    a single run right after the warmup command (53 s on both cores) or right after a cold start would
+    carry what ran before it."""
     out = {}
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as warmed:
         out["cold"], out["cold_exit"] = _timed(_ringllm(path, threads), cache)
-        out["warm"], out["warm_exit"] = _timed(_ringllm(path, threads), cache)
-    with tempfile.TemporaryDirectory() as cache:        # the README's chat command on an empty cache
-        out["cold_chat"], out["cold_chat_exit"] = _timed(_ringllm_chat(path, threads), cache)
-    with tempfile.TemporaryDirectory() as cache:        # the cold start without its compile helper
-        out["cold_alone"], out["cold_alone_exit"] = _timed(_ringllm(path, threads), cache,
-                                                           RINGLLM_COMPILE_HELPER="0")
-    with tempfile.TemporaryDirectory() as cache:
+        with tempfile.TemporaryDirectory() as chat_cache:        # the README's chat command on an empty cache
+            out["cold_chat"], out["cold_chat_exit"] = _timed(_ringllm_chat(path, threads), chat_cache)
+        with tempfile.TemporaryDirectory() as alone_cache:       # the cold start without its compile helper
+            out["cold_alone"], out["cold_alone_exit"] = _timed(_ringllm(path, threads), alone_cache,
+                                                               RINGLLM_COMPILE_HELPER="0")
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "ringllm", "warmup", "-m", path, "--policy", "full"], check=True,
-                       env=_env(cache), capture_output=True)
+                       env=_env(warmed), capture_output=True)
         out["warmup_command"] = time.perf_counter() - t0
-        out["after_warmup"], out["after_warmup_exit"] = _timed(_ringllm(path, threads), cache)
-    try:
-        import llama_cpp  # noqa: F401
-        out["llama_cpp"], out["llama_cpp_exit"] = _timed([sys.executable, "-c", LLAMA_CPP, path, str(threads),
-                                                          PROMPT])
-    except ImportError:
-        out["llama_cpp"] = out["llama_cpp_exit"] = None
+        try:
+            import llama_cpp  # noqa: F401
+            have_llama = True
+        except ImportError:
+            have_llama = False
+        samples = {"warm": [], "after_warmup": [], "llama_cpp": []}
+        for _ in range(warm_runs):
+            samples["warm"].append(_timed(_ringllm(path, threads), cache))
+            samples["after_warmup"].append(_timed(_ringllm(path, threads), warmed))
+            if have_llama:
+                samples["llama_cpp"].append(_timed([sys.executable, "-c", LLAMA_CPP, path, str(threads), PROMPT]))
+    for name, runs in samples.items():
+        out[name] = float(np.median([r[0] for r in runs])) if runs else None
+        out[name + "_exit"] = float(np.median([r[1] for r in runs])) if runs else None
+    out["samples"] = samples
     return out
 
 
@@ -140,20 +153,22 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", default="smollm2,gemma3",
                     help="comma-separated: smollm2, gemma3, or a synthetic shape (llama-3.2-1b, qwen3-1.7b)")
+    ap.add_argument("--warm-runs", type=int, default=3,
+                    help="runs of warm, after warmup and llama.cpp per repeat, alternating (their median counts)")
     ap.add_argument("--name", default="startup", help="results file name under bench/results")
     args = ap.parse_args()
     paths = _model_paths(args.models.split(","))
     runs = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, path in paths.items():
-            runs[name].append(run_model(path, args.threads))
+            runs[name].append(run_model(path, args.threads, args.warm_runs))
             print(name, runs[name][-1], file=sys.stderr, flush=True)
     cols = ["cold", "cold_exit", "cold_alone", "cold_alone_exit", "cold_chat", "cold_chat_exit", "warm", "warm_exit",
             "warmup_command", "after_warmup", "after_warmup_exit", "llama_cpp", "llama_cpp_exit"]
     medians = {name: {c: (None if any(r[c] is None for r in rs) else float(np.median([r[c] for r in rs])))
                       for c in cols} for name, rs in runs.items()}
     payload = {"machine": machine(), "command": f"python bench/startup.py --repeats {args.repeats} --threads "
-               f"{args.threads} --models {args.models} --name {args.name}", "threads": args.threads, "prompt": PROMPT,
+               f"{args.threads} --models {args.models} --warm-runs {args.warm_runs} --name {args.name}", "threads": args.threads, "prompt": PROMPT,
                "models": paths, "median_s": medians, "runs": runs}
 
     def fmt(v):
@@ -170,7 +185,8 @@ def main():
           f"\"{CHAT_PROMPT}\" -n 48`) on an empty cache, to its first text / its exit; warm: the cache the cold "
           "run filled; "
           "after warmup: a fresh cache filled by `ringllm warmup -m MODEL --policy full` (its own time in the "
-          "warmup column). warm / llama.cpp: first tokens.\n",
+          f"warmup column). Warm, after warmup and llama.cpp: {args.warm_runs} runs each per repeat, in turn, "
+          "after the cold ones; a repeat counts their median. warm / llama.cpp: first tokens.\n",
           "| model | ringllm cold (s) | cold alone (s) | cold chat (s) | ringllm warm (s) | `ringllm warmup` (s) "
           "| after warmup (s) | llama.cpp (s) | warm / llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
 
