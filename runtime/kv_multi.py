@@ -18,9 +18,12 @@ k tokens enter, k tokens leave, one call per layer:
     so the store is bitwise the store that was fed only the first n_keep tokens, stale bytes of
     empty slots included.
 
-A write the journal did not predict is caught: after each journaled token, every slot whose
-sequence index changed to a held token must be among the saved rows, else RuntimeError (a new
-write path that bypasses the journal, e.g. a changed victim rule, cannot silently corrupt a rollback).
+A write the journal did not predict is caught: before a rollback undoes a token, every slot whose
+sequence index that token's write changed to a held token must be among the rows saved for it, else
+RuntimeError (a new write path that bypasses the journal, e.g. a changed victim rule, cannot silently
+corrupt a rollback). The check runs at rollback, on the tokens it undoes (the state after token t is
+the snapshot taken before token t + 1, or the store itself for the newest), not at every write: a
+token kept is never restored from the journal, and most of a verify's tokens are kept.
 Not journaled (ConfigError at begin_journal or rollback): update "shift", RoPE strategy "kshift"
 (it re-rotates every newer key in place), paged stores.
 """
@@ -169,6 +172,7 @@ class KVJournal:
         self.snap = [{f: np.empty((self.max_tokens,) + getattr(store, f)[il].shape, getattr(store, f)[il].dtype)
                       for f in self.fields} for il in range(store.spec.n_layer)]
         self.victims = np.zeros(max(store.layer_physical) + 1, np.int64)
+        self.heads = np.arange(store.spec.n_head_kv, dtype=np.int64)     # a ring write: one row per head
         self.reset()
 
     def reset(self) -> None:
@@ -185,8 +189,8 @@ class KVJournal:
         non-sink slot sinks + evicted mod (P - sinks) (eviction.ring_slot)."""
         cnt, ev = store.count[il], store.evicted[il]
         cap, s = store.seq[il].shape[1], store.layer_sinks[il]
-        slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1)).astype(np.int64)
-        self._record(store, il, np.arange(cnt.shape[0], dtype=np.int64), slots)
+        slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1))          # int64, as count and evicted
+        self._record(store, il, self.heads[:cnt.shape[0]], slots)
 
     def before_policy(self, store, il: int, grid: int) -> None:
         """kv_write_policy is about to evict drop_h[h] tokens of each head (store.key filled, `grid` as
@@ -219,8 +223,6 @@ class KVJournal:
         if t >= self.max_tokens:
             raise ConfigError(f"journal full: it was begun for {self.max_tokens} tokens; begin_journal(n) with "
                               "the number of tokens the verify feeds")
-        if t > 0:
-            self._check(il, t - 1)
         snap = self.snap[il]
         for f in self.fields:
             src = getattr(store, f)[il]
@@ -230,10 +232,11 @@ class KVJournal:
         self.rows[il].append((heads, slots, store.k[il][heads, slots], store.v[il][heads, slots], rk))
         self.n[il] = t + 1
 
-    def _check(self, il: int, t: int) -> None:
-        """Every slot whose token changed during journaled token t (now holding a token) was saved."""
-        seq_now, seq_then = self.store.seq[il], self.snap[il]["seq"][t]
-        changed = (seq_now != seq_then) & (seq_now >= 0)
+    def _check(self, il: int, t: int, seq_after: np.ndarray) -> None:
+        """Every slot whose token changed during journaled token t (seq_after: layer il's sequence indices
+        after that token's write; changed to a held token) was saved."""
+        seq_then = self.snap[il]["seq"][t]
+        changed = (seq_after != seq_then) & (seq_after >= 0)
         heads, slots = self.rows[il][t][:2]
         changed[heads, slots] = False
         if changed.any():
@@ -254,10 +257,10 @@ class KVJournal:
             raise ConfigError(f"rollback: the journal saw {self.n} writes per layer for {fed} tokens fed; a write "
                               "path bypassed it (RoPE strategy 'kshift'?)")
         for il in range(store.spec.n_layer):
-            if fed > 0:
-                self._check(il, fed - 1)
             if n_keep == fed:
                 continue
+            for t in range(n_keep, fed):                  # the tokens undone: each wrote only saved rows
+                self._check(il, t, store.seq[il] if t == fed - 1 else self.snap[il]["seq"][t + 1])
             undo = self.rows[il][n_keep:fed][::-1]         # newest first: the oldest image of a row wins
             heads = np.concatenate([u[0][::-1] for u in undo])
             slots = np.concatenate([u[1][::-1] for u in undo])

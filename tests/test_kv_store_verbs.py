@@ -194,3 +194,22 @@ def test_a_store_fed_to_another_engine_is_adopted_or_refused(tiny):
     fused = CPUEngine(tiny.spec, tiny.tensors, n_batch=8, rope="fused")
     with pytest.raises(ConfigError, match="laid out"):       # keys rotated for "stored": not silently misread
         fused.step(IDS[21], st)
+
+
+def test_rollback_refuses_to_undo_a_token_whose_write_bypassed_the_journal(tiny):
+    """A slot changed behind the journal's back during a token the rollback undoes is caught
+    (RuntimeError naming the layer, head and slot); one changed during a token it keeps is not its
+    concern: that token is never restored from the journal."""
+    eng = CPUEngine(tiny.spec, tiny.tensors, n_batch=8)
+    kv = KVConfig(capacity=16, policy="streaming", sinks=2)
+    st = eng.new_store(kv)
+    eng.prefill(IDS[:20], st)
+    st.begin_journal(3)
+    eng.step(IDS[20], st)
+    st.seq[0][0, 5] = 10 ** 6          # a write no journal hook saw, during the first journaled token
+    eng.step(IDS[21], st)
+    eng.step(IDS[22], st)
+    st.rollback(1)                     # undoes the second and third tokens: their writes were all saved
+    with pytest.raises(RuntimeError, match=r"layer 0 head 0 slot 5 was written without being journaled"):
+        st.rollback(0)
+    st.commit()
