@@ -11,8 +11,8 @@ plain output:
   store:C       the full model over a streaming store of capacity C
 Also the verify cost: time of one forward of T rows (T = 1..8) through the target store, journaled
 and rolled back (so every T sees the same store), divided by one decode step. Below
-matvec.TILED_MIN_T rows the engine runs one matvec per row (bitwise equal to decoding, no weight
-reuse); from there on the matrix-matrix kernels read each weight tile once for all rows.
+matvec.MATMUL_MIN_T rows the verify runs the few-row products (the rows in pairs through each weight
+tile, bitwise equal to decoding); from there on the tiled kernels read each weight tile once for all rows.
 Writes bench/results/<name>.{json,md}.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def verify_cost(eng, kv, prompt, reps, max_t=8):
         for r in range(reps + 1):
             st.begin_journal(T)
             t0 = time.perf_counter()
-            eng.logits(ids[:T], st)
+            eng.logits(ids[:T], st, few_rows=True)          # as speculative_generate verifies
             dt = time.perf_counter() - t0
             st.rollback(0)
             st.commit()

@@ -467,7 +467,9 @@ class LLM:
         KV config applies to the target store. Decodes max_tokens tokens and cuts at the first EOS
         (finish "stop"), so EOS costs the tokens after it. CPU backend only. The Completion's
         .speculation holds rounds, drafted, accepted, acceptance, tokens_per_round and seconds.
-        On this 2-core CPU speculation is slower than plain decoding (bench/results/speculative.md)."""
+        On this 2-core CPU speculation is slower than plain decoding over short stores
+        (bench/results/speculative*.md) and about even over a 4096-slot one (speculative_long_*.md): a
+        drafted token costs most of a decode step, the draft's weights being the model's."""
         if self.backend != "cpu":
             raise ConfigError(f"speculate() needs the cpu backend, this LLM uses {self.backend!r}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:

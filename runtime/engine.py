@@ -133,7 +133,7 @@ class CPUEngine:
         self.buf = _Buffers(spec, n_batch)
         self.buf1 = self.buf.view(1)
         self.chunk_min_pairs = MIN_PAIRS    # chunks attending fewer query-key pairs go token by token (chunk_pays)
-        self._batched = False               # inside step_batch: the few-row kernels serve its B rows (_matmul)
+        self._few_rows = False              # step_batch, or forward(few_rows=True): the few-row kernels serve (_matmul)
         self._streams = None                # StreamArrays of step_batch's last group of stores, or None
         self._streams_on = False            # inside step_batch with B > 1: _layer attends through _streams
         self._stream_seqs = None            # their tokens' sequence indices (B,) i64
@@ -257,9 +257,10 @@ class CPUEngine:
         the next call)."""
         return self.forward(ids, store, all_logits=False)[-1]
 
-    def logits(self, ids, store: KVStore) -> np.ndarray:
-        """Logits (len(ids), n_vocab) of every token fed through the store (decode semantics)."""
-        return self.forward(ids, store, all_logits=True)
+    def logits(self, ids, store: KVStore, few_rows: bool = False) -> np.ndarray:
+        """Logits (len(ids), n_vocab) of every token fed through the store (decode semantics); few_rows:
+        see forward."""
+        return self.forward(ids, store, all_logits=True, few_rows=few_rows)
 
     def attend_and_head(self, store: KVStore) -> np.ndarray:
         """The parts of a decode step that come after the matrix products, alone: every layer writes
@@ -359,11 +360,11 @@ class CPUEngine:
                 raise ConfigError("step_batch works on dense KVStores; paged stores decode one at a time (step)")
             self._prepare(st, 1)
         out = np.empty((ids.size, self.spec.n_vocab), np.float32)
-        self._batched = True
+        self._few_rows = True
         try:
             self._step_groups(ids, stores, out)
         finally:
-            self._batched = self._streams_on = False
+            self._few_rows = self._streams_on = False
         return out
 
     def release_batch(self) -> None:
@@ -392,9 +393,13 @@ class CPUEngine:
                 st.n_seen += 1
             out[start:start + B] = self._head(b, B)
 
-    def forward(self, ids, store: KVStore, all_logits: bool = True) -> np.ndarray:
+    def forward(self, ids, store: KVStore, all_logits: bool = True, few_rows: bool = False) -> np.ndarray:
         """Feed ids through the store. all_logits: a new (len(ids), n_vocab) array; else the last
-        token's logits (1, n_vocab) as a view of the run buffer, valid until the next call."""
+        token's logits (1, n_vocab) as a view of the run buffer, valid until the next call.
+        few_rows: a chunk of 2 to matvec.MATMUL_MIN_T - 1 rows takes the few-row products (each weight
+        decoded once per pair of rows; the same bits as one matvec per row) instead of one matvec per
+        row (below matvec.TILED_MIN_T) or the tiled kernel: for a caller that feeds a few rows again and
+        again (speculative verification and drafting), at the price of compiling those kernels."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ConfigError("no tokens to feed")
@@ -402,14 +407,18 @@ class CPUEngine:
             raise ConfigError(f"token ids must be in [0, {self.spec.n_vocab}); got {ids.min()}..{ids.max()}")
         self._prepare(store, ids.size)
         out = np.zeros((ids.size, self.spec.n_vocab), np.float32) if all_logits else None
-        for start in range(0, ids.size, self.n_batch):
-            chunk = ids[start:start + self.n_batch]
-            last = start + chunk.size == ids.size
-            logits = self._chunk(chunk, store, want_logits="all" if all_logits else "last" if last else None)
-            if all_logits:
-                out[start:start + chunk.size] = logits
-            elif last:
-                return logits        # (1, n_vocab), a view of the run buffer: decode allocates no logits array
+        self._few_rows = bool(few_rows)
+        try:
+            for start in range(0, ids.size, self.n_batch):
+                chunk = ids[start:start + self.n_batch]
+                last = start + chunk.size == ids.size
+                logits = self._chunk(chunk, store, want_logits="all" if all_logits else "last" if last else None)
+                if all_logits:
+                    out[start:start + chunk.size] = logits
+                elif last:
+                    return logits    # (1, n_vocab), a view of the run buffer: decode allocates no logits array
+        finally:
+            self._few_rows = False
         return out
 
     # -----------------------------------------------------------------------------------------
@@ -420,14 +429,15 @@ class CPUEngine:
         """out (T, n_out) = x (T, n_in) @ W.T. T = 1 calls the kernel directly: the engine's own
         contiguous float32 buffers were shaped for these matrices at construction (so are the q8
         kernels: the engine's x and out are C-contiguous). The few-row
-        kernels serve step_batch only (self._batched); a prefill chunk of few rows runs one matvec
-        per row or the tiled kernel, so that one sequence never compiles them (matvec.TILED_MIN_T)."""
+        kernels serve step_batch and forward(few_rows=True) only (self._few_rows); a prefill chunk of few
+        rows runs one matvec per row or the tiled kernel, so that one sequence never compiles them
+        (matvec.TILED_MIN_T)."""
         if pm.q8 is not None:        # one kernel call: it quantizes x into the matrix's buffers, then multiplies
             pm.q8_kernel(out, pm.buf, x, *pm.q8_acts.for_rows(x.shape[0]), pm.n_blocks)
         elif x.shape[0] == 1:
             pm.kernel(out[0], pm.buf, x[0], pm.scratch)
         else:
-            mv.matmul(out, pm, x, few_rows=self._batched)
+            mv.matmul(out, pm, x, few_rows=self._few_rows)
 
     def _linear(self, out: np.ndarray, name: str, x: np.ndarray) -> None:
         """out (T, n_out) = x (T, n_in) @ W.T (+ bias)."""

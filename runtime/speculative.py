@@ -14,10 +14,11 @@ One round, with `cur` the newest token (known, fed to neither model yet):
 Each store's journal (runtime/kv_multi.py) takes the rejected tokens back out exactly, evicted tokens
 restored, so both stores always hold what plain decoding of the emitted tokens would hold, whatever
 the eviction policy. Every emitted token is the target's argmax given exactly the emitted prefix, so
-the output is plain greedy decoding's. Bitwise so when gamma + 1 < matvec.TILED_MIN_T (the verify
-rows run the decode kernels, one matvec per row); above that the verify's projections use the tiled
-matrix-matrix kernels, which round differently (~1e-6): equal greedy output then holds unless two
-logits tie to that precision.
+the output is plain greedy decoding's. Bitwise so when gamma + 1 < matvec.MATMUL_MIN_T: the draft's
+and the verify's rows go through the few-row products (CPUEngine.forward(few_rows=True): each
+weight decoded once per pair of rows, the same bits as one matvec per row, which is what decoding
+runs); from there on the verify's projections use the tiled matrix-matrix kernels, which round
+differently (~1e-6): equal greedy output then holds unless two logits tie to that precision.
 
 Drafts (see make_layer_draft): the same model with fewer layers (early-exit self-speculation, the
 same tensors, the final norm and head on layer n's output), or the same model over a small
@@ -77,7 +78,7 @@ def speculative_generate(target_engine, target_store, draft_engine, draft_store,
         # -- draft: gamma tokens, journaled so the rejected ones can be taken back out
         t0 = time.perf_counter()
         draft_store.begin_journal(gamma + len(owed))
-        dl = draft_engine.forward(owed + [cur], draft_store, all_logits=False)[-1]
+        dl = draft_engine.forward(owed + [cur], draft_store, all_logits=False, few_rows=True)[-1]
         drafts = [int(np.argmax(dl))]
         for _ in range(gamma - 1):
             drafts.append(int(np.argmax(draft_engine.step(drafts[-1], draft_store))))
@@ -85,7 +86,7 @@ def speculative_generate(target_engine, target_store, draft_engine, draft_store,
         t1 = time.perf_counter()
         # -- verify: one forward of gamma + 1 rows through the target store
         target_store.begin_journal(gamma + 1)
-        rows = target_engine.logits([cur] + drafts, target_store)
+        rows = target_engine.logits([cur] + drafts, target_store, few_rows=True)
         pred = np.argmax(rows, axis=1)
         a = 0
         while a < gamma and drafts[a] == int(pred[a]):

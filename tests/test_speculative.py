@@ -287,6 +287,29 @@ def test_rollback_exact_smollm2(smollm2, kv):
     check_rollbacks(eng, KVConfig(**kv), ids, 60, 4, chunk=True)
 
 
+def test_few_row_verify_gives_the_bits_of_decoding(smollm2):
+    """forward(few_rows=True), as speculative decoding drafts and verifies: 2 to 8 rows through the few-row
+    products (Q4_1 / Q8_0 pairs kernels) give each row's logits bit for bit as decoding the tokens one
+    by one does, over a journaled store that evicts."""
+    eng = CPUEngine(smollm2.spec, smollm2.tensors)
+    kv = KVConfig(capacity=40, policy="streaming", sinks=4)
+    ids = smollm2.tokenizer.encode("It was the best of times, it was the worst of times, it was the age of wisdom,")
+    ids = (ids * 3)[:36]
+    a, b = eng.new_store(kv), eng.new_store(kv)
+    eng.prefill(ids[:36], a)
+    eng.prefill(ids[:36], b)
+    for T in range(2, 9):
+        rows = ids[36 - T:36]
+        a.begin_journal(T)
+        got = eng.logits(rows, a, few_rows=True)
+        b.begin_journal(T)
+        want = np.stack([eng.step(t, b).copy() for t in rows])
+        np.testing.assert_array_equal(got, want)
+        for st in (a, b):
+            st.rollback(0)
+            st.commit()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_kind", ["layers", "small_store"])
 def test_speculative_equals_greedy_smollm2(smollm2, draft_kind):
