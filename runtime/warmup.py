@@ -7,7 +7,7 @@ compiles what a long one needs, provided it takes every code path the long one t
 - prefill of fewer than matvec.TILED_MIN_T rows (one matvec per row) and of more (the tiled
   matrix-matrix kernels, and the whole-chunk attention however few pairs the chunk attends: a long
   prompt's later chunks take it), for each weight type of the model; and, unless left out, the few-row kernels
-  batched decode runs (rows in pairs through each tile);
+  batched decode and speculative decoding run (rows in pairs through each tile);
 - a single-token step (decode);
 - writes into a full store, where the policy chooses victims (its compiled layer step, its
   scores), with the store's position mode and staged-eviction settings.
@@ -63,8 +63,9 @@ def warm(engine, kv: KVConfig, few_rows: bool = True) -> None:
     """Run `engine` through the code paths of a generation with `kv` (module docstring) on a small
     store of its own. Results are discarded; the engine's scratch may grow to the small store.
     few_rows=False leaves out the few-row kernels (2..MATMUL_MIN_T - 1 rows: each weight type's
-    takes 1.5-4.5 s to compile), which only batched decode runs (CPUEngine.step_batch; a single
-    sequence's short prefill chunk runs one matvec per row, the same bits)."""
+    takes 1.5-4.5 s to compile), which only batched decode (CPUEngine.step_batch) and speculative
+    decoding (forward(few_rows=True)) run; a single sequence's short prefill chunk runs one matvec
+    per row, the same bits."""
     small = _small_or_full(kv)
     n_vocab = engine.spec.n_vocab
     store = engine.new_store(small)
