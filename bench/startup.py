@@ -157,6 +157,8 @@ def main():
                     help="runs of warm, after warmup and llama.cpp per repeat, alternating (their median counts)")
     ap.add_argument("--name", default="startup", help="results file name under bench/results")
     args = ap.parse_args()
+    if args.warm_runs < 1:
+        ap.error(f"--warm-runs must be at least 1, got {args.warm_runs}")
     paths = _model_paths(args.models.split(","))
     runs = {name: [] for name in paths}
     for _ in range(args.repeats):
@@ -167,8 +169,9 @@ def main():
             "warmup_command", "after_warmup", "after_warmup_exit", "llama_cpp", "llama_cpp_exit"]
     medians = {name: {c: (None if any(r[c] is None for r in rs) else float(np.median([r[c] for r in rs])))
                       for c in cols} for name, rs in runs.items()}
-    payload = {"machine": machine(), "command": f"python bench/startup.py --repeats {args.repeats} --threads "
-               f"{args.threads} --models {args.models} --warm-runs {args.warm_runs} --name {args.name}", "threads": args.threads, "prompt": PROMPT,
+    command = (f"python bench/startup.py --repeats {args.repeats} --threads {args.threads} --models {args.models} "
+               f"--warm-runs {args.warm_runs} --name {args.name}")
+    payload = {"machine": machine(), "command": command, "threads": args.threads, "prompt": PROMPT,
                "models": paths, "median_s": medians, "runs": runs}
 
     def fmt(v):
