@@ -152,14 +152,15 @@ def json_schema_of(response_format: Any) -> dict | None:
 
 
 def _grammar_source(response_format, grammar, regex) -> tuple[str, str] | None:
-    """(description, llguidance grammar text) of a request, or None when it asks for nothing."""
-    llg = _llguidance()
+    """(description, llguidance grammar text) of a request, or None when it asks for nothing (then
+    llguidance is not imported: a plain request does not need the grammar engine)."""
     asked = [name for name, v in (("response_format", json_schema_of(response_format)), ("grammar", grammar),
                                   ("regex", regex)) if v is not None]
     if len(asked) > 1:
         raise GrammarError(f"give one constraint at a time, not {' and '.join(asked)}")
     if not asked:
         return None
+    llg = _llguidance()
     if asked[0] == "response_format":
         schema = json_schema_of(response_format)
         try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -218,3 +220,14 @@ def test_gemma_schema_with_its_large_vocabulary(gemma):
     r = gemma.chat(ASK, max_tokens=80, response_format=PERSON_FORMAT, temperature=0.8, seed=3)
     jsonschema.validate(json.loads(r.text), PERSON)
     assert r.finish_reason == "stop"
+
+
+def test_a_plain_request_does_not_import_the_grammar_engine():
+    """Only a request that asks for a constraint needs llguidance (it is imported on first use)."""
+    code = ("import sys\n"
+            "from ringllm.constraints import compile_grammar\n"
+            "assert compile_grammar(None) is None\n"
+            "assert compile_grammar(None, response_format={'type': 'text'}) is None\n"
+            "assert 'llguidance' not in sys.modules, 'imported for a plain request'\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
