@@ -14,8 +14,9 @@
 #           and bytes), on a random Gemma 3 270M bf16 checkpoint and on bench/synthetic_gguf.py's
 #           Qwen3-1.7B Q4_K_M, all written on the device.
 # Env: TEST_ARGS extra pytest arguments; TEST_TIMEOUT, T_SMOLLM2, T_GEMMA3, T_QWEN3, SANITIZE_TIMEOUT
-# seconds per stage (T_SMOLLM2CUT: BENCH_MODELS smollm2cut, the 8-layer cut itself, for long streams);
-# BENCH_MODELS (default "smollm2 gemma3 qwen3"); STREAM, HF_STREAM tokens per long
+# seconds per stage (T_SMOLLM2CUT, T_SMOLLM2CUT2: BENCH_MODELS smollm2cut and smollm2cut2, the 8-layer cut
+# itself and its first 2 layers, for long streams); BENCH_MODELS (default "smollm2 gemma3 qwen3");
+# TG, PP decode tokens and prompt lengths of the tg/pp figures; STREAM, HF_STREAM tokens per long
 # stream (ringllm, transformers); CAPACITIES, POLICIES of the long streams (STREAM_CONCURRENT=1: all
 # at once, one thread and engine each); BATCH sizes of the batched decode runs ("" skips them);
 # REPEATS of each pp/tg figure.
@@ -66,7 +67,7 @@ if has test; then
 fi
 
 bench_one() {   # name, model path, seconds, transformers stream tokens
-    timeout "$3" python3 bench/gpu_speed.py -m "$2" --tg 128 --pp 512,4096 --repeats "${REPEATS:-3}" \
+    timeout "$3" python3 bench/gpu_speed.py -m "$2" --tg "${TG:-128}" --pp "${PP:-512,4096}" --repeats "${REPEATS:-3}" \
         --stream "${STREAM:-10000}" --capacities "${CAPACITIES:-512,4096}" --hf-stream "$4" --no-cpu \
         ${POLICIES:+--policies "$POLICIES"} ${STREAM_CONCURRENT:+--stream-concurrent} \
         --batch "${BATCH-1,2,4,8,16,32,64}" \
@@ -86,6 +87,9 @@ if has bench; then
                          && bench_one gemma3 /tmp/models/gemma3-270m-random "${T_GEMMA3:-200}" "${HF_STREAM:-1000}" ;;
             # the 8-layer cut itself: long streams at a quarter of the launches per token
             smollm2cut) bench_one smollm2cut "$SMOL" "${T_SMOLLM2CUT:-200}" "${HF_STREAM:-0}" ;;
+            # its first 2 layers: the long streams per policy at a sixteenth of the full model's launches
+            smollm2cut2) python3 bench/truncated_gguf.py "$SMOL" 2 /tmp/models/smollm2-135m-2layers.gguf \
+                         && bench_one smollm2cut2 /tmp/models/smollm2-135m-2layers.gguf "${T_SMOLLM2CUT2:-200}" "${HF_STREAM:-0}" ;;
             # transformers would dequantize the 1.7B Q4_K_M file in NumPy first: ringllm alone
             qwen3) bench_one qwen3 "$(RINGLLM_BENCH_CACHE=/tmp/models python3 bench/synthetic_gguf.py qwen3-1.7b)" \
                          "${T_QWEN3:-200}" 0 ;;

@@ -65,3 +65,19 @@ def test_random_checkpoint_loads_with_the_real_config(tmp_path):
     assert (m.spec.arch, m.spec.n_layer, m.spec.n_embd, m.spec.n_vocab) == ("gemma3", 2, cfg["hidden_size"],
                                                                               cfg["vocab_size"])
     assert m.spec.head_dim == 256 and m.spec.n_head_kv == 1 and m.spec.window[0] == 512
+
+
+def test_stream_summary_flatness_after_the_store_fills_and_from_10k():
+    """A store that keeps growing until 15,000 tokens in (as a pyramidkv layer budget over the
+    capacity can) looks 1.5x slower at the end than just after `capacity` tokens, and flat from
+    the 20,000th token on; every field the GPU report prints is there."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import gpu_speed
+
+    ms = np.concatenate([np.linspace(1.0, 1.5, 15000), np.full(35000, 1.5)])
+    out = gpu_speed.stream_summary(ms / 1e3, 512, 49488)
+    assert out["flat"] > 1.35 and out["last_p50_ms"] == pytest.approx(1.5)
+    assert len(out["p50_each_10k_ms"]) == 5 and out["p50_each_10k_ms"][1:] == pytest.approx([1.5] * 4, abs=0.02)
+    assert out["flat_from_10k"] == pytest.approx(1.5 / out["p50_each_10k_ms"][0])
+    short = gpu_speed.stream_summary(np.full(3000, 1e-3), 512, 0)
+    assert "flat_from_10k" not in short and short["p50_each_10k_ms"] == [] and short["flat"] == pytest.approx(1.0)

@@ -323,11 +323,15 @@ def test_dequant_bit_exact(qtype, random_tensor):
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("T", [1, 3, 17])
-def test_matmul_against_dequantized_oracle(qtype, T, random_tensor):
+@pytest.mark.parametrize("length", ["short", "long"])
+def test_matmul_against_dequantized_oracle(qtype, T, length, random_tensor):
+    """Short rows take fewer steps than the decode loop unrolls; long ones (9 or 5 warp steps and a
+    partial one) take the unrolled body and its remainder, some types' rows starting 2-byte aligned only."""
     from ringllm.runtime.dequant import dequantize
 
     rng = np.random.default_rng(10 + int(qtype) + T)
-    n_cols = 768 if qtype in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) else 160
+    k_quant = qtype in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+    n_cols = (2304 if k_quant else 1312) if length == "long" else (768 if k_quant else 160)
     t = random_tensor(qtype, 37, n_cols, rng)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)
     want = x.astype(np.float64) @ dequantize(t.data, t.qtype, t.shape).astype(np.float64).T

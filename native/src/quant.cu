@@ -16,11 +16,26 @@ namespace {
 
 constexpr int QK_K = 256;
 
-__device__ __forceinline__ uint32_t ld_u16(const uint8_t *p) { return (uint32_t)p[0] | ((uint32_t)p[1] << 8); }
+// Every block size is even and every weight tensor has an allocation of its own, so a block's
+// half-width fields are 2-byte aligned: one 16-bit load each.
+__device__ __forceinline__ uint32_t ld_u16(const uint8_t *p) { return __ldg(reinterpret_cast<const unsigned short *>(p)); }
 
-__device__ __forceinline__ uint32_t ld_u32(const uint8_t *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+__device__ __forceinline__ uint32_t ld_u32(const uint8_t *p) { return ld_u16(p) | (ld_u16(p + 2) << 16); }
+
+// Bytes p[0..7] as two little-endian words, from aligned 32-bit loads: 2 or 3 loads where reading them
+// one by one took 8. Blocks of 18, 22, 34 or 210 bytes leave a row's values 2-byte aligned only,
+// hence the funnel shift. The third word is read only when p is not 4-aligned; it then holds byte
+// p[7], so it lies inside the allocation (device allocations are 256-byte aligned).
+__device__ __forceinline__ uint2 ld8(const uint8_t *p) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(a & ~(uintptr_t)3);
+    const uint32_t sh = (uint32_t)(a & 3) * 8;
+    const uint32_t w0 = __ldg(w), w1 = __ldg(w + 1), w2 = sh ? __ldg(w + 2) : 0u;
+    return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
 }
+
+// byte k (a compile-time constant in the unrolled loops) of the 8 that ld8 read
+__device__ __forceinline__ int byte_of(uint2 q, int k) { return (int)(((k < 4 ? q.x : q.y) >> (8 * (k & 3))) & 0xFFu); }
 
 // IEEE binary16 bits -> float32 (exact, like NumPy's cast: subnormals, signed zeros, inf/NaN)
 __device__ __forceinline__ float f16_at(const uint8_t *p) { return __half2float(__ushort_as_half((unsigned short)ld_u16(p))); }
@@ -44,20 +59,41 @@ template <int QT> __device__ __forceinline__ void dq8(const uint8_t *row, int i0
 
 template <> __device__ __forceinline__ void dq8<RL_TYPE_F32>(const uint8_t *row, int i0, float v[8]) {
     const float *p = reinterpret_cast<const float *>(row) + i0;
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+        const float4 a = __ldg(reinterpret_cast<const float4 *>(p)), b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        return;
+    }
 #pragma unroll
     for (int k = 0; k < 8; k++) v[k] = p[k];
 }
 
+// 8 half-width values as four words (one 16-byte load when aligned): element k is half k & 1 of word k / 2
+__device__ __forceinline__ uint4 ld16_halves(const unsigned short *p) {
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldg(reinterpret_cast<const uint4 *>(p));
+    uint4 r;
+    r.x = (uint32_t)p[0] | ((uint32_t)p[1] << 16);
+    r.y = (uint32_t)p[2] | ((uint32_t)p[3] << 16);
+    r.z = (uint32_t)p[4] | ((uint32_t)p[5] << 16);
+    r.w = (uint32_t)p[6] | ((uint32_t)p[7] << 16);
+    return r;
+}
+
+__device__ __forceinline__ unsigned short half_of(uint4 q, int k) {
+    const uint32_t w = k < 2 ? q.x : k < 4 ? q.y : k < 6 ? q.z : q.w;
+    return (unsigned short)(w >> (16 * (k & 1)));
+}
+
 template <> __device__ __forceinline__ void dq8<RL_TYPE_F16>(const uint8_t *row, int i0, float v[8]) {
-    const unsigned short *p = reinterpret_cast<const unsigned short *>(row) + i0;
+    const uint4 q = ld16_halves(reinterpret_cast<const unsigned short *>(row) + i0);
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = __half2float(__ushort_as_half(p[k]));
+    for (int k = 0; k < 8; k++) v[k] = __half2float(__ushort_as_half(half_of(q, k)));
 }
 
 template <> __device__ __forceinline__ void dq8<RL_TYPE_BF16>(const uint8_t *row, int i0, float v[8]) {
-    const unsigned short *p = reinterpret_cast<const unsigned short *>(row) + i0;
+    const uint4 q = ld16_halves(reinterpret_cast<const unsigned short *>(row) + i0);
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = __uint_as_float((uint32_t)p[k] << 16);
+    for (int k = 0; k < 8; k++) v[k] = __uint_as_float((uint32_t)half_of(q, k) << 16);
 }
 
 // Legacy 32-value blocks: value j < 16 is the low nibble of qs[j], value j + 16 its high nibble.
@@ -65,18 +101,18 @@ template <> __device__ __forceinline__ void dq8<RL_TYPE_Q4_0>(const uint8_t *row
     const uint8_t *b = row + (i0 >> 5) * 18;
     const int j0 = i0 & 31, sh = j0 >= 16 ? 4 : 0;
     const float d = f16_at(b);
-    const uint8_t *qs = b + 2 + (j0 & 15);
+    const uint2 qs = ld8(b + 2 + (j0 & 15));
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = d * (float)(((qs[k] >> sh) & 15) - 8);
+    for (int k = 0; k < 8; k++) v[k] = d * (float)(((byte_of(qs, k) >> sh) & 15) - 8);
 }
 
 template <> __device__ __forceinline__ void dq8<RL_TYPE_Q4_1>(const uint8_t *row, int i0, float v[8]) {
     const uint8_t *b = row + (i0 >> 5) * 20;
     const int j0 = i0 & 31, sh = j0 >= 16 ? 4 : 0;
     const float d = f16_at(b), m = f16_at(b + 2);
-    const uint8_t *qs = b + 4 + (j0 & 15);
+    const uint2 qs = ld8(b + 4 + (j0 & 15));
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = __fadd_rn(__fmul_rn(d, (float)((qs[k] >> sh) & 15)), m);
+    for (int k = 0; k < 8; k++) v[k] = __fadd_rn(__fmul_rn(d, (float)((byte_of(qs, k) >> sh) & 15)), m);
 }
 
 template <> __device__ __forceinline__ void dq8<RL_TYPE_Q5_0>(const uint8_t *row, int i0, float v[8]) {
@@ -84,10 +120,10 @@ template <> __device__ __forceinline__ void dq8<RL_TYPE_Q5_0>(const uint8_t *row
     const int j0 = i0 & 31, sh = j0 >= 16 ? 4 : 0;
     const float d = f16_at(b);
     const uint32_t qh = ld_u32(b + 2);
-    const uint8_t *qs = b + 6 + (j0 & 15);
+    const uint2 qs = ld8(b + 6 + (j0 & 15));
 #pragma unroll
     for (int k = 0; k < 8; k++) {
-        const int q = ((qs[k] >> sh) & 15) | (int)(((qh >> (j0 + k)) & 1u) << 4);
+        const int q = ((byte_of(qs, k) >> sh) & 15) | (int)(((qh >> (j0 + k)) & 1u) << 4);
         v[k] = d * (float)(q - 16);
     }
 }
@@ -97,10 +133,10 @@ template <> __device__ __forceinline__ void dq8<RL_TYPE_Q5_1>(const uint8_t *row
     const int j0 = i0 & 31, sh = j0 >= 16 ? 4 : 0;
     const float d = f16_at(b), m = f16_at(b + 2);
     const uint32_t qh = ld_u32(b + 4);
-    const uint8_t *qs = b + 8 + (j0 & 15);
+    const uint2 qs = ld8(b + 8 + (j0 & 15));
 #pragma unroll
     for (int k = 0; k < 8; k++) {
-        const int q = ((qs[k] >> sh) & 15) | (int)(((qh >> (j0 + k)) & 1u) << 4);
+        const int q = ((byte_of(qs, k) >> sh) & 15) | (int)(((qh >> (j0 + k)) & 1u) << 4);
         v[k] = __fadd_rn(__fmul_rn(d, (float)q), m);
     }
 }
@@ -108,9 +144,9 @@ template <> __device__ __forceinline__ void dq8<RL_TYPE_Q5_1>(const uint8_t *row
 template <> __device__ __forceinline__ void dq8<RL_TYPE_Q8_0>(const uint8_t *row, int i0, float v[8]) {
     const uint8_t *b = row + (i0 >> 5) * 34;
     const float d = f16_at(b);
-    const int8_t *qs = reinterpret_cast<const int8_t *>(b + 2 + (i0 & 31));
+    const uint2 qs = ld8(b + 2 + (i0 & 31));
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = (float)qs[k] * d;
+    for (int k = 0; k < 8; k++) v[k] = (float)(int8_t)byte_of(qs, k) * d;
 }
 
 // K-quants: chunk c = j / 64 of a super-block holds sub-blocks 2c (low nibbles of qs[32c..]) and
@@ -121,9 +157,9 @@ template <> __device__ __forceinline__ void dq8<RL_TYPE_Q4_K>(const uint8_t *row
     int sc, mn;
     scale_min_k4(b + 4, 2 * c + hi, &sc, &mn);
     const float d1 = __fmul_rn(f16_at(b), (float)sc), dm = __fmul_rn(f16_at(b + 2), (float)mn);
-    const uint8_t *qs = b + 16 + 32 * c + l0;
+    const uint2 qs = ld8(b + 16 + 32 * c + l0);
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = __fsub_rn(__fmul_rn(d1, (float)((qs[k] >> (4 * hi)) & 15)), dm);
+    for (int k = 0; k < 8; k++) v[k] = __fsub_rn(__fmul_rn(d1, (float)((byte_of(qs, k) >> (4 * hi)) & 15)), dm);
 }
 
 template <> __device__ __forceinline__ void dq8<RL_TYPE_Q5_K>(const uint8_t *row, int i0, float v[8]) {
@@ -132,12 +168,12 @@ template <> __device__ __forceinline__ void dq8<RL_TYPE_Q5_K>(const uint8_t *row
     int sc, mn;
     scale_min_k4(b + 4, 2 * c + hi, &sc, &mn);
     const float d1 = __fmul_rn(f16_at(b), (float)sc), dm = __fmul_rn(f16_at(b + 2), (float)mn);
-    const uint8_t *qh = b + 16 + l0;
-    const uint8_t *qs = b + 48 + 32 * c + l0;
+    const uint2 qh = ld8(b + 16 + l0);
+    const uint2 qs = ld8(b + 48 + 32 * c + l0);
     const int hb = 2 * c + hi;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
-        const int q = ((qs[k] >> (4 * hi)) & 15) | (((qh[k] >> hb) & 1) << 4);
+        const int q = ((byte_of(qs, k) >> (4 * hi)) & 15) | (((byte_of(qh, k) >> hb) & 1) << 4);
         v[k] = __fsub_rn(__fmul_rn(d1, (float)q), dm);
     }
 }
@@ -150,12 +186,12 @@ template <> __device__ __forceinline__ void dq8<RL_TYPE_Q6_K>(const uint8_t *row
     const int j = i0 % QK_K, n = j >> 7, qd = (j >> 5) & 3, l0 = j & 31;
     const float d = f16_at(b + 208);
     const float ds = d * (float)(int8_t)b[192 + 8 * n + (l0 >> 4) + 2 * qd];
-    const uint8_t *ql = b + 64 * n + 32 * (qd & 1) + l0;
-    const uint8_t *qh = b + 128 + 32 * n + l0;
+    const uint2 ql = ld8(b + 64 * n + 32 * (qd & 1) + l0);
+    const uint2 qh = ld8(b + 128 + 32 * n + l0);
     const int shl = 4 * (qd >> 1), shh = 2 * qd;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
-        const int q = (((ql[k] >> shl) & 15) | (((qh[k] >> shh) & 3) << 4)) - 32;
+        const int q = (((byte_of(ql, k) >> shl) & 15) | (((byte_of(qh, k) >> shh) & 3) << 4)) - 32;
         v[k] = ds * (float)q;
     }
 }
@@ -205,6 +241,10 @@ __device__ __forceinline__ void row_dot(float acc[TT], const uint8_t *row, const
     for (int t = 0; t < TT; t++) acc[t] = 0.0f;
     const int n8 = n_cols & ~7;
     const bool vec4 = (n_cols & 3) == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+    // A decode row (TT = 1) is a short chain of steps (8 for 2,048 columns) whose time is memory
+    // latency: unrolled, the loads of four steps are issued before the first is used. The sums keep
+    // their order. Several tokens (TT = 8) already give each step enough arithmetic.
+#pragma unroll(TT == 1 ? 4 : 1)
     for (int i0 = lane * 8; i0 < n8; i0 += 256) {
         float v[8];
         dq8<QT>(row, i0, v);
