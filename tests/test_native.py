@@ -160,6 +160,52 @@ def test_stub_build_reports_built_without_cuda(tmp_path):
     assert "built without CUDA" in res.stdout and "nvcc" in res.stdout
 
 
+@pytest.fixture(scope="module")
+def dequant_check(tmp_path_factory):
+    """tests/native_dequant_check.cpp built with the host's C++ compiler: dequant.cuh's decoding as
+    plain C++ (no FMA contraction, as the device code's explicit roundings)."""
+    import shutil
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        pytest.skip("no C++ compiler")
+    here = os.path.dirname(__file__)
+    exe = str(tmp_path_factory.mktemp("dq") / "native_dequant_check")
+    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", "-Werror",
+                    "-I", os.path.join(here, "..", "native", "include"), "-I", os.path.join(here, "..", "native", "src"),
+                    os.path.join(here, "native_dequant_check.cpp"), "-o", exe], check=True)
+    return exe
+
+
+@pytest.mark.parametrize("walk", ["rows", "lanes"])
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_device_block_decoding_is_bit_exact_on_the_host(qtype, walk, dequant_check, random_tensor, tmp_path):
+    """The decoding the GPU's kernels use (dequant.cuh: word masks, byte permutes, the exponent
+    trick for small integers) gives runtime/dequant.py's bits for every type, checked on the CPU,
+    both as the dequant kernel reads a row and as a decode matvec's lanes walk it. Rows of
+    2-byte-aligned types start at every even offset; special f16 and bf16 values included."""
+    from ringllm.runtime.dequant import dequantize
+
+    rng = np.random.default_rng(100 + int(qtype))
+    # several 256-value steps per lane, and a partial last step; floats: a tail of 5
+    n_cols = (1024 if qtype in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+              else 709 if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) else 736)
+    t = random_tensor(qtype, 9, n_cols, rng)
+    data = np.ascontiguousarray(t.data)
+    if qtype in (GGMLType.F16, GGMLType.BF16):   # infinities, NaN, signed zeros, subnormals
+        special = np.array([0x7C00, 0xFC00, 0x7E00, 0x8000, 0x0001, 0x83FF, 0x7F80, 0xFF80, 0x7FC0, 0x0080],
+                           np.uint16).view(np.uint8)
+        data = data.copy()
+        data[0, :special.size] = special
+    src, out = tmp_path / "in.bin", tmp_path / "out.bin"
+    data.tofile(src)
+    subprocess.run([dequant_check, str(int(qtype)), "9", str(n_cols), str(data.shape[1]), str(src), str(out), walk],
+                   check=True)
+    got = np.fromfile(out, np.float32).reshape(9, n_cols)
+    want = np.ascontiguousarray(dequantize(data, qtype, (9, n_cols)), np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_cpu_path_never_imports_native():
     code = ("import sys, numpy as np\n"
             "import ringllm\n"

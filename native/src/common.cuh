@@ -1,7 +1,7 @@
 // Internal declarations shared by the CUDA translation units of libringllm_cuda.so.
 //
-//   quant.cu     GGUF block decoding in registers; dequant, matmul/matvec (single and grouped with
-//                fused epilogues), embedding kernels
+//   quant.cu     dequant, matmul/matvec (single and grouped with fused epilogues), embedding kernels
+//   dequant.cuh  GGUF block decoding in registers (also plain C++: tests/native_dequant_check.cpp)
 //   kernels.cu   norms, activations, residual adds, token choice
 //   kv_write.cu  KV writes with eviction (victims chosen on the device), the shift-and-append
 //                baseline, the policies' record of each attention step (observe), adakv's choice

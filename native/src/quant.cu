@@ -1,12 +1,9 @@
-// GGUF block decoding in registers, and the kernels that read quantized weights: dequant (tests),
-// matmul / matvec (every projection), grouped matmuls with fused epilogues (q/k/v in one launch;
-// FFN gate/up with the activation; bias and residual adds), embedding rows.
-//
-// Block layouts follow ggml-common.h (block_q4_0 ... block_q6_K) and the value order of
-// ggml-quants.c's dequantize_row_*, exactly as runtime/dequant.py documents them. Decoding uses
-// __fmul_rn / __fadd_rn where a multiply is followed by an add so that nvcc cannot fuse them into an
-// FMA: the decoded values are then bit-identical to runtime/dequant.py and gguf.quants.
+// The kernels that read quantized weights: dequant (tests), matmul / matvec (every projection),
+// grouped matmuls with fused epilogues (q/k/v in one launch; FFN gate/up with the activation; bias
+// and residual adds), embedding rows. Each decodes GGUF blocks in registers with dequant.cuh's
+// dq8, whose values are bit-identical to runtime/dequant.py and gguf.quants.
 #include "common.cuh"
+#include "dequant.cuh"
 
 #include <limits.h>
 
@@ -14,194 +11,9 @@
 
 namespace {
 
-constexpr int QK_K = 256;
-
-// Every block size is even and every weight tensor has an allocation of its own, so a block's
-// half-width fields are 2-byte aligned: one 16-bit load each.
-__device__ __forceinline__ uint32_t ld_u16(const uint8_t *p) { return __ldg(reinterpret_cast<const unsigned short *>(p)); }
-
-__device__ __forceinline__ uint32_t ld_u32(const uint8_t *p) { return ld_u16(p) | (ld_u16(p + 2) << 16); }
-
-// Bytes p[0..7] as two little-endian words, from aligned 32-bit loads: 2 or 3 loads where reading them
-// one by one took 8. Blocks of 18, 22, 34 or 210 bytes leave a row's values 2-byte aligned only,
-// hence the funnel shift. The third word is read only when p is not 4-aligned; it then holds byte
-// p[7], so it lies inside the allocation (device allocations are 256-byte aligned).
-__device__ __forceinline__ uint2 ld8(const uint8_t *p) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(a & ~(uintptr_t)3);
-    const uint32_t sh = (uint32_t)(a & 3) * 8;
-    const uint32_t w0 = __ldg(w), w1 = __ldg(w + 1), w2 = sh ? __ldg(w + 2) : 0u;
-    return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
-}
-
-// byte k (a compile-time constant in the unrolled loops) of the 8 that ld8 read
-__device__ __forceinline__ int byte_of(uint2 q, int k) { return (int)(((k < 4 ? q.x : q.y) >> (8 * (k & 3))) & 0xFFu); }
-
-// IEEE binary16 bits -> float32 (exact, like NumPy's cast: subnormals, signed zeros, inf/NaN)
-__device__ __forceinline__ float f16_at(const uint8_t *p) { return __half2float(__ushort_as_half((unsigned short)ld_u16(p))); }
-
-// get_scale_min_k4 of ggml-quants.c: 6-bit scale and min of sub-block j from 12 packed bytes
-__device__ __forceinline__ void scale_min_k4(const uint8_t *q, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *mn = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// dq8<QT>(row, i0, v): values i0 .. i0 + 7 of one row (i0 % 8 == 0) into v[8]
-// ---------------------------------------------------------------------------------------------
-
-template <int QT> __device__ __forceinline__ void dq8(const uint8_t *row, int i0, float v[8]);
-
-template <> __device__ __forceinline__ void dq8<RL_TYPE_F32>(const uint8_t *row, int i0, float v[8]) {
-    const float *p = reinterpret_cast<const float *>(row) + i0;
-    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-        const float4 a = __ldg(reinterpret_cast<const float4 *>(p)), b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-        return;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = p[k];
-}
-
-// 8 half-width values as four words (one 16-byte load when aligned): element k is half k & 1 of word k / 2
-__device__ __forceinline__ uint4 ld16_halves(const unsigned short *p) {
-    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldg(reinterpret_cast<const uint4 *>(p));
-    uint4 r;
-    r.x = (uint32_t)p[0] | ((uint32_t)p[1] << 16);
-    r.y = (uint32_t)p[2] | ((uint32_t)p[3] << 16);
-    r.z = (uint32_t)p[4] | ((uint32_t)p[5] << 16);
-    r.w = (uint32_t)p[6] | ((uint32_t)p[7] << 16);
-    return r;
-}
-
-__device__ __forceinline__ unsigned short half_of(uint4 q, int k) {
-    const uint32_t w = k < 2 ? q.x : k < 4 ? q.y : k < 6 ? q.z : q.w;
-    return (unsigned short)(w >> (16 * (k & 1)));
-}
-
-template <> __device__ __forceinline__ void dq8<RL_TYPE_F16>(const uint8_t *row, int i0, float v[8]) {
-    const uint4 q = ld16_halves(reinterpret_cast<const unsigned short *>(row) + i0);
-#pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = __half2float(__ushort_as_half(half_of(q, k)));
-}
-
-template <> __device__ __forceinline__ void dq8<RL_TYPE_BF16>(const uint8_t *row, int i0, float v[8]) {
-    const uint4 q = ld16_halves(reinterpret_cast<const unsigned short *>(row) + i0);
-#pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = __uint_as_float((uint32_t)half_of(q, k) << 16);
-}
-
-// Legacy 32-value blocks: value j < 16 is the low nibble of qs[j], value j + 16 its high nibble.
-template <> __device__ __forceinline__ void dq8<RL_TYPE_Q4_0>(const uint8_t *row, int i0, float v[8]) {
-    const uint8_t *b = row + (i0 >> 5) * 18;
-    const int j0 = i0 & 31, sh = j0 >= 16 ? 4 : 0;
-    const float d = f16_at(b);
-    const uint2 qs = ld8(b + 2 + (j0 & 15));
-#pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = d * (float)(((byte_of(qs, k) >> sh) & 15) - 8);
-}
-
-template <> __device__ __forceinline__ void dq8<RL_TYPE_Q4_1>(const uint8_t *row, int i0, float v[8]) {
-    const uint8_t *b = row + (i0 >> 5) * 20;
-    const int j0 = i0 & 31, sh = j0 >= 16 ? 4 : 0;
-    const float d = f16_at(b), m = f16_at(b + 2);
-    const uint2 qs = ld8(b + 4 + (j0 & 15));
-#pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = __fadd_rn(__fmul_rn(d, (float)((byte_of(qs, k) >> sh) & 15)), m);
-}
-
-template <> __device__ __forceinline__ void dq8<RL_TYPE_Q5_0>(const uint8_t *row, int i0, float v[8]) {
-    const uint8_t *b = row + (i0 >> 5) * 22;
-    const int j0 = i0 & 31, sh = j0 >= 16 ? 4 : 0;
-    const float d = f16_at(b);
-    const uint32_t qh = ld_u32(b + 2);
-    const uint2 qs = ld8(b + 6 + (j0 & 15));
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int q = ((byte_of(qs, k) >> sh) & 15) | (int)(((qh >> (j0 + k)) & 1u) << 4);
-        v[k] = d * (float)(q - 16);
-    }
-}
-
-template <> __device__ __forceinline__ void dq8<RL_TYPE_Q5_1>(const uint8_t *row, int i0, float v[8]) {
-    const uint8_t *b = row + (i0 >> 5) * 24;
-    const int j0 = i0 & 31, sh = j0 >= 16 ? 4 : 0;
-    const float d = f16_at(b), m = f16_at(b + 2);
-    const uint32_t qh = ld_u32(b + 4);
-    const uint2 qs = ld8(b + 8 + (j0 & 15));
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int q = ((byte_of(qs, k) >> sh) & 15) | (int)(((qh >> (j0 + k)) & 1u) << 4);
-        v[k] = __fadd_rn(__fmul_rn(d, (float)q), m);
-    }
-}
-
-template <> __device__ __forceinline__ void dq8<RL_TYPE_Q8_0>(const uint8_t *row, int i0, float v[8]) {
-    const uint8_t *b = row + (i0 >> 5) * 34;
-    const float d = f16_at(b);
-    const uint2 qs = ld8(b + 2 + (i0 & 31));
-#pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = (float)(int8_t)byte_of(qs, k) * d;
-}
-
-// K-quants: chunk c = j / 64 of a super-block holds sub-blocks 2c (low nibbles of qs[32c..]) and
-// 2c + 1 (high nibbles); y = (d * sc) * q - dmin * m.
-template <> __device__ __forceinline__ void dq8<RL_TYPE_Q4_K>(const uint8_t *row, int i0, float v[8]) {
-    const uint8_t *b = row + (i0 / QK_K) * 144;
-    const int j = i0 % QK_K, c = j >> 6, hi = (j >> 5) & 1, l0 = j & 31;
-    int sc, mn;
-    scale_min_k4(b + 4, 2 * c + hi, &sc, &mn);
-    const float d1 = __fmul_rn(f16_at(b), (float)sc), dm = __fmul_rn(f16_at(b + 2), (float)mn);
-    const uint2 qs = ld8(b + 16 + 32 * c + l0);
-#pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = __fsub_rn(__fmul_rn(d1, (float)((byte_of(qs, k) >> (4 * hi)) & 15)), dm);
-}
-
-template <> __device__ __forceinline__ void dq8<RL_TYPE_Q5_K>(const uint8_t *row, int i0, float v[8]) {
-    const uint8_t *b = row + (i0 / QK_K) * 176;
-    const int j = i0 % QK_K, c = j >> 6, hi = (j >> 5) & 1, l0 = j & 31;
-    int sc, mn;
-    scale_min_k4(b + 4, 2 * c + hi, &sc, &mn);
-    const float d1 = __fmul_rn(f16_at(b), (float)sc), dm = __fmul_rn(f16_at(b + 2), (float)mn);
-    const uint2 qh = ld8(b + 16 + l0);
-    const uint2 qs = ld8(b + 48 + 32 * c + l0);
-    const int hb = 2 * c + hi;
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int q = ((byte_of(qs, k) >> (4 * hi)) & 15) | (((byte_of(qh, k) >> hb) & 1) << 4);
-        v[k] = __fsub_rn(__fmul_rn(d1, (float)q), dm);
-    }
-}
-
-// Q6_K: per 128-value half n, quarter qd = (j % 128) / 32, l = j % 32:
-// q = (ql[64n + l + 32(qd & 1)] >> 4(qd >> 1)) & 15 | ((qh[32n + l] >> 2qd) & 3) << 4, minus 32;
-// y = (d * scales[8n + l/16 + 2qd]) * q.
-template <> __device__ __forceinline__ void dq8<RL_TYPE_Q6_K>(const uint8_t *row, int i0, float v[8]) {
-    const uint8_t *b = row + (i0 / QK_K) * 210;
-    const int j = i0 % QK_K, n = j >> 7, qd = (j >> 5) & 3, l0 = j & 31;
-    const float d = f16_at(b + 208);
-    const float ds = d * (float)(int8_t)b[192 + 8 * n + (l0 >> 4) + 2 * qd];
-    const uint2 ql = ld8(b + 64 * n + 32 * (qd & 1) + l0);
-    const uint2 qh = ld8(b + 128 + 32 * n + l0);
-    const int shl = 4 * (qd >> 1), shh = 2 * qd;
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int q = (((byte_of(ql, k) >> shl) & 15) | (((byte_of(qh, k) >> shh) & 3) << 4)) - 32;
-        v[k] = ds * (float)q;
-    }
-}
-
-// One value (tails of float rows whose length is not a multiple of 8): floats only.
-template <int QT> __device__ __forceinline__ float dq1(const uint8_t *row, int i) {
-    if (QT == RL_TYPE_F32) return reinterpret_cast<const float *>(row)[i];
-    if (QT == RL_TYPE_F16) return __half2float(__ushort_as_half(reinterpret_cast<const unsigned short *>(row)[i]));
-    return __uint_as_float((uint32_t)reinterpret_cast<const unsigned short *>(row)[i] << 16);
-}
+using rl_dequant::dq1;
+using rl_dequant::dq8;
+using rl_dequant::LaneBlocks;
 
 // ---------------------------------------------------------------------------------------------
 // Kernels
@@ -241,13 +53,17 @@ __device__ __forceinline__ void row_dot(float acc[TT], const uint8_t *row, const
     for (int t = 0; t < TT; t++) acc[t] = 0.0f;
     const int n8 = n_cols & ~7;
     const bool vec4 = (n_cols & 3) == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
-    // A decode row (TT = 1) is a short chain of steps (8 for 2,048 columns) whose time is memory
-    // latency: unrolled, the loads of four steps are issued before the first is used. The sums keep
-    // their order. Several tokens (TT = 8) already give each step enough arithmetic.
+    // Decode (TT = 1) is bound by the decoding arithmetic: the lane's values within a block (j) are
+    // the same at every step, so the block pointer just moves by 256 values' bytes and everything
+    // derived from j is computed once (dequant.cuh, LaneBlocks); the loop is unrolled 4 steps.
+    // Several tokens (TT = 8) share each step's decoding, and carrying the pointer there costs the
+    // registers that its 8 accumulators need: dq8 finds the block from i0.
+    LaneBlocks<QT> blocks(row, lane);
 #pragma unroll(TT == 1 ? 4 : 1)
-    for (int i0 = lane * 8; i0 < n8; i0 += 256) {
+    for (int i0 = lane * 8; i0 < n8; i0 += 256, blocks.next()) {
         float v[8];
-        dq8<QT>(row, i0, v);
+        if constexpr (TT == 1) blocks.decode(v);
+        else dq8<QT>(row, i0, v);
 #pragma unroll
         for (int t = 0; t < TT; t++) {
             if (t0 + t < T) {
