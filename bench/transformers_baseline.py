@@ -7,7 +7,9 @@ loaded by transformers (dequantized to float16 on a GPU, float32 on the CPU), ti
                   stream of n tokens through a cache bounded at `capacity` with `sinks` attention
                   sinks; whenever it is full, every layer's K and V are rebuilt by concatenation
                   without the oldest non-sink token and the shifted keys are re-rotated by one
-                  position (positions re-indexed inside the cache). Per-token latency recorded.
+                  position, each layer with its own RoPE frequencies (positions re-indexed inside
+                  the cache; a sliding-window layer, which transformers trims to its window, is
+                  shifted over the positions it holds). Per-token latency recorded.
 
 Used by bench/gpu_speed.py; `python bench/transformers_baseline.py --device cpu -n 64` runs it here.
 """
@@ -61,14 +63,32 @@ def default_cache(model, torch, device: str, prompt: list[int], n_tg: int, repea
     return {"pp": float(np.median(pp)), "tg": float(np.median(tg)), "prompt": len(prompt), "n_tg": n_tg}
 
 
-def _rotation_by(model, torch, device: str, delta: int):
+def layer_inv_freqs(model) -> list:
+    """Per layer, the RoPE inverse frequencies (head_dim / 2,) transformers rotates its keys with.
+    One set for most models; Gemma 3 has one per layer type (local and global bases): transformers 5
+    keeps them as `{layer_type}_inv_freq` on the rotary module, 4.x as a second module
+    (`rotary_emb_local`) for the sliding-window layers."""
+    rot, cfg = model.model.rotary_emb, model.config
+    local = getattr(model.model, "rotary_emb_local", None)
+    out = []
+    for t in getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers:
+        if hasattr(rot, f"{t}_inv_freq"):
+            out.append(getattr(rot, f"{t}_inv_freq"))
+        elif local is not None and t == "sliding_attention":
+            out.append(local.inv_freq)
+        else:
+            out.append(rot.inv_freq)
+    return out
+
+
+def rotation_by(inv_freq, torch, device: str, delta: int):
     """cos, sin (head_dim,) of a rotation by `delta` positions in transformers' rotate-half layout."""
-    inv = model.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float32)
+    inv = inv_freq.to(device=device, dtype=torch.float32)
     ang = torch.cat([inv, inv]) * float(delta)
     return torch.cos(ang), torch.sin(ang)
 
 
-def _rotate(k, cos, sin):
+def rotate(k, cos, sin):
     """k (..., head_dim) rotated by the angles cos, sin (head_dim,) (rotate-half layout)."""
     import torch
     half = k.shape[-1] // 2
@@ -76,10 +96,31 @@ def _rotate(k, cos, sin):
     return (k.float() * cos + rot.float() * sin).to(k.dtype)
 
 
-def shift_append(model, torch, device: str, prompt: list[int], n_tokens: int, capacity: int, sinks: int = 4) -> dict:
+def evict_and_shift(layer, n: int, sinks: int, cos, sin) -> None:
+    """Drop position `sinks` of n from one cache layer and move the later positions down one (keys
+    re-rotated by cos, sin). A sliding-window layer (transformers trims it to its window) holds only
+    the last positions: it drops position `sinks` only if it holds it, re-rotates what lies past the
+    sinks, and its count of positions seen, which its attention mask is sized by, goes down too."""
+    import torch
+
+    k, v = layer.keys, layer.values
+    first = n - k.shape[2]                                  # position of the layer's first entry
+    if first <= sinks:
+        d = sinks - first
+        layer.keys = torch.cat([k[:, :, :d], rotate(k[:, :, d + 1:], cos, sin)], dim=2)
+        layer.values = torch.cat([v[:, :, :d], v[:, :, d + 1:]], dim=2)
+    else:
+        layer.keys = rotate(k, cos, sin)
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length -= 1
+
+
+def stream_shift_append(model, torch, device: str, prompt: list[int], n_tokens: int, capacity: int,
+                        sinks: int = 4):
     """Stream n_tokens greedy tokens through a cache bounded at `capacity` by shift-and-append (module
-    docstring); tok/s, latency of the first and last thousand tokens, and the tokens fed."""
-    cos, sin = _rotation_by(model, torch, device, -1)
+    docstring), after prefilling prompt[:capacity]. Returns (latency s per token, the tokens fed,
+    the cache at the end)."""
+    rotations = [rotation_by(inv, torch, device, -1) for inv in layer_inv_freqs(model)]
     lat = np.empty(n_tokens)
     with torch.inference_mode():
         out = model(torch.tensor([prompt[:capacity]], device=device), use_cache=True)
@@ -88,18 +129,22 @@ def shift_append(model, torch, device: str, prompt: list[int], n_tokens: int, ca
         for i in range(n_tokens):
             toks.append(int(tok))
             t0 = time.perf_counter()
-            n = cache.get_seq_length()
+            n = cache.get_seq_length()                          # positions held (re-indexed)
             if n >= capacity:                                   # evict the oldest non-sink token
-                for layer in cache.layers:
-                    k, v = layer.keys, layer.values
-                    layer.keys = torch.cat([k[:, :, :sinks], _rotate(k[:, :, sinks + 1:], cos, sin)], dim=2)
-                    layer.values = torch.cat([v[:, :, :sinks], v[:, :, sinks + 1:]], dim=2)
+                for layer, (cos, sin) in zip(cache.layers, rotations):
+                    evict_and_shift(layer, n, sinks, cos, sin)
                 n -= 1
             pos = torch.tensor([[n]], device=device)
             out = model(tok, past_key_values=cache, use_cache=True, position_ids=pos, cache_position=pos[0])
             cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
             _sync(torch, device)
             lat[i] = time.perf_counter() - t0
+    return lat, toks, cache
+
+
+def shift_append(model, torch, device: str, prompt: list[int], n_tokens: int, capacity: int, sinks: int = 4) -> dict:
+    """stream_shift_append's tok/s, latency of the first and last thousand tokens, and the tokens fed."""
+    lat, toks, cache = stream_shift_append(model, torch, device, prompt, n_tokens, capacity, sinks)
     ms = lat * 1e3
     first, last = ms[:min(1000, n_tokens)], ms[-min(1000, n_tokens):]
     return {"tok_s": float(n_tokens / lat.sum()), "capacity": capacity, "sinks": sinks, "n_tokens": n_tokens,
