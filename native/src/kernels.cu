@@ -15,6 +15,35 @@ namespace {
 // Norms, activations, elementwise (runtime/ops.py)
 // ==============================================================================================
 
+constexpr int NORM_PER_THREAD = 8;   // rms_norm_kernel's values per thread (rows up to 8 x 1,024)
+
+// RMS norm of one row per block, as norm_kernel's, with the row held in registers: every thread
+// issues all its loads before the first use and reads its values once, where norm_kernel's loops
+// wait on one load per step, twice. A decode row (2,048 values) is one block, so that latency was
+// all of its time. ceil(n / blockDim.x) <= NORM_PER_THREAD. The float64 sum's order differs from
+// norm_kernel's; out may alias x (each thread writes only the values it read).
+__global__ void rms_norm_kernel(float *out, const float *x, const float *w, int n, double eps) {
+    __shared__ double red[32];
+    const float *xr = x + (int64_t)blockIdx.x * n;
+    float *o = out + (int64_t)blockIdx.x * n;
+    float v[NORM_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < NORM_PER_THREAD; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        v[k] = i < n ? xr[i] : 0.0f;
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int k = 0; k < NORM_PER_THREAD; k++) ss += (double)(v[k] * v[k]);
+    ss = block_sum(ss, red);
+    const float inv = (float)(1.0 / sqrt(ss / n + eps));
+#pragma unroll
+    for (int k = 0; k < NORM_PER_THREAD; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n) o[i] = __fmul_rn(__fmul_rn(v[k], inv), w[i]);
+    }
+}
+
 // One block per row. RMS: out = x * float32(1 / sqrt(mean(x^2) + eps)) * w, sum of squares in
 // float64. Layer: out = float32((x - mu) / sqrt(var + eps)) * w + b, mu and var in float64.
 __global__ void norm_kernel(float *out, const float *x, const float *w, const float *b, int kind, int n, double eps) {
@@ -204,6 +233,12 @@ pick_kernel(int32_t *token, const float *logits, int n, const float *params) {
 
 void launch_norm(float *out, const float *x, const float *w, const float *b, int kind, int rows, int n, double eps,
                  cudaStream_t st) {
+    if (kind == RL_NORM_RMS && n <= NORM_PER_THREAD * 1024) {
+        // about 4 values per thread: loads in flight without a 1,024-thread block for a 128-wide head
+        const int threads = n <= 4 * 1024 ? (((n + 3) / 4 + 31) / 32) * 32 : 1024;
+        rms_norm_kernel<<<rows, threads, 0, st>>>(out, x, w, n, eps);
+        return;
+    }
     norm_kernel<<<rows, 256, 0, st>>>(out, x, w, b, kind, n, eps);
 }
 
