@@ -44,10 +44,15 @@ def timed(fn, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)   # llama.cpp's defaults
+
+
 def bench_gpu(m, n_tg: int, pps: list[int], repeats: int) -> dict:
     """Per mode (plain launches, CUDA-graph decode): prefill tok/s of each prompt length in pps (policy
     full, chunks of up to 512 rows) and decode tok/s of n_tg tokens after an 8-token prompt, with the
-    logits downloaded every step (host argmax) and with the token chosen on the device."""
+    logits downloaded every step (host argmax), with the token chosen on the device (greedy), and
+    sampled on the device with SAMPLING (the pick kernel's top-k and top-p bisections read the
+    whole vocabulary many times)."""
     from ringllm.native import CUDAEngine
 
     out = {}
@@ -57,7 +62,7 @@ def bench_gpu(m, n_tg: int, pps: list[int], repeats: int) -> dict:
         eng = CUDAEngine(m.spec, m.tensors, n_batch=min(512, max(pps)), cuda_graph=graph)
         eng.generate(prompts[pps[0]][:16], eng.new_store(capacity=n_tg + 64, policy="full"), 8)   # warm-up (and capture)
         pp = {n: [] for n in pps}
-        tg_logits, tg_device = [], []
+        tg_logits, tg_device, tg_sampled = [], [], []
         for _ in range(repeats):
             for n, prompt in prompts.items():
                 st = eng.new_store(capacity=n + 8, policy="full")
@@ -81,9 +86,21 @@ def bench_gpu(m, n_tg: int, pps: list[int], repeats: int) -> dict:
                 for _ in range(n_tg):
                     t = eng.decode(t, st)
             tg_device.append(timed(device_pick, n_tg))
+
+            st = eng.new_store(capacity=n_tg + 16, policy="full")
+            eng.prefill(prompts[pps[0]][:8], st)
+            rng = np.random.default_rng(1)
+            tok = eng.pick(**SAMPLING, rng=rng)
+
+            def device_sample():
+                t = tok
+                for _ in range(n_tg):
+                    t = eng.decode(t, st, **SAMPLING, rng=rng)
+            tg_sampled.append(timed(device_sample, n_tg))
         key = "graph" if graph else "plain"
         out[key] = {"pp": {str(n): float(np.median(v)) for n, v in pp.items()},
-                    "tg_host_argmax": float(np.median(tg_logits)), "tg_device_pick": float(np.median(tg_device))}
+                    "tg_host_argmax": float(np.median(tg_logits)), "tg_device_pick": float(np.median(tg_device)),
+                    "tg_device_sampled": float(np.median(tg_sampled))}
     return out
 
 
@@ -366,15 +383,17 @@ def main(argv=None) -> None:
     lines = [f"# GPU backend speed: {name} on {gpu_name}", "", f"build: {res['build']}", "",
              f"command: `{res['command']}`", "",
              "| mode | " + " | ".join(f"pp{n} tok/s" for n in pps) +
-             " | tg tok/s (logits to host) | tg tok/s (token on device) | GB/s of weights (device tg) |",
-             "|---|" + "---|" * len(pps) + "---|---|---|"]
+             " | tg tok/s (logits to host) | tg tok/s (token on device) | tg tok/s (sampled on device) "
+             "| GB/s of weights (device tg) |",
+             "|---|" + "---|" * len(pps) + "---|---|---|---|"]
     if res["copy_gb_s"]:
         lines[6:6] = [f"bandwidth limit: a device-to-device copy moves {res['copy_gb_s']:.0f} GB/s (read + write); "
                       f"{res['decode_bytes'] / 1e6:.1f} MB of weights per token caps decode at "
                       f"{res['copy_gb_s'] / gb:.0f} tok/s", ""]
     for mode, r in res["gpu_engine"].items():
         lines.append(f"| {mode} | " + " | ".join(f"{r['pp'][str(n)]:.0f}" for n in pps) +
-                     f" | {r['tg_host_argmax']:.0f} | {r['tg_device_pick']:.0f} | {r['tg_device_pick'] * gb:.1f} |")
+                     f" | {r['tg_host_argmax']:.0f} | {r['tg_device_pick']:.0f} | {r['tg_device_sampled']:.0f} | "
+                     f"{r['tg_device_pick'] * gb:.1f} |")
     if "cpu_tg" in res:
         lines += ["", f"CPU engine tg: {res['cpu_tg']:.1f} tok/s"]
     if res["llama_cpp_gpu_tg"]:
