@@ -1,8 +1,8 @@
 // GGUF block decoding, 8 values at a time: dq8_block<QT>(block, j, v), dq8<QT>(row, i0, v) and
-// dq1<QT>(row, i) for the matmul, dequant and embedding kernels of quant.cu. The same source also compiles as plain C++ on the host
-// (tests/native_dequant_check.cpp), so that a machine without a GPU checks the decoding bit for bit
-// against runtime/dequant.py: the intrinsics go through the rl_* shims below, whose host versions
-// implement the CUDA semantics.
+// dq1<QT>(row, i) for the matmul, dequant and embedding kernels of quant.cu. The same source also
+// compiles as plain C++ on the host (tests/native_dequant_check.cpp), so that a machine without a
+// GPU checks the decoding bit for bit against runtime/dequant.py: the intrinsics go through the
+// rl_* shims below, whose host versions implement the CUDA semantics.
 //
 // Block layouts follow ggml-common.h (block_q4_0 ... block_q6_K) and the value order of
 // ggml-quants.c's dequantize_row_*, exactly as runtime/dequant.py documents them. Where a multiply
@@ -212,7 +212,8 @@ template <int QT> RL_HD void dq8_block(const uint8_t *b, int j, float v[8]);
 template <> RL_HD void dq8_block<RL_TYPE_F32>(const uint8_t *b, int, float v[8]) {
     const float *p = reinterpret_cast<const float *>(b);
     if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-        const float4 a = rl_ldg(reinterpret_cast<const float4 *>(p)), b = rl_ldg(reinterpret_cast<const float4 *>(p) + 1);
+        const float4 *p4 = reinterpret_cast<const float4 *>(p);
+        const float4 a = rl_ldg(p4), b = rl_ldg(p4 + 1);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
         return;
     }
@@ -258,13 +259,18 @@ template <> RL_HD void dq8_block<RL_TYPE_Q4_1>(const uint8_t *b, int j0, float v
     for (int k = 0; k < 8; k++) v[k] = rl_fadd(rl_fmul(d, byte_float<0>(q, k)), m);
 }
 
-// Q5_0 / Q5_1: bit j of the 32-bit qh is value j's fifth bit.
+// Q5_0 / Q5_1: bit j of the 32-bit qh is value j's fifth bit. Value k of 8: its nibble (byte k of
+// the masked pair) with bit k of qh (already shifted to the first value) above it.
+RL_HD uint32_t nibble_with_bit(uint2 q, uint32_t qh, int k) {
+    return (((k < 4 ? q.x : q.y) >> (8 * (k & 3))) & 15) | ((qh >> k) & 1) << 4;
+}
+
 template <> RL_HD void dq8_block<RL_TYPE_Q5_0>(const uint8_t *b, int j0, float v[8]) {
     const float d = f16_at(b);
     const uint32_t qh = ld_u32_2aligned(b + 2) >> j0;
     const uint2 q = nibbles(ld8(b + 6 + (j0 & 15)), j0 >= 16 ? 4 : 0);
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = d * small_int_float<16>(((k < 4 ? q.x : q.y) >> (8 * (k & 3)) & 15) | ((qh >> k) & 1) << 4);
+    for (int k = 0; k < 8; k++) v[k] = d * small_int_float<16>(nibble_with_bit(q, qh, k));
 }
 
 template <> RL_HD void dq8_block<RL_TYPE_Q5_1>(const uint8_t *b, int j0, float v[8]) {
@@ -273,7 +279,7 @@ template <> RL_HD void dq8_block<RL_TYPE_Q5_1>(const uint8_t *b, int j0, float v
     const uint2 q = nibbles(ld8_aligned8(b + 8 + (j0 & 15)), j0 >= 16 ? 4 : 0);
 #pragma unroll
     for (int k = 0; k < 8; k++)
-        v[k] = rl_fadd(rl_fmul(d, small_int_float<0>(((k < 4 ? q.x : q.y) >> (8 * (k & 3)) & 15) | ((qh >> k) & 1) << 4)), m);
+        v[k] = rl_fadd(rl_fmul(d, small_int_float<0>(nibble_with_bit(q, qh, k))), m);
 }
 
 // Q8_0: signed bytes; s ^ 0x80 is s + 128 as an unsigned byte.
