@@ -517,6 +517,15 @@ def test_pick_known_answers():
     assert kernels.pick(logits, temperature=1.0, top_p=0.7, u=0.99) == 3  # keeps {0.5, 0.3}: cdf 0.5/.8, 1
     assert kernels.pick(logits, temperature=1.0, top_p=0.7, u=0.5) == 1
     assert kernels.pick(logits, temperature=1.0, top_k=2, u=0.7) == 3
+    # greedy over a real vocabulary (16-byte loads) and an odd one (one value per load): of tied
+    # maxima in different threads' parts, the first
+    rng = np.random.default_rng(1)
+    for n in (151_936, 5003):
+        row = rng.standard_normal(n).astype(np.float32)
+        row[[n - 7, 40_001, 9] if n > 40_001 else [n - 7, 4001, 9]] = 9.0
+        assert kernels.pick(row) == 9
+        row[9] = 0.0
+        assert kernels.pick(row) == (40_001 if n > 40_001 else 4001)
     # frequencies over a grid of u follow the softmax
     rng = np.random.default_rng(0)
     big = rng.standard_normal(5000).astype(np.float32) * 2
