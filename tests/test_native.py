@@ -171,7 +171,7 @@ def dequant_check(tmp_path_factory):
         pytest.skip("no C++ compiler")
     here = os.path.dirname(__file__)
     exe = str(tmp_path_factory.mktemp("dq") / "native_dequant_check")
-    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", "-Werror",
+    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas",
                     "-I", os.path.join(here, "..", "native", "include"), "-I", os.path.join(here, "..", "native", "src"),
                     os.path.join(here, "native_dequant_check.cpp"), "-o", exe], check=True)
     return exe
