@@ -3,7 +3,14 @@
 # every `gpu` test, then the GPU benchmarks. Every log and result goes to $WORK, which is packed into
 # $OUT/bundle.tgz after each stage (a stage killed by its timeout loses only itself).
 #
-#   bash scripts/gpu_check.sh [STAGE...]     STAGE: env build test bench sanitize (default: env build test bench)
+#   bash scripts/gpu_check.sh [STAGE...]     STAGE: env build test ab profile bench sanitize
+#                                            (default: env build test bench)
+#
+#   ab       scripts/gpu_ab.sh: the library built from .dev/base/native (carried; e.g. `git archive REF
+#            native | tar x -C .dev/base` here) against the working tree's, AB_ROUNDS (2) rounds of
+#            AB_MODELS (qwen3 smollm2)
+#   profile  bench/gpu_token_profile.py under ncu: one decoded token's kernels, Qwen3-1.7B's and
+#            SmolLM2's shapes, tables written to $WORK
 #
 # Expects (carried by the caller, ignored by git):
 #   .whl/   wheels of the Python packages the device image lacks (gguf, cffi, pycparser, llguidance), installed
@@ -63,6 +70,35 @@ if has test; then
         tests/test_native.py tests/test_native_kv_types.py > "$WORK/pytest.log" 2>&1
     echo "pytest rc=$?"
     grep -E "^(FAILED|ERROR)|passed|failed" "$WORK/pytest.log" | tail -60
+    bundle
+fi
+
+if has ab; then
+    stage ab
+    if [ -d .dev/base/native ]; then
+        bash scripts/gpu_ab.sh build
+        ROUNDS=${AB_ROUNDS:-2} AB_MODELS=${AB_MODELS:-qwen3 smollm2} timeout "${AB_TIMEOUT:-300}" bash scripts/gpu_ab.sh run
+    else
+        echo "no .dev/base/native: nothing to compare against"
+    fi
+    bundle
+fi
+
+if has profile; then
+    stage profile
+    [ -f /tmp/models/smollm2-135m-tiled30.gguf ] || \
+        python3 bench/truncated_gguf.py "$SMOL" 8 /tmp/models/smollm2-135m-tiled30.gguf --tile 30
+    for spec in qwen3 smollm2; do
+        case $spec in
+            qwen3) m=$(RINGLLM_BENCH_CACHE=/tmp/models python3 bench/synthetic_gguf.py qwen3-1.7b) ;;
+            smollm2) m=/tmp/models/smollm2-135m-tiled30.gguf ;;
+        esac
+        timeout 90 ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+            python3 bench/gpu_token_profile.py step "$m" > "$WORK/token_profile_$spec.csv" 2> "$WORK/token_profile_$spec.err"
+        echo "ncu $spec rc=$?"
+        python3 bench/gpu_token_profile.py table "$WORK/token_profile_$spec.csv" --name "token_profile_$spec" | head -14
+        cp "bench/results/token_profile_$spec.md" "$WORK/" 2>/dev/null
+    done
     bundle
 fi
 
