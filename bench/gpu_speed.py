@@ -47,6 +47,22 @@ def timed(fn, n: int) -> float:
 SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)   # llama.cpp's defaults
 
 
+def device_decode_rate(eng, prompt: list[int], n_tg: int, **sampling) -> float:
+    """Decode tok/s of n_tg tokens chosen on the device after `prompt` (a fresh store, policy full):
+    greedy, or sampled with `sampling` (CUDAEngine.decode's temperature / top_k / top_p) and a
+    seeded generator."""
+    st = eng.new_store(capacity=n_tg + 16, policy="full")
+    eng.prefill(prompt, st)
+    rng = np.random.default_rng(1) if sampling else None
+    tok = eng.pick(**sampling, rng=rng)
+
+    def run():
+        t = tok
+        for _ in range(n_tg):
+            t = eng.decode(t, st, **sampling, rng=rng)
+    return timed(run, n_tg)
+
+
 def bench_gpu(m, n_tg: int, pps: list[int], repeats: int) -> dict:
     """Per mode (plain launches, CUDA-graph decode): prefill tok/s of each prompt length in pps (policy
     full, chunks of up to 512 rows) and decode tok/s of n_tg tokens after an 8-token prompt, with the
@@ -77,26 +93,8 @@ def bench_gpu(m, n_tg: int, pps: list[int], repeats: int) -> dict:
                     lg = eng.step(int(np.argmax(lg)), st)
             tg_logits.append(timed(host_argmax, n_tg))
 
-            st = eng.new_store(capacity=n_tg + 16, policy="full")
-            eng.prefill(prompts[pps[0]][:8], st)
-            tok = eng.pick()
-
-            def device_pick():
-                t = tok
-                for _ in range(n_tg):
-                    t = eng.decode(t, st)
-            tg_device.append(timed(device_pick, n_tg))
-
-            st = eng.new_store(capacity=n_tg + 16, policy="full")
-            eng.prefill(prompts[pps[0]][:8], st)
-            rng = np.random.default_rng(1)
-            tok = eng.pick(**SAMPLING, rng=rng)
-
-            def device_sample():
-                t = tok
-                for _ in range(n_tg):
-                    t = eng.decode(t, st, **SAMPLING, rng=rng)
-            tg_sampled.append(timed(device_sample, n_tg))
+            tg_device.append(device_decode_rate(eng, prompts[pps[0]][:8], n_tg))
+            tg_sampled.append(device_decode_rate(eng, prompts[pps[0]][:8], n_tg, **SAMPLING))
         key = "graph" if graph else "plain"
         out[key] = {"pp": {str(n): float(np.median(v)) for n, v in pp.items()},
                     "tg_host_argmax": float(np.median(tg_logits)), "tg_device_pick": float(np.median(tg_device)),
