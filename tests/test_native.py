@@ -407,8 +407,8 @@ def test_norms_activations_embedding():
     want = np.empty_like(x)
     ops.rms_norm_rows(want, x, w, 1e-5)
     assert nmse(kernels.norm("rms", x, w, eps=1e-5), want) < 1e-12
-    # the register kernel's shapes (a head, 1 and 8 values per thread at 1,024 threads) and the
-    # looping kernel past 8,192
+    # the register kernel's shapes (a 128-value head and 100 values: one warp; 4,128 and 8,192: 5 and
+    # 8 values per thread at 1,024 threads) and the looping kernel past 8,192
     for n in (128, 100, 1024 * 4 + 32, 8192, 8200):
         xs = rng.standard_normal((3, n)).astype(np.float32)
         ws = rng.standard_normal(n).astype(np.float32)

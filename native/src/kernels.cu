@@ -17,6 +17,12 @@ namespace {
 
 constexpr int NORM_PER_THREAD = 8;   // rms_norm_kernel's values per thread (rows up to 8 x 1,024)
 
+// RMS norm's formula, shared by both norm kernels: inv = float32(1 / sqrt(mean(x^2) + eps)) from the
+// float64 sum of squares ss, then out = (x * inv) * w, two rounded products.
+__device__ __forceinline__ float rms_inv(double ss, int n, double eps) { return (float)(1.0 / sqrt(ss / n + eps)); }
+
+__device__ __forceinline__ float rms_out(float x, float inv, float w) { return __fmul_rn(__fmul_rn(x, inv), w); }
+
 // RMS norm of one row per block, as norm_kernel's, with the row held in registers: every thread
 // issues all its loads before the first use and reads its values once, where norm_kernel's loops
 // wait on one load per step, twice. A decode row (2,048 values) is one block, so that latency was
@@ -35,12 +41,11 @@ __global__ void rms_norm_kernel(float *out, const float *x, const float *w, int 
     double ss = 0.0;
 #pragma unroll
     for (int k = 0; k < NORM_PER_THREAD; k++) ss += (double)(v[k] * v[k]);
-    ss = block_sum(ss, red);
-    const float inv = (float)(1.0 / sqrt(ss / n + eps));
+    const float inv = rms_inv(block_sum(ss, red), n, eps);
 #pragma unroll
     for (int k = 0; k < NORM_PER_THREAD; k++) {
         const int i = threadIdx.x + k * blockDim.x;
-        if (i < n) o[i] = __fmul_rn(__fmul_rn(v[k], inv), w[i]);
+        if (i < n) o[i] = rms_out(v[k], inv, w[i]);
     }
 }
 
@@ -53,9 +58,8 @@ __global__ void norm_kernel(float *out, const float *x, const float *w, const fl
     if (kind == RL_NORM_RMS) {
         double ss = 0.0;
         for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)(xr[i] * xr[i]);
-        ss = block_sum(ss, red);
-        const float inv = (float)(1.0 / sqrt(ss / n + eps));
-        for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+        const float inv = rms_inv(block_sum(ss, red), n, eps);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = rms_out(xr[i], inv, w[i]);
         return;
     }
     double mu = 0.0;

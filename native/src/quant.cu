@@ -7,8 +7,6 @@
 
 #include <limits.h>
 
-#include <cuda_fp16.h>
-
 namespace {
 
 using rl_dequant::dq1;
