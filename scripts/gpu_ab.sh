@@ -10,12 +10,12 @@
 #   bash scripts/gpu_ab.sh run                      # there, after the build of the working tree
 #
 # Env: BASE (default .dev/base/native), ROUNDS (default 1), AB_MODELS (default "qwen3 smollm2 gemma3":
-# bench/synthetic_gguf.py's Qwen3-1.7B Q4_K_M, the 8-layer SmolLM2 cut tiled to 30 layers, a random
-# Gemma 3 270M bf16 checkpoint; written under /tmp/models), TG, PP, REPEATS.
+# scripts/gpu_models.sh's names), TG, PP, REPEATS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=/tmp/gpu_work; mkdir -p "$WORK" /tmp/models
 BASE=${BASE:-.dev/base/native}
+source scripts/gpu_models.sh
 case ${1:-run} in
 build)
     rm -rf /tmp/base_native && cp -r "$BASE" /tmp/base_native && rm -f /tmp/base_native/*.so
@@ -27,14 +27,7 @@ run)
     cp native/libringllm_cuda.so /tmp/new_lib.so
     for r in $(seq "${ROUNDS:-1}"); do
       for spec in ${AB_MODELS:-qwen3 smollm2 gemma3}; do
-        case $spec in
-            qwen3) m=$(RINGLLM_BENCH_CACHE=/tmp/models python3 bench/synthetic_gguf.py qwen3-1.7b) ;;
-            smollm2) m=/tmp/models/smollm2-135m-tiled30.gguf
-                     [ -f $m ] || python3 bench/truncated_gguf.py .dev/smollm2-135m-8layers.gguf 8 $m --tile 30 ;;
-            gemma3) m=/tmp/models/gemma3-270m-random
-                    [ -d $m ] || python3 bench/random_hf_checkpoint.py gemma3-270m $m > /dev/null 2>&1 ;;
-            *) echo "unknown model $spec"; continue ;;
-        esac
+        m=$(gpu_model "$spec") || continue
         for v in new base; do
             if [ $v = new ]; then cp /tmp/new_lib.so native/libringllm_cuda.so
             else cp /tmp/base_lib/libringllm_cuda.so native/libringllm_cuda.so; fi

@@ -13,7 +13,8 @@
 #            SmolLM2's shapes, tables written to $WORK
 #
 # Expects (carried by the caller, ignored by git):
-#   .whl/   wheels of the Python packages the device image lacks (gguf, cffi, pycparser, llguidance), installed
+#   .whl/   wheels of the Python packages the device image lacks (gguf, cffi, pycparser; llguidance only
+#           for constrained decoding, which no GPU test uses), installed
 #           into /tmp/site with --no-index (the device has no network);
 #   .dev/smollm2-135m-8layers.gguf   bench/truncated_gguf.py's cut of the bundled SmolLM2 (its first
 #           8 of 30 layers: the whole file does not fit the 64 MiB transfer). The parity tests run
@@ -34,8 +35,9 @@ WORK=/tmp/gpu_work
 mkdir -p "$OUT" "$WORK" /tmp/models
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba_cache
 STAGES=${*:-env build test bench}
-SMOL=$PWD/.dev/smollm2-135m-8layers.gguf
 
+source scripts/gpu_models.sh
+SMOL=$(gpu_model smollm2cut)
 stage() { echo "=== $1 $(date +%T)"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 bundle() { tar czf "$OUT/bundle.tgz" -C "$WORK" . ; }
@@ -86,13 +88,8 @@ fi
 
 if has profile; then
     stage profile
-    [ -f /tmp/models/smollm2-135m-tiled30.gguf ] || \
-        python3 bench/truncated_gguf.py "$SMOL" 8 /tmp/models/smollm2-135m-tiled30.gguf --tile 30
     for spec in qwen3 smollm2; do
-        case $spec in
-            qwen3) m=$(RINGLLM_BENCH_CACHE=/tmp/models python3 bench/synthetic_gguf.py qwen3-1.7b) ;;
-            smollm2) m=/tmp/models/smollm2-135m-tiled30.gguf ;;
-        esac
+        m=$(gpu_model $spec)
         timeout 90 ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
             python3 bench/gpu_token_profile.py step "$m" > "$WORK/token_profile_$spec.csv" 2> "$WORK/token_profile_$spec.err"
         echo "ncu $spec rc=$?"
@@ -116,19 +113,16 @@ bench_one() {   # name, model path, seconds, transformers stream tokens
 if has bench; then
     stage bench
     for name in ${BENCH_MODELS:-smollm2 gemma3 qwen3}; do
+        m=$(gpu_model "$name") || continue
         case $name in
-            smollm2) python3 bench/truncated_gguf.py "$SMOL" 8 /tmp/models/smollm2-135m-tiled30.gguf --tile 30 \
-                         && bench_one smollm2 /tmp/models/smollm2-135m-tiled30.gguf "${T_SMOLLM2:-200}" "${HF_STREAM:-1000}" ;;
-            gemma3) python3 bench/random_hf_checkpoint.py gemma3-270m /tmp/models/gemma3-270m-random > /dev/null 2>&1 \
-                         && bench_one gemma3 /tmp/models/gemma3-270m-random "${T_GEMMA3:-200}" "${HF_STREAM:-1000}" ;;
+            smollm2) bench_one smollm2 "$m" "${T_SMOLLM2:-200}" "${HF_STREAM:-1000}" ;;
+            gemma3) bench_one gemma3 "$m" "${T_GEMMA3:-200}" "${HF_STREAM:-1000}" ;;
             # the 8-layer cut itself: long streams at a quarter of the launches per token
-            smollm2cut) bench_one smollm2cut "$SMOL" "${T_SMOLLM2CUT:-200}" "${HF_STREAM:-0}" ;;
-            # its first 2 layers: the long streams per policy at a sixteenth of the full model's launches
-            smollm2cut2) python3 bench/truncated_gguf.py "$SMOL" 2 /tmp/models/smollm2-135m-2layers.gguf \
-                         && bench_one smollm2cut2 /tmp/models/smollm2-135m-2layers.gguf "${T_SMOLLM2CUT2:-200}" "${HF_STREAM:-0}" ;;
+            smollm2cut) bench_one smollm2cut "$m" "${T_SMOLLM2CUT:-200}" "${HF_STREAM:-0}" ;;
+            # its first 2 layers: the long streams per policy at a fifteenth of the full model's launches
+            smollm2cut2) bench_one smollm2cut2 "$m" "${T_SMOLLM2CUT2:-200}" "${HF_STREAM:-0}" ;;
             # transformers would dequantize the 1.7B Q4_K_M file in NumPy first: ringllm alone
-            qwen3) bench_one qwen3 "$(RINGLLM_BENCH_CACHE=/tmp/models python3 bench/synthetic_gguf.py qwen3-1.7b)" \
-                         "${T_QWEN3:-200}" 0 ;;
+            qwen3) bench_one qwen3 "$m" "${T_QWEN3:-200}" 0 ;;
         esac
     done
 fi
