@@ -55,19 +55,14 @@ int main(int argc, char **argv) {
         return 1;
     }
     fclose(f);
-    switch (qtype) {
-        case RL_TYPE_F32: decode<RL_TYPE_F32>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_F16: decode<RL_TYPE_F16>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_BF16: decode<RL_TYPE_BF16>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_Q4_0: decode<RL_TYPE_Q4_0>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_Q4_1: decode<RL_TYPE_Q4_1>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_Q5_0: decode<RL_TYPE_Q5_0>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_Q5_1: decode<RL_TYPE_Q5_1>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_Q8_0: decode<RL_TYPE_Q8_0>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_Q4_K: decode<RL_TYPE_Q4_K>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_Q5_K: decode<RL_TYPE_Q5_K>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        case RL_TYPE_Q6_K: decode<RL_TYPE_Q6_K>(out, w, n_rows, n_cols, row_bytes, lanes); break;
-        default: fprintf(stderr, "unknown type %d\n", qtype); return 2;
+    bool known = false;   // the device kernels' type list (dispatch_type), so both cover the same types
+    dispatch_type(qtype, [&](auto tag) {
+        decode<decltype(tag)::value>(out, w, n_rows, n_cols, row_bytes, lanes);
+        known = true;
+    });
+    if (!known) {
+        fprintf(stderr, "unknown type %d\n", qtype);
+        return 2;
     }
     f = fopen(argv[6], "wb");
     if (!f || fwrite(out, sizeof(float), (size_t)(n_rows * n_cols), f) != (size_t)(n_rows * n_cols)) return 1;

@@ -346,6 +346,26 @@ template <int QT> struct LaneBlocks {
     RL_HD void next() { blk += STEP; }
 };
 
+// Dispatch over the GGML type: F(QT) is a generic lambda called with an integral constant.
+template <int QT> struct TypeTag { static constexpr int value = QT; };
+
+template <typename F> void dispatch_type(int qtype, F &&f) {
+    switch (qtype) {
+        case RL_TYPE_F32: f(TypeTag<RL_TYPE_F32>()); break;
+        case RL_TYPE_F16: f(TypeTag<RL_TYPE_F16>()); break;
+        case RL_TYPE_BF16: f(TypeTag<RL_TYPE_BF16>()); break;
+        case RL_TYPE_Q4_0: f(TypeTag<RL_TYPE_Q4_0>()); break;
+        case RL_TYPE_Q4_1: f(TypeTag<RL_TYPE_Q4_1>()); break;
+        case RL_TYPE_Q5_0: f(TypeTag<RL_TYPE_Q5_0>()); break;
+        case RL_TYPE_Q5_1: f(TypeTag<RL_TYPE_Q5_1>()); break;
+        case RL_TYPE_Q8_0: f(TypeTag<RL_TYPE_Q8_0>()); break;
+        case RL_TYPE_Q4_K: f(TypeTag<RL_TYPE_Q4_K>()); break;
+        case RL_TYPE_Q5_K: f(TypeTag<RL_TYPE_Q5_K>()); break;
+        case RL_TYPE_Q6_K: f(TypeTag<RL_TYPE_Q6_K>()); break;
+        default: break;   // callers validated the type (quant.cu's rl_type_layout)
+    }
+}
+
 // One value (tails of float rows whose length is not a multiple of 8): floats only.
 template <int QT> RL_HD float dq1(const uint8_t *row, int i) {
     if (QT == RL_TYPE_F32) return reinterpret_cast<const float *>(row)[i];

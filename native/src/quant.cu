@@ -9,9 +9,11 @@
 
 namespace {
 
+using rl_dequant::dispatch_type;
 using rl_dequant::dq1;
 using rl_dequant::dq8;
 using rl_dequant::LaneBlocks;
+using rl_dequant::TypeTag;
 
 // ---------------------------------------------------------------------------------------------
 // Kernels
@@ -217,25 +219,6 @@ __global__ void embed_kernel(float *out, const uint8_t *w, const int32_t *ids, i
     }
 }
 
-// Dispatch over the GGML type: F(QT) is a generic lambda called with an integral constant.
-template <int QT> struct TypeTag { static constexpr int value = QT; };
-
-template <typename F> void dispatch_type(int qtype, F &&f) {
-    switch (qtype) {
-        case RL_TYPE_F32: f(TypeTag<RL_TYPE_F32>()); break;
-        case RL_TYPE_F16: f(TypeTag<RL_TYPE_F16>()); break;
-        case RL_TYPE_BF16: f(TypeTag<RL_TYPE_BF16>()); break;
-        case RL_TYPE_Q4_0: f(TypeTag<RL_TYPE_Q4_0>()); break;
-        case RL_TYPE_Q4_1: f(TypeTag<RL_TYPE_Q4_1>()); break;
-        case RL_TYPE_Q5_0: f(TypeTag<RL_TYPE_Q5_0>()); break;
-        case RL_TYPE_Q5_1: f(TypeTag<RL_TYPE_Q5_1>()); break;
-        case RL_TYPE_Q8_0: f(TypeTag<RL_TYPE_Q8_0>()); break;
-        case RL_TYPE_Q4_K: f(TypeTag<RL_TYPE_Q4_K>()); break;
-        case RL_TYPE_Q5_K: f(TypeTag<RL_TYPE_Q5_K>()); break;
-        case RL_TYPE_Q6_K: f(TypeTag<RL_TYPE_Q6_K>()); break;
-        default: break;   // callers validated the type (rl_type_layout)
-    }
-}
 
 }  // namespace
 
