@@ -136,6 +136,7 @@ class CPUEngine:
         self._few_rows = False              # step_batch, or forward(few_rows=True): the few-row kernels serve (_matmul)
         self._streams = None                # StreamArrays of step_batch's last group of stores, or None
         self._streams_on = False            # inside step_batch with B > 1: _layer attends through _streams
+        self._streams_fit = None            # ... in the layers where this holds (streams_fit, per step)
         self._stream_seqs = None            # their tokens' sequence indices (B,) i64
         self.logits_buf = np.zeros((n_batch, spec.n_vocab), np.float32)
         nh, hd = spec.n_head, spec.head_dim
@@ -385,6 +386,7 @@ class CPUEngine:
                 if self._streams is None or not self._streams.matches(group):
                     self._streams = StreamArrays(group, self.spec.n_layer)
                 self._stream_seqs = np.array([st.n_seen for st in group], np.int64)
+                self._streams_fit = streams_fit(group, self.spec.n_layer)
             self._streams_on = B > 1
             for il in range(self.spec.n_layer):
                 self._layer(il, b, segments)
@@ -530,7 +532,7 @@ class CPUEngine:
         rope = self.layer_ropes[il]
         scale, attn_cap = np.float32(s.attn_scale), np.float32(s.attn_softcap)
         kk = b.k.reshape(T, nkv, hd)
-        if self._streams_on and streams_fit(self._streams.stores, il):
+        if self._streams_on and self._streams_fit[il]:
             write_attend_streams(self._streams, il, rope, b.att.reshape(T, nh, hd), b.q.reshape(T, nh, hd), kk, v3,
                                  self._stream_seqs, scale, attn_cap)
             segments = ()
