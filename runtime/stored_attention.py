@@ -9,7 +9,8 @@ slot; the kshift layout passes pos as seq (offsets 0). Any other slot layout sta
 query is re-rotated whenever the offset changes.
 
 Split softmax (flash-decoding). The occupied slots of each kv head are cut into units of
-UNIT_SLOTS consecutive slots. A unit computes, for each query head g of its group, the scores of
+unit_slots(count) consecutive slots (UNIT_SLOTS, or more for a long head, which gets at most
+MAX_UNITS units). A unit computes, for each query head g of its group, the scores of
 its slots, their maximum m, the exponentials e_j = exp(s_j - m) (fast_exp.exp_f32: never subnormal,
 which would slow every operation that reads them), l = sum e_j and the weighted value sum
 o = sum e_j v_j. The merge takes M = max m_u over the head's units and gives
@@ -49,10 +50,15 @@ from ringllm.runtime.kv_tile_math import (PREFETCH_AHEAD, axpy8, axpy8x2, dot8, 
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
-__all__ = ["UNIT_SLOTS", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored", "attend_stored_ahead",
+__all__ = ["UNIT_SLOTS", "MAX_UNITS", "unit_slots", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored", "attend_stored_ahead",
            "attend_stored_parallel"]
 
-UNIT_SLOTS = 256                 # slots per unit: a unit's scores (group x 256 f32) and rows stay in L1/L2
+UNIT_SLOTS = 256                 # slots per unit at least: a unit's scores (group x 256 f32) and rows stay in L1/L2
+# A head's slots are cut into at most this many units (unit_slots): each unit's start costs the
+# queries' rotation, a cold start of its key and value reads and its share of the merge, which at
+# thousands of slots in units of 256 is measurable (bench/read_bandwidth.py part 2); eight a head
+# still spread a long layer over eight threads, even for a model with one kv head.
+MAX_UNITS = 8
 # A decode step's attention runs on the threads from this many occupied slots (all kv heads) on: from
 # the first. A short layer's attention is only a few microseconds of work per thread, but run on the
 # calling thread alone it leaves the other threads idle for longer than the OpenMP spin count
@@ -63,11 +69,20 @@ _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
 _ANG, _ML, _ROW, _ANG_IN, _MISC_ROWS = 8, 9, 10, 11, 12     # rows of a unit's misc block (module docstring)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def unit_slots(count):
+    """Slots per unit of a head holding `count` slots: UNIT_SLOTS, or the multiple of it that cuts the
+    head into at most MAX_UNITS units. A function of the slot count alone (never of the thread
+    count), so every entry (serial, parallel, batched) cuts a head alike and gives the same bits."""
+    per = -(-count // MAX_UNITS)
+    return max(UNIT_SLOTS, -(-per // UNIT_SLOTS) * UNIT_SLOTS)
+
+
 def stored_work(n_kv: int, n_head: int, head_dim: int, slots: int) -> np.ndarray:
     """Work scratch for attend_stored over layers of at most `slots` slots per kv head (module docstring)."""
     if 2 * (n_head // n_kv) > head_dim:
         raise ValueError(f"attend_stored keeps 2 x {n_head // n_kv} per-head sums in a row of {head_dim}")
-    n_units = n_kv * max(1, -(-slots // UNIT_SLOTS))
+    n_units = n_kv * max(1, min(-(-slots // UNIT_SLOTS), MAX_UNITS))
     return np.zeros((3, n_units, max(n_head, _MISC_ROWS), head_dim), np.float32)
 
 
@@ -81,10 +96,11 @@ def _rotate_group(qw, ang, q, h0, group, rotary_dim, scale):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next):
+def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf_end):
     """scores[h0 + g, ja:jb] = qw[h0 + g] . key j (any KV type): eight keys at a time (kv_tile_math), two
     query heads per pass over them, the rest one by one (kv_row_math); the keys PREFETCH_AHEAD slots on
-    are hinted, and so are the same eight rows of k_next's head h below n_next (the next work's keys)."""
+    are hinted (up to pf_end: past the span and unit, since the head's next rows are read next), and
+    so are the same eight rows of k_next's head h below n_next (the next work's keys)."""
     hd = qw.shape[1]
     tile = misc[:8].reshape(-1)
     j = ja
@@ -92,7 +108,7 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next):
         rows, flat, width = head_rows(k_l, h, tile), k_l[h].reshape(-1), k_l.shape[2]
         flat_next = k_next[h].reshape(-1)
         while j + 8 <= jb:
-            if n_next == 0 and j + PREFETCH_AHEAD + 8 <= jb:
+            if n_next == 0 and j + PREFETCH_AHEAD + 8 <= pf_end:
                 prefetch_rows(flat, width, j + PREFETCH_AHEAD, 8)
             if j < n_next:
                 prefetch_rows_keep(flat_next, width, j, min(8, n_next - j))
@@ -110,10 +126,11 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next):
+def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next, pf_end):
     """ow[h0 + g] = sum over j in [j0, j1) of scores[h0 + g, j] * value j (any KV type), eight rows at
     a time (kv_tile_math), two query heads per pass over them, the rest one by one (kv_row_math); the
-    same eight rows of v_next's head h below n_next are hinted (the next work's values)."""
+    values PREFETCH_AHEAD slots on are hinted up to pf_end (as _scores_span), and so are the same eight
+    rows of v_next's head h below n_next (the next work's values)."""
     hd = ow.shape[1]
     for g in range(group):
         o = ow[h0 + g]
@@ -125,7 +142,7 @@ def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next
         rows, flat, width = head_rows(v_l, h, tile), v_l[h].reshape(-1), v_l.shape[2]
         flat_next = v_next[h].reshape(-1)
         while j + 8 <= j1:
-            if n_next == 0 and j + PREFETCH_AHEAD + 8 <= j1:
+            if n_next == 0 and j + PREFETCH_AHEAD + 8 <= pf_end:
                 prefetch_rows(flat, width, j + PREFETCH_AHEAD, 8)
             if j < n_next:
                 prefetch_rows_keep(flat_next, width, j, min(8, n_next - j))
@@ -159,7 +176,7 @@ def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotar
     value sums into work[:, u] (module docstring). off0: the offset work[0, u]'s queries are rotated
     at on entry. The slots are scored in spans of one offset; the queries are re-rotated between spans.
     Rows j of head h of k_next / v_next below n_next are hinted into L2 as rows j are read (0: none)."""
-    j1 = min(j0 + UNIT_SLOTS, count_l[h])
+    j1 = min(j0 + unit_slots(count_l[h]), count_l[h])
     h0 = h * group
     qw, misc = work[0, u], work[2, u]
     ang = misc[_ANG_IN]
@@ -170,7 +187,7 @@ def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotar
         jb = ja
         while jb < j1 and seq_l[h, jb] - pos_l[h, jb] == cur:
             jb += 1
-        _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next)
+        _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, count_l[h])
         if jb < j1:
             cur = seq_l[h, jb] - pos_l[h, jb]
             angles_at(ang[:half], ang[half:rotary_dim], q_pos + cur, inv_freq, inv_scale)
@@ -178,7 +195,7 @@ def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotar
         ja = jb
     for g in range(group):
         _exp_span(scores[h0 + g, j0:j1], j1 - j0, softcap, misc[_ML], g, group)
-    _weighted_values(work[1, u], scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next)
+    _weighted_values(work[1, u], scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next, count_l[h])
 
 
 @njit(cache=True, nogil=True)
@@ -208,7 +225,8 @@ def _merge(out, scores, work, count_l, group, mass):
     u1 = 0
     for h in range(n_kv):
         h0 = h * group
-        u0, u1 = u1, u1 + (count_l[h] + UNIT_SLOTS - 1) // UNIT_SLOTS
+        size = unit_slots(count_l[h])
+        u0, u1 = u1, u1 + (count_l[h] + size - 1) // size
         for g in range(group):
             o = out[h0 + g]
             for d in range(hd):
@@ -232,8 +250,8 @@ def _merge(out, scores, work, count_l, group, mass):
             if mass.shape[0] > 0:
                 for u in range(u0, u1):
                     f = work[2, u, _ML, g] * inv
-                    ja = (u - u0) * UNIT_SLOTS
-                    for j in range(ja, min(ja + UNIT_SLOTS, count_l[h])):
+                    ja = (u - u0) * size
+                    for j in range(ja, min(ja + size, count_l[h])):
                         w = scores[h0 + g, j] * f
                         w = w if w >= _F32_TINY else np.float32(0.0)
                         if g == 0:
@@ -252,7 +270,7 @@ def _attend_units(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
     u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
     for h in range(k_l.shape[0]):                  # nothing allocated: a batched step calls this per sequence
         n_next = count_next[h] if hint_next else np.int64(0)
-        for j0 in range(0, count_l[h], UNIT_SLOTS):
+        for j0 in range(0, count_l[h], unit_slots(count_l[h])):
             off, have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim,
                                     scale, work, group)
             have_off = off
@@ -300,11 +318,12 @@ def _plan_units(q, k_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotar
     the parallel kernel's compile then holds the loop alone."""
     n_units = 0
     for h in range(k_l.shape[0]):
-        n_units += (count_l[h] + UNIT_SLOTS - 1) // UNIT_SLOTS
+        size = unit_slots(count_l[h])
+        n_units += (count_l[h] + size - 1) // size
     plan = np.empty((3, n_units), np.int64)
     u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
     for h in range(k_l.shape[0]):
-        for j0 in range(0, count_l[h], UNIT_SLOTS):
+        for j0 in range(0, count_l[h], unit_slots(count_l[h])):
             plan[0, u], plan[1, u] = h, j0
             plan[2, u], have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale,
                                            rotary_dim, scale, work, group)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from ringllm.runtime.kv_codec import decode, encode
-from ringllm.runtime.stored_attention import (UNIT_SLOTS, attend_stored, attend_stored_parallel, stored_work)
+from ringllm.runtime.stored_attention import (MAX_UNITS, UNIT_SLOTS, attend_stored, attend_stored_parallel,
+                                               stored_work, unit_slots)
 
 
 def _oracle(q, k, v, pos, seq, count, q_pos, inv_freq, rotary_dim, scale, softcap):
@@ -85,6 +86,39 @@ def test_matches_oracle_and_parallel_gives_the_same_bits(kv_type, hd, layout):
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
     ref_out, ref_mass = _oracle(q, decode(k, hd), decode(v, hd), pos, seq, count, q_pos, inv_freq, rotary_dim,
                                 float(scale), 0.0)
+    np.testing.assert_allclose(outs[0][0], ref_out, atol=2e-5, rtol=1e-4)
+    for h in range(n_kv):
+        np.testing.assert_allclose(outs[0][1][h, :count[h]], ref_mass[h, :count[h]], atol=1e-6, rtol=1e-4)
+
+
+def test_unit_sizes_depend_on_the_slot_count_alone():
+    assert unit_slots(1) == unit_slots(MAX_UNITS * UNIT_SLOTS) == UNIT_SLOTS
+    assert unit_slots(MAX_UNITS * UNIT_SLOTS + 1) == 2 * UNIT_SLOTS
+    for count in (1, 300, 2048, 2049, 4096, 5000, 32768, 100_001):
+        size = unit_slots(count)
+        assert size % UNIT_SLOTS == 0 and size >= UNIT_SLOTS and -(-count // size) <= MAX_UNITS
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "q8_0"])
+def test_long_heads_take_larger_units(kv_type):
+    """A head past MAX_UNITS x UNIT_SLOTS slots is cut into larger units, beside a short head still cut
+    into UNIT_SLOTS: the oracle's result and mass, and the parallel entry gives the serial one's bits."""
+    hd = 64
+    q, k, v, pos, seq, count = _case(kv_type, hd, cap=9 * UNIT_SLOTS + 37, layout="alternating")
+    count[1] = 3 * UNIT_SLOTS - 50
+    assert unit_slots(count[0]) == 2 * UNIT_SLOTS and unit_slots(count[1]) == UNIT_SLOTS
+    n_head, (n_kv, cap) = q.shape[0], k.shape[:2]
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)
+    q_pos = np.int64(pos[0, count[0] - 1])
+    outs = []
+    for fn in (attend_stored, attend_stored_parallel):
+        out, mass = np.zeros((n_head, hd), np.float32), np.zeros((n_kv, cap), np.float32)
+        fn(out, q, k, v, pos, seq, count, q_pos, inv_freq, 1.0, hd, np.float32(0.125), np.float32(0.0),
+           np.zeros((n_head, cap), np.float32), stored_work(n_kv, n_head, hd, cap), mass)
+        outs.append((out, mass))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    ref_out, ref_mass = _oracle(q, decode(k, hd), decode(v, hd), pos, seq, count, q_pos, inv_freq, hd, 0.125, 0.0)
     np.testing.assert_allclose(outs[0][0], ref_out, atol=2e-5, rtol=1e-4)
     for h in range(n_kv):
         np.testing.assert_allclose(outs[0][1][h, :count[h]], ref_mass[h, :count[h]], atol=1e-6, rtol=1e-4)
