@@ -136,7 +136,7 @@ class CPUEngine:
         self._few_rows = False              # step_batch, or forward(few_rows=True): the few-row kernels serve (_matmul)
         self._streams = None                # StreamArrays of step_batch's last group of stores, or None
         self._streams_on = False            # inside step_batch with B > 1: _layer attends through _streams
-        self._streams_fit = None            # ... in the layers where this holds (streams_fit, per step)
+        self._streams_fit = None            # per layer, whether _streams takes it this step (streams_fit)
         self._stream_seqs = None            # their tokens' sequence indices (B,) i64
         self.logits_buf = np.zeros((n_batch, spec.n_vocab), np.float32)
         nh, hd = spec.n_head, spec.head_dim

@@ -50,8 +50,8 @@ from ringllm.runtime.kv_tile_math import (PREFETCH_AHEAD, axpy8, axpy8x2, dot8, 
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
-__all__ = ["UNIT_SLOTS", "MAX_UNITS", "unit_slots", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored", "attend_stored_ahead",
-           "attend_stored_parallel"]
+__all__ = ["UNIT_SLOTS", "MAX_UNITS", "unit_slots", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored",
+           "attend_stored_ahead", "attend_stored_parallel"]
 
 UNIT_SLOTS = 256                 # slots per unit at least: a unit's scores (group x 256 f32) and rows stay in L1/L2
 # A head's slots are cut into at most this many units (unit_slots): each unit's start costs the

@@ -17,9 +17,9 @@ Numba takes the B stores' arrays as typed lists (StreamArrays), built once per l
 stores and reused while the batch keeps them (a server's batch changes only when a request joins or
 leaves).
 
-When it applies (streams_fit, per layer): every store's layer is a ring in the "stored" RoPE layout, updated in
-place, with no rollback journal and no hooks that watch the attention (mass_hook, query_hook), and
-the stores hold their rows in the same KV types.
+When it applies (streams_fit, per layer): every store's layer is a ring in the "stored" RoPE layout,
+updated in place, with no rollback journal and no hooks that watch the attention (mass_hook,
+query_hook), and the stores hold their rows in the same KV types.
 """
 from __future__ import annotations
 
