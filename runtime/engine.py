@@ -386,7 +386,7 @@ class CPUEngine:
                 if self._streams is None or not self._streams.matches(group):
                     self._streams = StreamArrays(group, self.spec.n_layer)
                 self._stream_seqs = np.array([st.n_seen for st in group], np.int64)
-                self._streams_fit = streams_fit(group, self.spec.n_layer)
+                self._streams_fit = streams_fit(self._streams)
             self._streams_on = B > 1
             for il in range(self.spec.n_layer):
                 self._layer(il, b, segments)

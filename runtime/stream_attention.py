@@ -37,25 +37,24 @@ __all__ = ["StreamArrays", "streams_fit", "write_attend_streams"]
 _NO_MASS = np.zeros((0, 0), np.float32)       # attend_stored's mass argument when no mass is wanted
 
 
-def streams_fit(stores, n_layer: int) -> list[bool]:
-    """Per layer, whether write_attend_streams can take it for these stores: every store's layer is a
-    ring in the "stored" RoPE layout, updated in place, with no rollback journal and no hooks that
-    watch the attention, and the typed lists hold one array type (every store's K rows of one KV
-    type, and its V rows of one). Checked once per batched step (a store's journal and hooks can
-    change between steps, never inside one), not once per layer."""
+def streams_fit(arrays: "StreamArrays") -> list[bool]:
+    """Per layer, whether write_attend_streams can take it for arrays' stores: every store's layer is
+    a ring in the "stored" RoPE layout, updated in place, with no rollback journal and no hooks that
+    watch the attention, and the stores hold its rows in one KV type (arrays has typed lists for it).
+    Checked once per batched step (a store's journal and hooks can change between steps, never
+    inside one), not once per layer."""
+    stores = arrays.stores
     if any(st.update != "inplace" or st.journal is not None or st.mass_hook is not None
            or st.query_hook is not None for st in stores):
-        return [False] * n_layer
-    return [len({(st.k[il].dtype, st.v[il].dtype) for st in stores}) == 1
-            and all(st.layer_ring[il] and st.layer_rope_mode[il] == "stored" for st in stores)
-            for il in range(n_layer)]
+        return [False] * len(arrays.layers)
+    return [lists is not None and all(st.layer_ring[il] and st.layer_rope_mode[il] == "stored" for st in stores)
+            for il, lists in enumerate(arrays.layers)]
 
 
 class StreamArrays:
     """Typed lists of the B stores' arrays of each layer (k, v, seq, pos, count, evicted), with the
-    stores' sinks, largest capacity and kv head count per layer (read here once: a typed list's item
-    costs microseconds from Python) and position modes, for one set of stores (`key`); None for a layer
-    whose stores hold rows of different KV types (streams_fit is False there)."""
+    stores' sinks and largest capacity per layer and position modes, for one set of stores (`key`);
+    None for a layer whose stores hold rows of different KV types (streams_fit is False there)."""
 
     def __init__(self, stores, n_layer: int):
         self.key = self._key(stores)
@@ -72,7 +71,7 @@ class StreamArrays:
                     lst.append(getattr(st, field)[il])
                 lists.append(lst)
             sinks = np.array([st.layer_sinks[il] for st in stores], np.int64)
-            self.layers.append((*lists, sinks, max(st.k[il].shape[1] for st in stores), stores[0].k[il].shape[0]))
+            self.layers.append((*lists, sinks, max(st.k[il].shape[1] for st in stores)))
         self.reindexed = np.array([bool(st.reindexed) for st in stores], np.bool_)
         self.scores = self.ktmp = self.work = None      # per-sequence scratch (scratch())
 
@@ -118,10 +117,10 @@ def write_attend_streams(arrays: StreamArrays, il: int, rope, out: np.ndarray, q
                          v_new: np.ndarray, seqs: np.ndarray, scale: np.float32, softcap: np.float32) -> None:
     """Write token seqs[b] (k_new, v_new (B, n_kv, hd), keys before RoPE: rotated here, in place) into
     layer il of store b and out[b] (n_head, hd) = its attention (q (B, n_head, hd) before RoPE), for
-    every b at once. streams_fit(arrays.stores, ...)[il] must hold."""
-    k, v, seq, pos, count, evicted, sinks, cap_max, n_kv = arrays.layers[il]
+    every b at once. streams_fit(arrays)[il] must hold."""
+    k, v, seq, pos, count, evicted, sinks, cap_max = arrays.layers[il]
     B, n_head, hd = q.shape
-    arrays.scratch(B, n_kv, n_head, hd, rope.rotary_dim, cap_max)
+    arrays.scratch(B, k_new.shape[1], n_head, hd, rope.rotary_dim, cap_max)
     _write_attend(out, q, k_new, v_new, seqs, k, v, seq, pos, count, evicted, sinks, arrays.reindexed,
                   rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap, arrays.scores, arrays.ktmp,
                   arrays.work, _NO_MASS, np.int64(get_num_threads()))
