@@ -8,8 +8,9 @@ no type argument and a float32 store compiles to the code it had before types ex
 Quantization follows llama.cpp's reference quantizers (ggml-quants.c quantize_row_q8_0_ref /
 q4_0_ref), which gguf's NumPy quantizers also follow: q8_0 d = amax/127, q = round-half-away(x/d);
 q4_0 d = m/-8 with m the value of largest magnitude (the first of ties), q = min(15, trunc(x/d +
-8.5)); the multiplier 1/d is float32 and d is stored as f16. No fastmath in the encoders: a row
-encodes to the same bytes as gguf.quants.quantize gives, which tests check.
+8.5)); the multiplier 1/d is float32 and d is stored as f16. No fastmath in the encoders: a q8_0 row
+encodes to the same bytes as gguf.quants.quantize gives, a q4_0 row to the bytes it gives for the
+block's rotation (kv_types), which tests check.
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ringllm.runtime.kv_types import QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
+from ringllm.runtime.kv_types import Q4_0_SIGNS, QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
 from ringllm.runtime.numba_flags import FASTMATH
-from ringllm.runtime.simd import andf, ld_i8, ld_u8i, srlf, vmul, vsplat, vstore, vsub
+from ringllm.runtime.simd import ld_i8, vmul, vsplat, vstore
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,40 +130,62 @@ def _dec_q8_0(dst, row):
             vstore(dst, b * QBLOCK + 8 * c, vmul(ld_i8(row, o + 2 + 8 * c), d))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def hadamard32(y, o):
+    """y[o:o + 32] float32 in place -> H y, H the Walsh-Hadamard matrix of kv_types (Sylvester's order):
+    butterflies of span 1, 2, 4, 8, 16 in that order. The reference engine repeats the order, so the
+    encoder's float32 sums are the same bits there; on the integers a decoder transforms every order
+    gives the same (exact) result."""
+    h = 1
+    while h < QBLOCK:
+        for i in range(o, o + QBLOCK, 2 * h):
+            for k in range(i, i + h):
+                a, b = y[k], y[k + h]
+                y[k], y[k + h] = a + b, a - b
+        h *= 2
+
+
 @njit(cache=True, nogil=True)
 def _enc_q4_0(row, src):
+    # each block rotated (kv_types: y = H (s * x)), then llama.cpp's q4_0 quantizer on y
     half = QBLOCK // 2
+    y = np.empty(QBLOCK, np.float32)
     for b in range(row.shape[0] // (half + 2)):
         x0 = b * QBLOCK
+        for i in range(QBLOCK):
+            y[i] = src[x0 + i] * Q4_0_SIGNS[i]
+        hadamard32(y, 0)
         amax = np.float32(0.0)
         m = np.float32(0.0)
         for i in range(QBLOCK):
-            a = abs(src[x0 + i])
+            a = abs(y[i])
             if a > amax:
-                amax, m = a, src[x0 + i]
+                amax, m = a, y[i]
         d = m / np.float32(-8.0)
         inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
         o = b * (half + 2)
         _put_scale(row, o, d, False)
         for i in range(half):
-            lo = min(np.int32(15), np.int32(src[x0 + i] * inv + np.float32(8.5)))
-            hi = min(np.int32(15), np.int32(src[x0 + half + i] * inv + np.float32(8.5)))
+            lo = min(np.int32(15), np.int32(y[i] * inv + np.float32(8.5)))
+            hi = min(np.int32(15), np.int32(y[half + i] * inv + np.float32(8.5)))
             row[o + 2 + i] = np.uint8(lo | (hi << 4))
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _dec_q4_0(dst, row):
-    # as _dec_q8_0: eight bytes give eight low nibbles (values i) and eight high ones (values i + 16)
+    # x = s * H (q - 8) * (d / 32): the integers transformed in dst, then scaled (all exact, kv_types)
     half = QBLOCK // 2
-    eight = vsplat(np.float32(8.0))
     for b in range(row.shape[0] // (half + 2)):
         o = b * (half + 2)
-        d = vsplat(block_scale(row, o))
         x0 = b * QBLOCK
-        for c in range(half // 8):
-            q = ld_u8i(row, o + 2 + 8 * c)
-            vstore(dst, x0 + 8 * c, vmul(vsub(andf(q, 15), eight), d))
-            vstore(dst, x0 + half + 8 * c, vmul(vsub(srlf(q, 4), eight), d))
+        for i in range(half):
+            q = np.int32(row[o + 2 + i])
+            dst[x0 + i] = np.float32((q & 15) - 8)
+            dst[x0 + half + i] = np.float32((q >> 4) - 8)
+        hadamard32(dst, x0)
+        d = block_scale(row, o) * np.float32(1.0 / QBLOCK)
+        for i in range(QBLOCK):
+            dst[x0 + i] *= d * Q4_0_SIGNS[i]
 
 
 # the encoders are not inlined into their callers' IR: a caller compiled with fastmath would let LLVM
