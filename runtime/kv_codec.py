@@ -21,7 +21,8 @@ from numba.extending import intrinsic, overload
 
 from ringllm.runtime.kv_types import Q4_0_SIGNS, QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
 from ringllm.runtime.numba_flags import FASTMATH
-from ringllm.runtime.simd import ld_i8, vmul, vsplat, vstore
+from ringllm.runtime.simd import (andf, ld_i8, ld_u8i, srlf, vadd, vbfly1, vbfly2, vbfly4, vload, vmul, vsplat,
+                                 vstore, vsub)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,19 +131,17 @@ def _dec_q8_0(dst, row):
             vstore(dst, b * QBLOCK + 8 * c, vmul(ld_i8(row, o + 2 + 8 * c), d))
 
 
-@njit(cache=True, nogil=True, inline="always")
-def hadamard32(y, o):
-    """y[o:o + 32] float32 in place -> H y, H the Walsh-Hadamard matrix of kv_types (Sylvester's order):
-    butterflies of span 1, 2, 4, 8, 16 in that order. The reference engine repeats the order, so the
-    encoder's float32 sums are the same bits there; on the integers a decoder transforms every order
-    gives the same (exact) result."""
-    h = 1
-    while h < QBLOCK:
-        for i in range(o, o + QBLOCK, 2 * h):
+@njit(cache=True, nogil=True)
+def hadamard32(y):
+    """y (32,) float32 in place -> H y, H the Walsh-Hadamard matrix of kv_types (Sylvester's order):
+    butterflies of span 1, 2, 4, 8, 16 in that order, each pair (a, b) -> (a + b, a - b). The reference
+    engine repeats the order, so the encoder's float32 sums are the same bits there."""
+    for stage in range(5):
+        h = 1 << stage
+        for i in range(0, QBLOCK, 2 * h):
             for k in range(i, i + h):
                 a, b = y[k], y[k + h]
                 y[k], y[k + h] = a + b, a - b
-        h *= 2
 
 
 @njit(cache=True, nogil=True)
@@ -154,7 +153,7 @@ def _enc_q4_0(row, src):
         x0 = b * QBLOCK
         for i in range(QBLOCK):
             y[i] = src[x0 + i] * Q4_0_SIGNS[i]
-        hadamard32(y, 0)
+        hadamard32(y)
         amax = np.float32(0.0)
         m = np.float32(0.0)
         for i in range(QBLOCK):
@@ -172,20 +171,44 @@ def _enc_q4_0(row, src):
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def q4_0_block_integers(row, o):
+    """The integers q - 8 of the q4_0 block at element o of a row, as four f32x8: values 0-7 and 8-15
+    (low nibbles of bytes 0-7, 8-15), 16-23 and 24-31 (their high nibbles)."""
+    eight = vsplat(np.float32(8.0))
+    qa, qb = ld_u8i(row, o + 2), ld_u8i(row, o + 10)
+    return vsub(andf(qa, 15), eight), vsub(andf(qb, 15), eight), vsub(srlf(qa, 4), eight), vsub(srlf(qb, 4), eight)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def hadamard32_vectors(a0, a1, a2, a3):
+    """H (kv_types) applied to a block held as four f32x8 in value order: the butterflies of span 16
+    and 8 pair whole vectors, those of span 4, 2 and 1 pair lanes (simd.vbfly4 / 2 / 1). Exact on
+    integers, and each output one rounding per butterfly otherwise."""
+    a0, a2 = vadd(a0, a2), vsub(a0, a2)
+    a1, a3 = vadd(a1, a3), vsub(a1, a3)
+    a0, a1 = vadd(a0, a1), vsub(a0, a1)
+    a2, a3 = vadd(a2, a3), vsub(a2, a3)
+    return (vbfly1(vbfly2(vbfly4(a0))), vbfly1(vbfly2(vbfly4(a1))), vbfly1(vbfly2(vbfly4(a2))),
+            vbfly1(vbfly2(vbfly4(a3))))
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _dec_q4_0(dst, row):
-    # x = s * H (q - 8) * (d / 32): the integers transformed in dst, then scaled (all exact, kv_types)
+    # x = s * H (q - 8) * (d / 32) (kv_types): every step exact on these integers, so the bits are
+    # those of any order of H's sums (the reference engine's)
     half = QBLOCK // 2
+    s0, s1 = vload(Q4_0_SIGNS, 0), vload(Q4_0_SIGNS, 8)
+    s2, s3 = vload(Q4_0_SIGNS, 16), vload(Q4_0_SIGNS, 24)
     for b in range(row.shape[0] // (half + 2)):
         o = b * (half + 2)
+        a0, a1, a2, a3 = q4_0_block_integers(row, o)
+        a0, a1, a2, a3 = hadamard32_vectors(a0, a1, a2, a3)
+        d = vsplat(block_scale(row, o) * np.float32(1.0 / QBLOCK))
         x0 = b * QBLOCK
-        for i in range(half):
-            q = np.int32(row[o + 2 + i])
-            dst[x0 + i] = np.float32((q & 15) - 8)
-            dst[x0 + half + i] = np.float32((q >> 4) - 8)
-        hadamard32(dst, x0)
-        d = block_scale(row, o) * np.float32(1.0 / QBLOCK)
-        for i in range(QBLOCK):
-            dst[x0 + i] *= d * Q4_0_SIGNS[i]
+        vstore(dst, x0, vmul(a0, vmul(d, s0)))
+        vstore(dst, x0 + 8, vmul(a1, vmul(d, s1)))
+        vstore(dst, x0 + 16, vmul(a2, vmul(d, s2)))
+        vstore(dst, x0 + 24, vmul(a3, vmul(d, s3)))
 
 
 # the encoders are not inlined into their callers' IR: a caller compiled with fastmath would let LLVM
