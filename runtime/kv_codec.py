@@ -194,8 +194,8 @@ def hadamard32_vectors(a0, a1, a2, a3):
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _dec_q4_0(dst, row):
-    # x = s * H (q - 8) * (d / 32) (kv_types): every step exact on these integers, so the bits are
-    # those of any order of H's sums (the reference engine's)
+    # x = s * H (q - 8) * (d / 32) (kv_types): every step exact on these integers, so the values are
+    # those of any order of H's sums (the reference engine's), to the sign of a zero
     half = QBLOCK // 2
     s0, s1 = vload(Q4_0_SIGNS, 0), vload(Q4_0_SIGNS, 8)
     s2, s3 = vload(Q4_0_SIGNS, 16), vload(Q4_0_SIGNS, 24)

@@ -20,7 +20,8 @@ share of each channel, the block is near-Gaussian and its scale follows its norm
 largest channel (QuaRot, Ashkboos et al. 2024, rotates activations and the KV cache so). The signs
 keep H's all-ones row from collecting a block's common offset into one coefficient. Dividing by 32
 and the signs are exact, and H's sums of integers times one scale are exact in float32, so a row
-decodes to the same bits whatever the order of the sums. Bytes per row are unchanged.
+decodes to the same values whatever the order of the sums (the same bits but for the sign of a
+zero). Bytes per row are unchanged.
 
 The array's dtype names the type (the row codecs, runtime/kv_codec.py, dispatch on it). Slot
 moves copy rows whatever their type (k_l.shape[2] is the row's width in elements). No Numba here:

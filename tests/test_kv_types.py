@@ -23,7 +23,7 @@ from ringllm.runtime import kv_codec, kv_types
 from ringllm.runtime.engine import CPUEngine
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
-from ringllm.runtime.reference import ReferenceEngine, round_kv_type
+from ringllm.runtime.reference import ReferenceEngine, hadamard_blocks, round_kv_type
 
 from conftest import FULL
 from test_policies_engine import POLICIES, same_survivors
@@ -57,8 +57,9 @@ def test_codec_is_gguf_bit_for_bit(name):
         np.testing.assert_array_equal(enc.view(np.float16), x.astype(np.float16))
     elif name == "q8_0":
         np.testing.assert_array_equal(enc.view(np.int8), quants.quantize(x, T.Q8_0).view(np.int8))
-    else:                               # q4_0: llama.cpp's quantizer on each block's rotation
-        np.testing.assert_array_equal(enc, quants.quantize(_q4_0_rotation(x), T.Q4_0))
+    else:                               # q4_0: llama.cpp's quantizer on each block's rotation (the
+        signs = np.tile(kv_types.Q4_0_SIGNS, 4)          # reference's butterflies: the encoder's order)
+        np.testing.assert_array_equal(enc, quants.quantize(hadamard_blocks(x * signs), T.Q4_0))
     dec, ref = kv_codec.decode(enc, 128), round_kv_type(x, name)
     if name == "q4_0":                  # a scale past f16's range (x[5]) is inf: its rows are not
         bad = ~np.isfinite(ref).all(axis=1)      # values in either (the rotation spreads the inf)
@@ -109,28 +110,35 @@ def test_q4_0_rotation_cuts_the_error_of_offset_channels():
 
 def test_restore_converts_q4_0_rows_of_the_unrotated_form(tmp_path_factory):
     """A state saved when q4_0 rows held llama.cpp's blocks of the values themselves (no "q4_0_rows"
-    entry) is converted on restore: its rows decoded by gguf and encoded in today's form, so the
-    restored store holds the saved values, rounded once more; q8_0 rows are never touched."""
+    entry) is converted on restore, keys and values: its rows decoded by gguf and encoded in today's
+    form, so the restored store holds the saved values, rounded once more; q8_0 rows are never touched."""
     from gguf import GGMLQuantizationType as T, quants
     from ringllm.runtime.kv_store import KVStore
 
     tiny = _tiny("llama", tmp_path_factory)
     eng = CPUEngine(tiny.spec, tiny.tensors)
-    st = eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="q8_0", v_type="q4_0"))
-    eng.prefill(np.random.default_rng(8).permutation(256)[:30].tolist(), st)
+    ids = np.random.default_rng(8).permutation(256)[:30].tolist()
+    st = eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="q4_0", v_type="q4_0"))
+    eng.prefill(ids, st)
     old = st.state()
     hd = tiny.spec.head_dim
-    for il in range(tiny.spec.n_layer):           # the same values in the old form
-        values = kv_codec.decode(old["arrays"][f"v.{il}"], hd)
-        old["arrays"][f"v.{il}"] = quants.quantize(values, T.Q4_0).reshape(old["arrays"][f"v.{il}"].shape)
+    for name in (f"{f}.{il}" for f in "kv" for il in range(tiny.spec.n_layer)):     # the old form
+        values = kv_codec.decode(old["arrays"][name], hd)
+        old["arrays"][name] = quants.quantize(values, T.Q4_0).reshape(old["arrays"][name].shape)
     del old["q4_0_rows"]
     restored = KVStore.restore(tiny.spec, old)
-    for il in range(tiny.spec.n_layer):
-        np.testing.assert_array_equal(restored.k[il], st.k[il])
-        want = kv_codec.decode(st.v[il], hd)
-        step = np.abs(want).max(axis=-1, keepdims=True) / 4 + 1e-6
-        assert (np.abs(kv_codec.decode(restored.v[il], hd) - want) <= step).all()
+    for name in "kv":
+        for mine, theirs in zip(getattr(st, name), getattr(restored, name)):
+            want = kv_codec.decode(mine, hd)
+            step = np.abs(want).max(axis=-1, keepdims=True) / 4 + 1e-6     # one q4_0 step of the row at most
+            assert (np.abs(kv_codec.decode(theirs, hd) - want) <= step).all()
+            assert not np.array_equal(mine, theirs)          # rounded a second time, not copied
     np.testing.assert_array_equal(KVStore.restore(tiny.spec, st.state()).v[0], st.v[0])
+    q8 = eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="q8_0", v_type="q8_0"))
+    eng.prefill(ids, q8)
+    state = q8.state()
+    del state["q4_0_rows"]
+    np.testing.assert_array_equal(KVStore.restore(tiny.spec, state).k[0], q8.k[0])
 
 
 def test_bytes_per_value():
