@@ -24,10 +24,9 @@ runs attend_stored per sequence (stream_attention.py).
 
 Work scratch (stored_work): (3, n_units, max(n_head, 12), hd) f32, three row blocks per unit u:
 
-    work[0, u, h0 + g]    query head h0 + g rotated at the unit's current offset, times scale (then
-                          taken into the keys' basis, kv_basis.py)
+    work[0, u, h0 + g]    query head h0 + g rotated at the unit's current offset, times scale
     work[1, u, h0 + g]    the unit's weighted value sum o for query head h0 + g
-    work[2, u, 0:8]       eight rows of a quantized store, decoded into their basis (kv_tile_math.rows8_at)
+    work[2, u, 0:8]       eight rows of a quantized store, decoded (kv_tile_math.rows8_at)
     work[2, u, 8]         cos (first rotary_dim/2) and sin (next rotary_dim/2) of the offset of its
                           first slot (later units with that offset copy them)
     work[2, u, 9]         m (first group entries) and l (next group entries)
@@ -45,8 +44,7 @@ from numba import njit, prange
 
 from ringllm.runtime.attention import cap_scores, exp_shifted, scale_group
 from ringllm.runtime.fast_exp import exp_f32
-from ringllm.runtime.kv_basis import from_value_basis, group_scores_row_basis, to_key_basis
-from ringllm.runtime.kv_row_math import accumulate_row
+from ringllm.runtime.kv_row_math import accumulate_row, group_scores_row
 from ringllm.runtime.kv_tile_math import (PREFETCH_AHEAD, axpy8, axpy8x2, dot8, dot8x2, head_rows, prefetch_rows,
                                           prefetch_rows_keep, rows8_at)
 from ringllm.runtime.numba_flags import FASTMATH
@@ -100,13 +98,10 @@ def _rotate_group(qw, ang, q, h0, group, rotary_dim, scale):
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf_end):
     """scores[h0 + g, ja:jb] = qw[h0 + g] . key j (any KV type): eight keys at a time (kv_tile_math), two
-    query heads per pass over them, the rest one by one (kv_row_math). The queries are first taken into
-    the keys' basis (kv_basis: in place, for q4_0 rows; a span always starts from freshly rotated
-    queries) and the keys read in it; the keys PREFETCH_AHEAD slots on
+    query heads per pass over them, the rest one by one (kv_row_math); the keys PREFETCH_AHEAD slots on
     are hinted (up to pf_end: past the span and unit, since the head's next rows are read next), and
     so are the same eight rows of k_next's head h below n_next (the next work's keys)."""
     hd = qw.shape[1]
-    to_key_basis(qw, h0, group, k_l)
     tile = misc[:8].reshape(-1)
     j = ja
     if hd % 8 == 0:
@@ -126,15 +121,14 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf
                 dot8(scores[h0 + g], j, qw[h0 + g], rows, base, hd)
             j += 8
     while j < jb:
-        group_scores_row_basis(scores, qw, k_l, h, j, h0, group, misc[_ROW])
+        group_scores_row(scores, qw, k_l, h, j, h0, group, misc[_ROW])
         j += 1
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next, pf_end):
     """ow[h0 + g] = sum over j in [j0, j1) of scores[h0 + g, j] * value j (any KV type), eight rows at
-    a time (kv_tile_math; in the values' basis, kv_basis, the sums taken back before the rows past the
-    last full eight), two query heads per pass over them, the rest one by one (kv_row_math); the
+    a time (kv_tile_math), two query heads per pass over them, the rest one by one (kv_row_math); the
     values PREFETCH_AHEAD slots on are hinted up to pf_end (as _scores_span), and so are the same eight
     rows of v_next's head h below n_next (the next work's values)."""
     hd = ow.shape[1]
@@ -160,7 +154,6 @@ def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next
             if g < group:
                 axpy8(ow[h0 + g], scores[h0 + g], j, rows, base, hd)
             j += 8
-    from_value_basis(ow, h0, group, v_l)
     while j < j1:
         accumulate_row(ow, scores, v_l, h, j, h0, group, misc[_ROW:_ROW + 1])
         j += 1
