@@ -1,6 +1,7 @@
 """KV store element types (KVConfig k_type = v_type = f32 | f16 | q8_0 | q4_0): size, decode speed, quality.
 
-    python bench/kv_types.py [--models smollm2,gemma3] [--capacities 512 4096 32768] [--steps 24] [--ppl-types f16 q8_0/q4_0]
+    python bench/kv_types.py [--models smollm2,gemma3] [--capacities 512 4096 32768] [--steps 24] [--speed-policy streaming]
+                             [--ppl-types f16 q8_0/q4_0]
                              [--ppl-tokens 20000] [--ppl-capacities 256 512] [--ppl-policies streaming h2o snapkv]
                              [--chunk-ctx 2048] [--skip-ppl] [--skip-speed] [-t THREADS] [--out NAME]
 
@@ -11,9 +12,10 @@ Three parts, each per type:
   (the K/V arrays and the per-slot metadata the ring writes: sequence index and rank).
 - speed: decode tokens/s with the store filled to each capacity (random K/V rows written through
   KVStore.replace_many, one call per layer: speed depends on the tokens held, not on their values),
-  policy streaming (the ring, "stored" RoPE). The types run interleaved, repeated --rounds times, and
-  each capacity's tok/s is the median; the ratio to f32 is taken per round (this machine's speed drifts
-  by half within minutes, so only same-round ratios mean anything).
+  policy --speed-policy (streaming: the ring, "stored" RoPE; a scored policy such as h2o: the policy
+  layers' kernels, each key rotated by RoPE as it is read). The types run interleaved, repeated
+  --rounds times, and each capacity's tok/s is the median; the ratio to f32 is taken per round (this
+  machine's speed drifts by half within minutes, so only same-round ratios mean anything).
 - quality: streaming perplexity over --ppl-tokens tokens of the novel fed one at a time (pyengine
   perplexity.streaming) per capacity x policy; and chunked perplexity at full context (--chunk-ctx
   tokens per window, policy full), SmolLM2; per --ppl-types entry (a type, or K/V types).
@@ -50,12 +52,12 @@ def bytes_per_token(spec) -> dict:
     return {t: spec.n_layer * spec.n_head_kv * 2 * row_bytes(t, spec.head_dim) for t in TYPES}
 
 
-def filled_store(eng, kv_type: str, capacity: int, seed: int = 0):
-    """A streaming store of `capacity` slots, every slot written (random K/V rows of unit scale)."""
+def filled_store(eng, kv_type: str, capacity: int, seed: int = 0, policy: str = "streaming"):
+    """A store of `capacity` slots under `policy`, every slot written (random K/V rows of unit scale)."""
     from ringllm.runtime.kv_config import KVConfig
 
     spec = eng.spec
-    st = eng.new_store(KVConfig(capacity=capacity, policy="streaming", sinks=4, k_type=kv_type, v_type=kv_type))
+    st = eng.new_store(KVConfig(capacity=capacity, policy=policy, sinks=4, k_type=kv_type, v_type=kv_type))
     rng = np.random.default_rng(seed)
     n = capacity - 1                     # room for the token decoded next without an eviction in the fill
     for il in range(spec.n_layer):
@@ -72,10 +74,10 @@ def resident_bytes(st) -> int:
     return sum(a.nbytes for name in ("k", "v", "seq", "rank") for a in getattr(st, name))
 
 
-def decode_speed(eng, capacities, steps: int, rounds: int) -> dict:
+def decode_speed(eng, capacities, steps: int, rounds: int, policy: str = "streaming") -> dict:
     out = {}
     for cap in capacities:
-        stores = {t: filled_store(eng, t, cap) for t in TYPES}
+        stores = {t: filled_store(eng, t, cap, policy=policy) for t in TYPES}
         for st in stores.values():
             eng.step(1, st)                          # compiled, and the store's pages touched
         per = {t: [] for t in TYPES}
@@ -158,6 +160,9 @@ def main():
     ap.add_argument("--capacities", type=int, nargs="+", default=[512, 4096, 32768])
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--speed-policy", default="streaming",
+                    help="the policy of the decode-speed stores (streaming: the ring layers' stored-key attention; "
+                         "a scored policy such as h2o: the policy layers' kernels, keys rotated as they are read)")
     ap.add_argument("--ppl-tokens", type=int, default=20000)
     ap.add_argument("--ppl-capacities", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--ppl-policies", nargs="+", default=["streaming", "h2o", "snapkv"])
@@ -182,10 +187,10 @@ def main():
         bpt = entry["bytes_per_token"]
         md += [f"| {t} | {bpt[t]} | {bpt[t] / bpt['f32']:.3f} |" for t in TYPES]
         if not args.skip_speed:
-            speed = decode_speed(eng, args.capacities, args.steps, args.rounds)
+            speed = decode_speed(eng, args.capacities, args.steps, args.rounds, args.speed_policy)
             entry["speed"] = {str(c): v for c, v in speed.items()}
             speed_all[name] = entry["speed"]
-            md += ["\nDecode tok/s with the store filled to the capacity (streaming ring; median of the rounds; "
+            md += [f"\nDecode tok/s with the store filled to the capacity (policy {args.speed_policy}; median of the rounds; "
                    "ratio to f32 per round, median), and the store's bytes (K/V arrays, seq, rank):\n",
                    "| capacity | " + " | ".join(TYPES) + " | " + " | ".join(f"{t} store MiB" for t in TYPES) + " |",
                    "|---|" + "---|" * (2 * len(TYPES))]

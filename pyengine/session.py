@@ -54,7 +54,7 @@ __all__ = ["ChatSession", "SessionFileError", "SESSION_FORMAT", "SESSION_VERSION
 SESSION_FORMAT = "ringllm-session"
 SESSION_VERSION = 1
 # what a compressed prompt's store keeps beside its arrays (KVStore.state), saved in the header
-STORE_META = ("released", "ring_rope", "layer_capacity", "press_stats")
+STORE_META = ("released", "ring_rope", "layer_capacity", "press_stats", "q4_0_rows")
 _SENTINEL = "\x00ringllm-answer\x00"
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
                   "presence_penalty", "penalty_last_n", "logit_bias")

@@ -8,8 +8,9 @@ no type argument and a float32 store compiles to the code it had before types ex
 Quantization follows llama.cpp's reference quantizers (ggml-quants.c quantize_row_q8_0_ref /
 q4_0_ref), which gguf's NumPy quantizers also follow: q8_0 d = amax/127, q = round-half-away(x/d);
 q4_0 d = m/-8 with m the value of largest magnitude (the first of ties), q = min(15, trunc(x/d +
-8.5)); the multiplier 1/d is float32 and d is stored as f16. No fastmath in the encoders: a row
-encodes to the same bytes as gguf.quants.quantize gives, which tests check.
+8.5)); the multiplier 1/d is float32 and d is stored as f16. No fastmath in the encoders: a q8_0 row
+encodes to the same bytes as gguf.quants.quantize gives, a q4_0 row to the bytes it gives for the
+block's rotation (kv_types), which tests check.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ringllm.runtime.kv_types import QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
+from ringllm.runtime.kv_types import Q4_0_SIGNS, QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
 from ringllm.runtime.numba_flags import FASTMATH
-from ringllm.runtime.simd import andf, ld_i8, ld_u8i, srlf, vmul, vsplat, vstore, vsub
+from ringllm.runtime.simd import (andf, ld_i8, ld_u8i, srlf, vadd, vbfly1, vbfly2, vbfly4, vload, vmul, vsplat,
+                                 vstore, vsub)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,39 +132,83 @@ def _dec_q8_0(dst, row):
 
 
 @njit(cache=True, nogil=True)
+def hadamard32(y):
+    """y (32,) float32 in place -> H y, H the Walsh-Hadamard matrix of kv_types (Sylvester's order):
+    butterflies of span 1, 2, 4, 8, 16 in that order, each pair (a, b) -> (a + b, a - b). The reference
+    engine repeats the order, so the encoder's float32 sums are the same bits there."""
+    for stage in range(5):
+        h = 1 << stage
+        for i in range(0, QBLOCK, 2 * h):
+            for k in range(i, i + h):
+                a, b = y[k], y[k + h]
+                y[k], y[k + h] = a + b, a - b
+
+
+@njit(cache=True, nogil=True)
 def _enc_q4_0(row, src):
+    # each block rotated (kv_types: y = H (s * x)), then llama.cpp's q4_0 quantizer on y
     half = QBLOCK // 2
+    y = np.empty(QBLOCK, np.float32)
     for b in range(row.shape[0] // (half + 2)):
         x0 = b * QBLOCK
+        for i in range(QBLOCK):
+            y[i] = src[x0 + i] * Q4_0_SIGNS[i]
+        hadamard32(y)
         amax = np.float32(0.0)
         m = np.float32(0.0)
         for i in range(QBLOCK):
-            a = abs(src[x0 + i])
+            a = abs(y[i])
             if a > amax:
-                amax, m = a, src[x0 + i]
+                amax, m = a, y[i]
         d = m / np.float32(-8.0)
         inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
         o = b * (half + 2)
         _put_scale(row, o, d, False)
         for i in range(half):
-            lo = min(np.int32(15), np.int32(src[x0 + i] * inv + np.float32(8.5)))
-            hi = min(np.int32(15), np.int32(src[x0 + half + i] * inv + np.float32(8.5)))
+            lo = min(np.int32(15), np.int32(y[i] * inv + np.float32(8.5)))
+            hi = min(np.int32(15), np.int32(y[half + i] * inv + np.float32(8.5)))
             row[o + 2 + i] = np.uint8(lo | (hi << 4))
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _dec_q4_0(dst, row):
-    # as _dec_q8_0: eight bytes give eight low nibbles (values i) and eight high ones (values i + 16)
-    half = QBLOCK // 2
+def q4_0_block_integers(row, o):
+    """The integers q - 8 of the q4_0 block at element o of a row, as four f32x8: values 0-7 and 8-15
+    (low nibbles of bytes 0-7, 8-15), 16-23 and 24-31 (their high nibbles)."""
     eight = vsplat(np.float32(8.0))
+    qa, qb = ld_u8i(row, o + 2), ld_u8i(row, o + 10)
+    return vsub(andf(qa, 15), eight), vsub(andf(qb, 15), eight), vsub(srlf(qa, 4), eight), vsub(srlf(qb, 4), eight)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def hadamard32_vectors(a0, a1, a2, a3):
+    """H (kv_types) applied to a block held as four f32x8 in value order: the butterflies of span 16
+    and 8 pair whole vectors, those of span 4, 2 and 1 pair lanes (simd.vbfly4 / 2 / 1). Exact on
+    integers, and each output one rounding per butterfly otherwise."""
+    a0, a2 = vadd(a0, a2), vsub(a0, a2)
+    a1, a3 = vadd(a1, a3), vsub(a1, a3)
+    a0, a1 = vadd(a0, a1), vsub(a0, a1)
+    a2, a3 = vadd(a2, a3), vsub(a2, a3)
+    return (vbfly1(vbfly2(vbfly4(a0))), vbfly1(vbfly2(vbfly4(a1))), vbfly1(vbfly2(vbfly4(a2))),
+            vbfly1(vbfly2(vbfly4(a3))))
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def _dec_q4_0(dst, row):
+    # x = s * H (q - 8) * (d / 32) (kv_types): every step exact on these integers, so the values are
+    # those of any order of H's sums (the reference engine's), to the sign of a zero
+    half = QBLOCK // 2
+    s0, s1 = vload(Q4_0_SIGNS, 0), vload(Q4_0_SIGNS, 8)
+    s2, s3 = vload(Q4_0_SIGNS, 16), vload(Q4_0_SIGNS, 24)
     for b in range(row.shape[0] // (half + 2)):
         o = b * (half + 2)
-        d = vsplat(block_scale(row, o))
+        a0, a1, a2, a3 = q4_0_block_integers(row, o)
+        a0, a1, a2, a3 = hadamard32_vectors(a0, a1, a2, a3)
+        d = vsplat(block_scale(row, o) * np.float32(1.0 / QBLOCK))
         x0 = b * QBLOCK
-        for c in range(half // 8):
-            q = ld_u8i(row, o + 2 + 8 * c)
-            vstore(dst, x0 + 8 * c, vmul(vsub(andf(q, 15), eight), d))
-            vstore(dst, x0 + half + 8 * c, vmul(vsub(srlf(q, 4), eight), d))
+        vstore(dst, x0, vmul(a0, vmul(d, s0)))
+        vstore(dst, x0 + 8, vmul(a1, vmul(d, s1)))
+        vstore(dst, x0 + 16, vmul(a2, vmul(d, s2)))
+        vstore(dst, x0 + 24, vmul(a3, vmul(d, s3)))
 
 
 # the encoders are not inlined into their callers' IR: a caller compiled with fastmath would let LLVM

@@ -10,12 +10,12 @@ and value rows added into the group's outputs, for every KV type (runtime/kv_typ
     accumulate_row(out, scores, v_l, h, j, h0, group, vb)
         out[h0 + g] += scores[h0 + g, j] * value j of head h
 
-f32 rows are read in place and f16 rows decoded into buf / vb (F16C converts eight at a time); the
-sums run as they always have (slot order, four rows per pass: the f32 results are the same bits as
-before types existed). q8_0 and q4_0 rows are never decoded into memory: a block's 32 integers are
-converted once in registers and multiplied into up to four query heads' sums at a time (the block's
-scale applied once to each head's block sum), and a value block's scale is folded into each head's
-weight.
+f32 rows are read in place and f16 and q4_0 rows decoded into buf / vb (F16C converts eight at a
+time; a q4_0 block is rotated back, kv_types); the sums run as they always have (slot order, four
+rows per pass: the f32 results are the same bits as before types existed). q8_0 rows are never
+decoded into memory: a block's 32 integers are converted once in registers and multiplied into up
+to four query heads' sums at a time (the block's scale applied once to each head's block sum), and
+a value block's scale is folded into each head's weight.
 
 Numba overloads: the implementation is chosen by the row dtype when the calling kernel compiles.
 The Python functions below are the same arithmetic in NumPy (for callers outside Numba and tests).
@@ -31,7 +31,6 @@ from ringllm.runtime.kv_types import QBLOCK
 from ringllm.runtime.numba_flags import FASTMATH
 
 _Q8_BYTES = QBLOCK + 2           # block_q8_0: f16 scale, 32 int8
-_Q4_BYTES = QBLOCK // 2 + 2      # block_q4_0: f16 scale, 16 bytes of nibbles
 
 
 def group_scores_row(scores, qrot, k_l, h, j, h0, group, buf):
@@ -98,20 +97,8 @@ def _acc1_plain(out, scores, v_l, h, j, h0, group, vb):
 
 
 # ---------------------------------------------------------------------------------------------
-# q8_0 and q4_0: blocks converted in registers
+# q8_0: blocks converted in registers
 # ---------------------------------------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _q4_lo(byte):
-    """Low nibble - 8 of a q4_0 byte (value i of its block) as float32."""
-    return np.float32((np.int32(byte) & 15) - 8)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _q4_hi(byte):
-    """High nibble - 8 of a q4_0 byte (value i + 16 of its block) as float32."""
-    return np.float32((np.int32(byte) >> 4) - 8)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
@@ -132,33 +119,6 @@ def _scores_q8_0(scores, qrot, k_l, h, j, h0, group, buf):
                 s1 += q1[x0 + i] * x
                 s2 += q2[x0 + i] * x
                 s3 += q3[x0 + i] * x
-            d = block_scale(row, o - 2)
-            a0 += d * s0
-            a1 += d * s1
-            a2 += d * s2
-            a3 += d * s3
-        _put4(scores, h0, g0, group, j, a0, a1, a2, a3)
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _scores_q4_0(scores, qrot, k_l, h, j, h0, group, buf):
-    row = k_l[h, j]
-    nb = row.shape[0] // _Q4_BYTES
-    half = QBLOCK // 2
-    last = group - 1
-    for g0 in range(0, group, 4):
-        q0, q1 = qrot[h0 + g0], qrot[h0 + min(g0 + 1, last)]
-        q2, q3 = qrot[h0 + min(g0 + 2, last)], qrot[h0 + min(g0 + 3, last)]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for b in range(nb):
-            o, x0 = b * _Q4_BYTES + 2, b * QBLOCK
-            s0 = s1 = s2 = s3 = np.float32(0.0)
-            for i in range(half):
-                lo, hi = _q4_lo(row[o + i]), _q4_hi(row[o + i])
-                s0 += q0[x0 + i] * lo + q0[x0 + half + i] * hi
-                s1 += q1[x0 + i] * lo + q1[x0 + half + i] * hi
-                s2 += q2[x0 + i] * lo + q2[x0 + half + i] * hi
-                s3 += q3[x0 + i] * lo + q3[x0 + half + i] * hi
             d = block_scale(row, o - 2)
             a0 += d * s0
             a1 += d * s1
@@ -206,44 +166,11 @@ def _acc1_q8_0(out, scores, v_l, h, j, h0, group, vb):
                 og[x0 + i] += c * np.float32(np.int32(r[o + i]))
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _acc4_q4_0(out, scores, v_l, h, j, h0, group, vb):
-    r0, r1, r2, r3 = v_l[h, j], v_l[h, j + 1], v_l[h, j + 2], v_l[h, j + 3]
-    half = QBLOCK // 2
-    for b in range(r0.shape[0] // _Q4_BYTES):
-        o, x0 = b * _Q4_BYTES + 2, b * QBLOCK
-        d0, d1, d2, d3 = block_scale(r0, o - 2), block_scale(r1, o - 2), block_scale(r2, o - 2), block_scale(r3, o - 2)
-        for g in range(group):
-            sc = scores[h0 + g]
-            c0, c1, c2, c3 = sc[j] * d0, sc[j + 1] * d1, sc[j + 2] * d2, sc[j + 3] * d3
-            og = out[h0 + g]
-            for i in range(half):
-                og[x0 + i] += ((c0 * _q4_lo(r0[o + i]) + c1 * _q4_lo(r1[o + i]))
-                               + (c2 * _q4_lo(r2[o + i]) + c3 * _q4_lo(r3[o + i])))
-                og[x0 + half + i] += ((c0 * _q4_hi(r0[o + i]) + c1 * _q4_hi(r1[o + i]))
-                                      + (c2 * _q4_hi(r2[o + i]) + c3 * _q4_hi(r3[o + i])))
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
-def _acc1_q4_0(out, scores, v_l, h, j, h0, group, vb):
-    r = v_l[h, j]
-    half = QBLOCK // 2
-    for b in range(r.shape[0] // _Q4_BYTES):
-        o, x0 = b * _Q4_BYTES + 2, b * QBLOCK
-        d = block_scale(r, o - 2)
-        for g in range(group):
-            c = scores[h0 + g, j] * d
-            og = out[h0 + g]
-            for i in range(half):
-                og[x0 + i] += c * _q4_lo(r[o + i])
-                og[x0 + half + i] += c * _q4_hi(r[o + i])
-
-
 # the implementations per row dtype: (scores, accumulate four rows, accumulate one row)
 _IMPLS = {types.float32: (_scores_plain, _acc4_plain, _acc1_plain),
           types.uint16: (_scores_plain, _acc4_plain, _acc1_plain),
           types.int8: (_scores_q8_0, _acc4_q8_0, _acc1_q8_0),
-          types.uint8: (_scores_q4_0, _acc4_q4_0, _acc1_q4_0)}
+          types.uint8: (_scores_plain, _acc4_plain, _acc1_plain)}
 
 
 def _impl(arr, which: int):

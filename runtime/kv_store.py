@@ -62,7 +62,7 @@ from ringllm.runtime.kv_codec import decode, encode, round_trip
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
 from ringllm.runtime.host_memory import lazy_zeros_group, small_pages
-from ringllm.runtime.kv_types import STORE_DTYPE, row_width
+from ringllm.runtime.kv_types import Q4_0_ROWS, STORE_DTYPE, row_width
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
@@ -660,7 +660,8 @@ class KVStore:
         return {"kv": self.kv.to_dict(), "n_seen": int(self.n_seen), "arrays": arrays,
                 "layer_rope_mode": list(self.layer_rope_mode) if self.layer_rope_mode else None,
                 "hist_layout": "window_major", "released": int(self.released), "ring_rope": self.ring_rope,
-                "layer_capacity": self.layer_capacity_override, "press_stats": dict(self.press_stats)}
+                "layer_capacity": self.layer_capacity_override, "press_stats": dict(self.press_stats),
+                "q4_0_rows": Q4_0_ROWS}
 
     @classmethod
     def restore(cls, spec: ModelSpec, state: dict) -> "KVStore":
@@ -695,6 +696,10 @@ class KVStore:
         if set(arrays) != set(fresh):
             raise ConfigError(f"KV store state has arrays {sorted(set(arrays) ^ set(fresh))[:4]} that do not match "
                               "this model/config")
+        if state.get("q4_0_rows") != Q4_0_ROWS:    # saved when q4_0 rows held the values unrotated
+            arrays = {n: (_rotate_legacy_q4_0(a, spec.head_dim) if n.split(".")[0] in ("k", "v") and
+                          np.asarray(a).dtype == STORE_DTYPE["q4_0"] and np.asarray(a).shape == fresh[n].shape else a)
+                      for n, a in arrays.items()}
         for name, ref in fresh.items():
             a = np.asarray(arrays[name])
             if a.shape != ref.shape or a.dtype != ref.dtype:
@@ -735,3 +740,14 @@ class KVStore:
                     raise ConfigError(f"KV store state: layer {il} head {h} ranks do not follow the sequence order")
                 if not self.reindexed and not np.array_equal(self.pos[il][h, :n], held):
                     raise ConfigError(f"KV store state: layer {il} head {h} positions are not the sequence indices")
+
+
+def _rotate_legacy_q4_0(rows: np.ndarray, head_dim: int) -> np.ndarray:
+    """q4_0 store rows (..., width) of the form before the rotation (llama.cpp's block_q4_0 of the values
+    themselves) -> the same values in today's form (kv_types: each block rotated, then quantized). The
+    values are decoded with gguf's dequantizer and encoded once more, so they round a second time."""
+    from gguf import GGMLQuantizationType, quants
+
+    rows = np.ascontiguousarray(rows)
+    values = quants.dequantize(rows.reshape(-1, rows.shape[-1]), GGMLQuantizationType.Q4_0)
+    return encode(np.asarray(values, np.float32).reshape(rows.shape[:-1] + (head_dim,)), "q4_0")

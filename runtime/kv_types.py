@@ -9,7 +9,19 @@ A store row holds one token's key or value of one kv head: head_dim values, enco
                          (2 bytes, little endian) then 32 int8 q; x = d q
     q4_0   uint8         llama.cpp's block_q4_0 per 32 values: f16 scale d  18/32
                          then 16 bytes; byte i holds q_i (low nibble) and
-                         q_{i+16} (high nibble); x = d (q - 8)
+                         q_{i+16} (high nibble); of the block's rotation
+                         y = H (s * x), so x = s * H (d (q - 8)) / 32
+
+q4_0 rotates each block before quantizing it. H is the 32 x 32 Walsh-Hadamard matrix (Sylvester's
+order, entries +-1, H H = 32 I) and s the fixed signs Q4_0_SIGNS. A key's few large channels (a
+pre-RoPE key carries most of its energy in a per-channel offset of a handful of channels) would set
+the block's scale and leave its other 31 values two or three levels; rotated, every value carries a
+share of each channel, the block is near-Gaussian and its scale follows its norm instead of its
+largest channel (QuaRot, Ashkboos et al. 2024, rotates activations and the KV cache so). The signs
+keep H's all-ones row from collecting a block's common offset into one coefficient. Dividing by 32
+and the signs are exact, and H's sums of integers times one scale are exact in float32, so a row
+decodes to the same values whatever the order of the sums (the same bits but for the sign of a
+zero). Bytes per row are unchanged.
 
 The array's dtype names the type (the row codecs, runtime/kv_codec.py, dispatch on it). Slot
 moves copy rows whatever their type (k_l.shape[2] is the row's width in elements). No Numba here:
@@ -25,6 +37,9 @@ KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
 STORE_DTYPE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.uint16), "q8_0": np.dtype(np.int8),
                "q4_0": np.dtype(np.uint8)}
 QBLOCK = 32                                   # values per q8_0 / q4_0 block (one f16 scale each)
+# s of the q4_0 rotation: -1 where bit i of 0x9E3779B9 (the golden ratio's 32 bits) is set
+Q4_0_SIGNS = np.array([-1.0 if (0x9E3779B9 >> i) & 1 else 1.0 for i in range(QBLOCK)], np.float32)
+Q4_0_ROWS = "hadamard"                        # KVStore.state()'s name for this q4_0 row form
 _BLOCK_BYTES = {"q8_0": 2 + QBLOCK, "q4_0": 2 + QBLOCK // 2}
 
 

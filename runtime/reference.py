@@ -50,16 +50,37 @@ def dequantize_reference(t: QTensor) -> np.ndarray:
     return np.ascontiguousarray(vals, dtype=np.float32).reshape(t.shape)
 
 
+def hadamard_blocks(x: np.ndarray) -> np.ndarray:
+    """x (..., 32 k) float32 -> H applied to each block of 32 (H the Walsh-Hadamard matrix, Sylvester's
+    order): butterflies of span 1, 2, 4, 8, 16, each pair (a, b) -> (a + b, a - b) in float32, the
+    order of the store's encoder, so the rotation of a q4_0 block is the same bits."""
+    y = np.ascontiguousarray(x, np.float32).reshape(-1, 32)
+    h = 1
+    while h < 32:
+        y = y.reshape(y.shape[0], 32 // (2 * h), 2, h)
+        y = np.stack([y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]], axis=2).reshape(-1, 32)
+        h *= 2
+    return y.reshape(x.shape)
+
+
 def round_kv_type(x: np.ndarray, kv_type: str) -> np.ndarray:
     """x (..., hd) float32 as a KV store of type kv_type holds it: gguf's NumPy quantize and dequantize
-    (f16: NumPy's half conversion), independent of ringllm.runtime.kv_types."""
+    (f16: NumPy's half conversion), independent of ringllm.runtime.kv_codec. q4_0 quantizes each
+    block's rotation y = H (s x) and returns s H y' / 32 (kv_types.py: the signs s are the format's)."""
     from gguf import GGMLQuantizationType, quants
+
+    from ringllm.runtime.kv_types import Q4_0_SIGNS
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     if kv_type == "f16":
         return x.astype(np.float16).astype(np.float32)
     qt = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[kv_type]
-    return np.ascontiguousarray(quants.dequantize(quants.quantize(x, qt), qt), dtype=np.float32).reshape(x.shape)
+    if kv_type == "q8_0":
+        return np.ascontiguousarray(quants.dequantize(quants.quantize(x, qt), qt), dtype=np.float32).reshape(x.shape)
+    signs = np.tile(Q4_0_SIGNS, x.shape[-1] // 32)
+    y = hadamard_blocks(x * signs)
+    y = np.asarray(quants.dequantize(quants.quantize(y, qt), qt), dtype=np.float32).reshape(x.shape)
+    return hadamard_blocks(y) / np.float32(32) * signs
 
 
 # ---------------------------------------------------------------------------------------------

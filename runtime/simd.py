@@ -456,6 +456,38 @@ def vsub(typingctx, a, b):
     return f32x8(a, b), codegen
 
 
+def _butterfly_ir(builder, v, k):
+    """Lanes (i, i ^ k) of v -> (a + b, a - b) for bit k of i clear (a = v[i], b = v[i ^ k]): a lane
+    swap (vpermilps / vpermps) and one fused v * (+-1) + swapped; exact for integer-valued lanes."""
+    swapped = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 8), [i ^ k for i in range(8)]))
+    signs = ir.Constant(_VF, [-1.0 if i & k else 1.0 for i in range(8)])
+    return _call(builder, "llvm.fma.v8f32", _VF, [v, signs, swapped])
+
+
+@intrinsic
+def vbfly1(typingctx, v):
+    """The Walsh-Hadamard butterflies of span 1 inside an f32x8 (lane pairs 0-1, 2-3, ...)."""
+    def codegen(context, builder, sig, args):
+        return _butterfly_ir(builder, args[0], 1)
+    return f32x8(v), codegen
+
+
+@intrinsic
+def vbfly2(typingctx, v):
+    """The Walsh-Hadamard butterflies of span 2 inside an f32x8 (lanes 0-2, 1-3, 4-6, 5-7)."""
+    def codegen(context, builder, sig, args):
+        return _butterfly_ir(builder, args[0], 2)
+    return f32x8(v), codegen
+
+
+@intrinsic
+def vbfly4(typingctx, v):
+    """The Walsh-Hadamard butterflies of span 4 inside an f32x8 (lanes i and i + 4)."""
+    def codegen(context, builder, sig, args):
+        return _butterfly_ir(builder, args[0], 4)
+    return f32x8(v), codegen
+
+
 @intrinsic
 def vmul(typingctx, a, b):
     """a * b."""

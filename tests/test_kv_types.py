@@ -1,6 +1,7 @@
 """KV store element types (KVConfig k_type / v_type: f16, q8_0, q4_0; runtime/kv_types.py).
 
-The row codecs against gguf's NumPy quantizers (bit for bit), the configuration errors, and the CPU
+The row codecs against gguf's NumPy quantizers (bit for bit; q4_0 on each block's rotation), the
+q4_0 rotation itself, the configuration errors, and the CPU
 engine against the NumPy reference engine (which rounds K and V with gguf's quantizers where the
 engine's store does) for every policy x type, through hundreds of evictions.
 
@@ -22,7 +23,7 @@ from ringllm.runtime import kv_codec, kv_types
 from ringllm.runtime.engine import CPUEngine
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
-from ringllm.runtime.reference import ReferenceEngine, round_kv_type
+from ringllm.runtime.reference import ReferenceEngine, hadamard_blocks, round_kv_type
 
 from conftest import FULL
 from test_policies_engine import POLICIES, same_survivors
@@ -54,11 +55,90 @@ def test_codec_is_gguf_bit_for_bit(name):
     assert enc.dtype == kv_types.STORE_DTYPE[name] and enc.shape == (400, kv_types.row_width(name, 128))
     if name == "f16":
         np.testing.assert_array_equal(enc.view(np.float16), x.astype(np.float16))
-    else:
-        qt = {"q8_0": T.Q8_0, "q4_0": T.Q4_0}[name]
-        np.testing.assert_array_equal(enc.view(np.uint8), quants.quantize(x, qt))
-    np.testing.assert_array_equal(kv_codec.decode(enc, 128), round_kv_type(x, name))
+    elif name == "q8_0":
+        np.testing.assert_array_equal(enc.view(np.int8), quants.quantize(x, T.Q8_0).view(np.int8))
+    else:                               # q4_0: llama.cpp's quantizer on each block's rotation (the
+        signs = np.tile(kv_types.Q4_0_SIGNS, 4)          # reference's butterflies: the encoder's order)
+        np.testing.assert_array_equal(enc, quants.quantize(hadamard_blocks(x * signs), T.Q4_0))
+    dec, ref = kv_codec.decode(enc, 128), round_kv_type(x, name)
+    if name == "q4_0":                  # a scale past f16's range (x[5]) is inf: its rows are not
+        bad = ~np.isfinite(ref).all(axis=1)      # values in either (the rotation spreads the inf)
+        assert bad.any() and (~np.isfinite(dec[bad])).any(axis=1).all() and np.isfinite(dec[~bad]).all()
+        dec, ref = dec[~bad], ref[~bad]
+    np.testing.assert_array_equal(dec, ref)
     assert kv_types.row_bytes(name, 128) * 400 == enc.nbytes
+
+
+def _q4_0_rotation(x: np.ndarray) -> np.ndarray:
+    """y = H (s x) per block of 32 (kv_types), H as an explicit +-1 matrix (Sylvester's recursion),
+    in float64: an oracle for the store's butterflies, which round their float32 sums."""
+    h = np.ones((1, 1))
+    while h.shape[0] < 32:
+        h = np.block([[h, h], [h, -h]])
+    blocks = x.reshape(-1, 32).astype(np.float64) * kv_types.Q4_0_SIGNS
+    return (blocks @ h.T).astype(np.float32).reshape(x.shape)
+
+
+def test_q4_0_rotation_is_the_hadamard_matrix():
+    """The encoder's float32 butterflies against the float64 matrix: every scale within a few ulps
+    (a sum's rounding), every nibble the same but where y sits within rounding of a step's edge."""
+    from gguf import GGMLQuantizationType as T, quants
+
+    x = _cases(np.random.default_rng(3))[7:]          # rows of ordinary values, no corners
+    enc = kv_codec.encode(x, "q4_0").reshape(-1, 18)
+    want = quants.quantize(_q4_0_rotation(x), T.Q4_0).reshape(-1, 18)
+    d, d_want = enc[:, :2].copy().view(np.float16).astype(np.float32), want[:, :2].copy().view(np.float16).astype(np.float32)
+    np.testing.assert_allclose(d, d_want, rtol=2e-3)
+    assert (enc[:, 2:] == want[:, 2:]).mean() > 0.999
+
+
+def test_q4_0_rotation_cuts_the_error_of_offset_channels():
+    """Keys whose energy sits in a few channels' offsets (a pre-RoPE key: docs/kv_types.md): the
+    rotated q4_0 rows' squared error is a fraction of llama.cpp's q4_0 of the values themselves, and
+    on rows without such channels no worse than it by more than noise."""
+    from gguf import GGMLQuantizationType as T, quants
+
+    rng = np.random.default_rng(11)
+    for offsets, bound in (((3, 10.0), (40, -8.0), (77, 6.0)), 0.45), ((), 1.05):
+        x = rng.standard_normal((2000, 128)).astype(np.float32) * 1.5
+        for ch, mu in offsets:
+            x[:, ch] += mu
+        plain = quants.dequantize(quants.quantize(x, T.Q4_0), T.Q4_0)
+        rotated = kv_codec.round_trip(x, "q4_0")
+        assert ((rotated - x) ** 2).mean() < bound * ((plain - x) ** 2).mean()
+
+
+def test_restore_converts_q4_0_rows_of_the_unrotated_form(tmp_path_factory):
+    """A state saved when q4_0 rows held llama.cpp's blocks of the values themselves (no "q4_0_rows"
+    entry) is converted on restore, keys and values: its rows decoded by gguf and encoded in today's
+    form, so the restored store holds the saved values, rounded once more; q8_0 rows are never touched."""
+    from gguf import GGMLQuantizationType as T, quants
+    from ringllm.runtime.kv_store import KVStore
+
+    tiny = _tiny("llama", tmp_path_factory)
+    eng = CPUEngine(tiny.spec, tiny.tensors)
+    ids = np.random.default_rng(8).permutation(256)[:30].tolist()
+    st = eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="q4_0", v_type="q4_0"))
+    eng.prefill(ids, st)
+    old = st.state()
+    hd = tiny.spec.head_dim
+    for name in (f"{f}.{il}" for f in "kv" for il in range(tiny.spec.n_layer)):     # the old form
+        values = kv_codec.decode(old["arrays"][name], hd)
+        old["arrays"][name] = quants.quantize(values, T.Q4_0).reshape(old["arrays"][name].shape)
+    del old["q4_0_rows"]
+    restored = KVStore.restore(tiny.spec, old)
+    for name in "kv":
+        for mine, theirs in zip(getattr(st, name), getattr(restored, name)):
+            want = kv_codec.decode(mine, hd)
+            step = np.abs(want).max(axis=-1, keepdims=True) / 4 + 1e-6     # one q4_0 step of the row at most
+            assert (np.abs(kv_codec.decode(theirs, hd) - want) <= step).all()
+            assert not np.array_equal(mine, theirs)          # rounded a second time, not copied
+    np.testing.assert_array_equal(KVStore.restore(tiny.spec, st.state()).v[0], st.v[0])
+    q8 = eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="q8_0", v_type="q8_0"))
+    eng.prefill(ids, q8)
+    state = q8.state()
+    del state["q4_0_rows"]
+    np.testing.assert_array_equal(KVStore.restore(tiny.spec, state).k[0], q8.k[0])
 
 
 def test_bytes_per_value():

@@ -277,3 +277,17 @@ def test_quantized_kv_session_saves_and_converts(llm, tmp_path):
     c.send("And two fruits?", stream=False)                  # the converted store decodes on
     with pytest.raises(ConfigError, match="k_type 'q3' unknown"):
         ChatSession.load(llm, path, kv_types=("q3", "f32"))
+
+
+def test_q4_0_session_keeps_its_rows(llm, tmp_path):
+    """A q4_0 store (rows of the blocks' rotation) saves and loads byte for byte: the file says the
+    rows are rotated, so loading never takes them for the older unrotated form and rounds them again."""
+    kv = KVConfig(capacity=64, policy="streaming", sinks=4, k_type="q4_0", v_type="q4_0")
+    a = llm.chat_session(kv=kv, seed=5, max_tokens=12)
+    a.send("Name three colours.", stream=False)
+    b = ChatSession.load(llm, a.save(tmp_path / "q4.session"))
+    assert b.store.k[0].dtype == np.uint8 and b.saved_kv_types == ("q4_0", "q4_0")
+    for name in ("k", "v"):
+        for mine, theirs in zip(getattr(a.store, name), getattr(b.store, name)):
+            np.testing.assert_array_equal(mine, theirs)
+    assert b.send("And two fruits?", stream=False).tokens == a.send("And two fruits?", stream=False).tokens
