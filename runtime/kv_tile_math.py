@@ -10,6 +10,10 @@ head_dim a multiple of 8: the inner loops of stored_attention's units.
         scores_row[j + r] = qg[:hd] . row r, r < 8
     axpy8(o, w_row, j, rows, base, hd)
         o[:hd] += w_row[j + r] * row r for r = 0 .. 7, in that order
+    rows_tail_at(arr, h, j, n, tile)
+        rows j .. j + n - 1 (n < 8) decoded (f32: copied) into tile's first n rows, the other rows
+        zero: a span's last few rows go through dot8 / axpy8 as eight, so every score and sum of
+        a unit is made by the same vector code (below: why the same code)
     dot8x2, axpy8x2
         the same for two query heads of a GQA group at once: each row chunk loaded once for both,
         every sum in the same order (the same bits as two single calls)
@@ -22,6 +26,13 @@ of its own, which cost more instructions than the multiply-adds for head_dim 64.
 the query's loads, the loop, and one reduction (vsum8x8) that turns eight partial-sum vectors into
 the eight scores in nine instructions, stored with one vector store. The weighted value sum reads
 and writes each eight-value chunk of its output once per eight keys instead of once per key.
+
+Why the tails go through the eight-row code too: the same bits from every caller. These kernels
+spell out every vector operation (the fused multiply-adds, the fixed reduction tree of vsum8x8),
+so the order of every sum is the source's. A plain loop compiled with fastmath (reassociation) is
+vectorized as LLVM sees fit, and LLVM can see fit differently for the same loop inlined into two
+callers: attend_stored and attend_stored_parallel once gave the last few slots of a unit different
+last bits in a long process (the q8_0 row loop of kv_row_math), where the eight-row code agreed.
 
 The rows stream from DRAM once per token; the hardware prefetcher alone left a single thread at
 about half the read bandwidth it reaches on a plain sequential sum, so the callers hint the rows a
@@ -55,6 +66,17 @@ def rows8_at(arr, h, j, tile):
     for r in range(8):
         tile[r * hd:(r + 1) * hd] = decode(arr[h, j + r], hd)
     return 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def rows_tail_at(arr, h, j, n, tile):
+    """tile[r hd:(r + 1) hd] = row j + r of head h as float32 values for r < n (n < 8), zero for the
+    rows after: eight rows for dot8 / axpy8 (base 0), whose extra rows score zero and add zero."""
+    hd = tile.shape[0] // 8
+    for r in range(n):
+        decode_row(tile[r * hd:(r + 1) * hd], arr[h, j + r])
+    for i in range(n * hd, 8 * hd):
+        tile[i] = np.float32(0.0)
 
 
 @overload(head_rows, inline="always")

@@ -30,7 +30,8 @@ Work scratch (stored_work): (3, n_units, max(n_head, 12), hd) f32, three row blo
     work[2, u, 8]         cos (first rotary_dim/2) and sin (next rotary_dim/2) of the offset of its
                           first slot (later units with that offset copy them)
     work[2, u, 9]         m (first group entries) and l (next group entries)
-    work[2, u, 10]        one decoded row (the slots past the last full eight)
+    work[2, u, 10]        the eight scores or weights of a span's last 1-7 slots (head_dim a multiple
+                          of 8), or one decoded row (the one-by-one kernels otherwise)
     work[2, u, 11]        the angles of an offset met later inside the unit
 
 Only the unit's group rows of blocks 0 and 1 are used: the query and sum rows keep the query head's
@@ -46,7 +47,7 @@ from ringllm.runtime.attention import cap_scores, exp_shifted, scale_group
 from ringllm.runtime.fast_exp import exp_f32
 from ringllm.runtime.kv_row_math import accumulate_row, group_scores_row
 from ringllm.runtime.kv_tile_math import (PREFETCH_AHEAD, axpy8, axpy8x2, dot8, dot8x2, head_rows, prefetch_rows,
-                                          prefetch_rows_keep, rows8_at)
+                                          prefetch_rows_keep, rows8_at, rows_tail_at)
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
@@ -98,7 +99,9 @@ def _rotate_group(qw, ang, q, h0, group, rotary_dim, scale):
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf_end):
     """scores[h0 + g, ja:jb] = qw[h0 + g] . key j (any KV type): eight keys at a time (kv_tile_math), two
-    query heads per pass over them, the rest one by one (kv_row_math); the keys PREFETCH_AHEAD slots on
+    query heads per pass over them, the last 1-7 as eight zero-padded rows (kv_tile_math.rows_tail_at:
+    the same vector code for every slot, so every caller gets the same bits); one by one (kv_row_math)
+    when head_dim is not a multiple of 8. The keys PREFETCH_AHEAD slots on
     are hinted (up to pf_end: past the span and unit, since the head's next rows are read next), and
     so are the same eight rows of k_next's head h below n_next (the next work's keys)."""
     hd = qw.shape[1]
@@ -120,6 +123,14 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf
             if g < group:
                 dot8(scores[h0 + g], j, qw[h0 + g], rows, base, hd)
             j += 8
+        if j < jb:                      # the last 1-7 keys: eight rows, zero-padded, eight scores
+            rows_tail_at(k_l, h, j, jb - j, tile)
+            eight = misc[_ROW]
+            for g in range(group):
+                dot8(eight, 0, qw[h0 + g], tile, 0, hd)
+                for r in range(jb - j):
+                    scores[h0 + g, j + r] = eight[r]
+            j = jb
     while j < jb:
         group_scores_row(scores, qw, k_l, h, j, h0, group, misc[_ROW])
         j += 1
@@ -128,8 +139,9 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next, pf_end):
     """ow[h0 + g] = sum over j in [j0, j1) of scores[h0 + g, j] * value j (any KV type), eight rows at
-    a time (kv_tile_math), two query heads per pass over them, the rest one by one (kv_row_math); the
-    values PREFETCH_AHEAD slots on are hinted up to pf_end (as _scores_span), and so are the same eight
+    a time (kv_tile_math), two query heads per pass over them, the last 1-7 as eight zero-padded rows
+    with zero weights (as _scores_span); one by one (kv_row_math) when head_dim is not a multiple of 8.
+    The values PREFETCH_AHEAD slots on are hinted up to pf_end (as _scores_span), and so are the same eight
     rows of v_next's head h below n_next (the next work's values)."""
     hd = ow.shape[1]
     for g in range(group):
@@ -154,6 +166,14 @@ def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next
             if g < group:
                 axpy8(ow[h0 + g], scores[h0 + g], j, rows, base, hd)
             j += 8
+        if j < j1:                      # the last 1-7 values: eight rows, zero-padded, zero weights
+            rows_tail_at(v_l, h, j, j1 - j, tile)
+            eight = misc[_ROW]
+            for g in range(group):
+                for r in range(8):
+                    eight[r] = scores[h0 + g, j + r] if j + r < j1 else np.float32(0.0)
+                axpy8(ow[h0 + g], eight, 0, tile, 0, hd)
+            j = j1
     while j < j1:
         accumulate_row(ow, scores, v_l, h, j, h0, group, misc[_ROW:_ROW + 1])
         j += 1
