@@ -2,16 +2,17 @@
 head_dim a multiple of 8: the inner loops of stored_attention's units.
 
     head_rows(arr, h, tile) -> rows;  rows8_at(arr, h, j, tile) -> base
-        rows j .. j + 7 of head h of a store array as float32 values: rows[base + r * hd + d] is
-        value d of row j + r. f32 stores are read in place (rows is head h's rows, flat, taken once
-        per span); the other types are decoded into tile (8 hd,) f32 by kv_codec's row decoders
-        (rows is tile, base 0).
+        rows j .. j + 7 of head h of a store array as float32, in the array's basis (kv_basis.py: the
+        values, or a q4_0 row's coefficients before its rotation back): rows[base + r * hd + d] is
+        element d of row j + r. f32 stores are read in place (rows is head h's rows, flat, taken once
+        per span); the other types are decoded into tile (8 hd,) f32 (kv_basis.decode_row_basis;
+        rows is tile, base 0).
     dot8(scores_row, j, qg, rows, base, hd)
         scores_row[j + r] = qg[:hd] . row r, r < 8
     axpy8(o, w_row, j, rows, base, hd)
         o[:hd] += w_row[j + r] * row r for r = 0 .. 7, in that order
     rows_tail_at(arr, h, j, n, tile)
-        rows j .. j + n - 1 (n < 8) decoded (f32: copied) into tile's first n rows, the other rows
+        rows j .. j + n - 1 (n < 8) in their basis (f32: copied) in tile's first n rows, the other rows
         zero: a span's last few rows go through dot8 / axpy8 as eight, so every score and sum of
         a unit is made by the same vector code (below: why the same code)
     dot8x2, axpy8x2
@@ -44,7 +45,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from ringllm.runtime.kv_codec import decode, decode_row
+from ringllm.runtime.kv_basis import decode_basis, decode_row_basis
 from ringllm.runtime.simd import prefetch, prefetch_keep, vbcast, vfma, vload, vstore, vsum8x8, vzero
 
 PREFETCH_AHEAD = 32          # keys between the rows hinted and the rows read
@@ -58,23 +59,23 @@ def head_rows(arr, h, tile):
 
 
 def rows8_at(arr, h, j, tile):
-    """Offset into head_rows(arr, h, tile) of rows j .. j + 7 of head h as float32 values: j hd for f32
-    (nothing done), else 0 after decoding the eight rows into tile (kv_codec's row decoders)."""
+    """Offset into head_rows(arr, h, tile) of rows j .. j + 7 of head h as float32 in the array's basis:
+    j hd for f32 (nothing done), else 0 after decoding the eight rows into tile (kv_basis)."""
     hd = tile.shape[0] // 8
     if arr.dtype == np.float32:
         return j * hd
     for r in range(8):
-        tile[r * hd:(r + 1) * hd] = decode(arr[h, j + r], hd)
+        tile[r * hd:(r + 1) * hd] = decode_basis(arr[h, j + r], hd)
     return 0
 
 
 @njit(cache=True, nogil=True, inline="always")
 def rows_tail_at(arr, h, j, n, tile):
-    """tile[r hd:(r + 1) hd] = row j + r of head h as float32 values for r < n (n < 8), zero for the
+    """tile[r hd:(r + 1) hd] = row j + r of head h as float32 in its basis for r < n (n < 8), zero for the
     rows after: eight rows for dot8 / axpy8 (base 0), whose extra rows score zero and add zero."""
     hd = tile.shape[0] // 8
     for r in range(n):
-        decode_row(tile[r * hd:(r + 1) * hd], arr[h, j + r])
+        decode_row_basis(tile[r * hd:(r + 1) * hd], arr[h, j + r])
     for i in range(n * hd, 8 * hd):
         tile[i] = np.float32(0.0)
 
@@ -101,7 +102,7 @@ def _ov_rows8_at(arr, h, j, tile):
     def impl(arr, h, j, tile):
         hd = tile.shape[0] // 8
         for r in range(8):
-            decode_row(tile[r * hd:(r + 1) * hd], arr[h, j + r])
+            decode_row_basis(tile[r * hd:(r + 1) * hd], arr[h, j + r])
         return 0
     return impl
 

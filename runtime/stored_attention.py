@@ -24,9 +24,10 @@ runs attend_stored per sequence (stream_attention.py).
 
 Work scratch (stored_work): (3, n_units, max(n_head, 12), hd) f32, three row blocks per unit u:
 
-    work[0, u, h0 + g]    query head h0 + g rotated at the unit's current offset, times scale
+    work[0, u, h0 + g]    query head h0 + g rotated at the unit's current offset, times scale (then
+                          taken into the keys' basis, kv_basis.py)
     work[1, u, h0 + g]    the unit's weighted value sum o for query head h0 + g
-    work[2, u, 0:8]       eight rows of a quantized store, decoded (kv_tile_math.rows8_at)
+    work[2, u, 0:8]       eight rows of a quantized store, decoded into their basis (kv_tile_math.rows8_at)
     work[2, u, 8]         cos (first rotary_dim/2) and sin (next rotary_dim/2) of the offset of its
                           first slot (later units with that offset copy them)
     work[2, u, 9]         m (first group entries) and l (next group entries)
@@ -45,7 +46,8 @@ from numba import njit, prange
 
 from ringllm.runtime.attention import cap_scores, exp_shifted, scale_group
 from ringllm.runtime.fast_exp import exp_f32
-from ringllm.runtime.kv_row_math import accumulate_row, group_scores_row
+from ringllm.runtime.kv_basis import from_value_basis, group_scores_row_basis, to_key_basis
+from ringllm.runtime.kv_row_math import accumulate_row
 from ringllm.runtime.kv_tile_math import (PREFETCH_AHEAD, axpy8, axpy8x2, dot8, dot8x2, head_rows, prefetch_rows,
                                           prefetch_rows_keep, rows8_at, rows_tail_at)
 from ringllm.runtime.numba_flags import FASTMATH
@@ -101,10 +103,13 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf
     """scores[h0 + g, ja:jb] = qw[h0 + g] . key j (any KV type): eight keys at a time (kv_tile_math), two
     query heads per pass over them, the last 1-7 as eight zero-padded rows (kv_tile_math.rows_tail_at:
     the same vector code for every slot, so every caller gets the same bits); one by one (kv_row_math)
-    when head_dim is not a multiple of 8. The keys PREFETCH_AHEAD slots on
+    when head_dim is not a multiple of 8. The queries are first taken into the keys' basis (kv_basis:
+    in place, for q4_0 rows; a span always starts from freshly rotated queries) and the keys read in
+    it. The keys PREFETCH_AHEAD slots on
     are hinted (up to pf_end: past the span and unit, since the head's next rows are read next), and
     so are the same eight rows of k_next's head h below n_next (the next work's keys)."""
     hd = qw.shape[1]
+    to_key_basis(qw, h0, group, k_l)
     tile = misc[:8].reshape(-1)
     j = ja
     if hd % 8 == 0:
@@ -132,16 +137,17 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf
                     scores[h0 + g, j + r] = eight[r]
             j = jb
     while j < jb:
-        group_scores_row(scores, qw, k_l, h, j, h0, group, misc[_ROW])
+        group_scores_row_basis(scores, qw, k_l, h, j, h0, group, misc[_ROW])
         j += 1
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next, pf_end):
     """ow[h0 + g] = sum over j in [j0, j1) of scores[h0 + g, j] * value j (any KV type), eight rows at
-    a time (kv_tile_math), two query heads per pass over them, the last 1-7 as eight zero-padded rows
-    with zero weights (as _scores_span); one by one (kv_row_math) when head_dim is not a multiple of 8.
-    The values PREFETCH_AHEAD slots on are hinted up to pf_end (as _scores_span), and so are the same eight
+    a time (kv_tile_math; in the values' basis, kv_basis, the sums taken back at the end), two query
+    heads per pass over them, the last 1-7 as eight zero-padded rows with zero weights (as
+    _scores_span); one by one (kv_row_math, values) when head_dim is not a multiple of 8, which no
+    q4_0 store has. The values PREFETCH_AHEAD slots on are hinted up to pf_end (as _scores_span), and so are the same eight
     rows of v_next's head h below n_next (the next work's values)."""
     hd = ow.shape[1]
     for g in range(group):
@@ -174,6 +180,7 @@ def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next
                     eight[r] = scores[h0 + g, j + r] if j + r < j1 else np.float32(0.0)
                 axpy8(ow[h0 + g], eight, 0, tile, 0, hd)
             j = j1
+    from_value_basis(ow, h0, group, v_l)
     while j < j1:
         accumulate_row(ow, scores, v_l, h, j, h0, group, misc[_ROW:_ROW + 1])
         j += 1

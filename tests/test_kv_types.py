@@ -334,3 +334,28 @@ def test_batched_decode_with_types(tmp_path_factory):
 def same_survivor_sets(a, b) -> bool:
     return all(np.array_equal(np.sort(a.seq[il][h, :int(a.count[il][h])]), np.sort(b.seq[il][h, :int(b.count[il][h])]))
                for il in range(len(a.seq)) for h in range(a.seq[il].shape[0]))
+
+
+@pytest.mark.parametrize("name", ["f32", "q8_0", "q4_0"])
+def test_attention_basis_gives_the_scores_and_sums_of_the_values(name):
+    """kv_basis (the stored-layout attention's reads): a query taken into the keys' basis dotted with
+    rows read in it gives the scores of the decoded rows, and a weighted sum of rows in the basis,
+    taken back, the weighted sum of the decoded rows (1e-5 relative: H's sums round)."""
+    from ringllm.runtime import kv_basis
+
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 40, 64)).astype(np.float32) * 2
+    x[..., 9] += 9.0
+    rows = kv_codec.encode(x, name)
+    values = kv_codec.decode(rows, 64)
+    q = rng.standard_normal((3, 64)).astype(np.float32)
+    qw = q.copy()
+    kv_basis.to_key_basis(qw, 0, 3, rows)
+    z = kv_basis.decode_basis(rows[1], 64)
+    np.testing.assert_allclose(qw @ z.T, q @ values[1].T, rtol=1e-5, atol=1e-4)
+    w = rng.random((3, 40)).astype(np.float32)
+    ow = (w @ z).astype(np.float32)
+    kv_basis.from_value_basis(ow, 0, 3, rows)
+    np.testing.assert_allclose(ow, w @ values[1], rtol=1e-5, atol=1e-4)
+    if name == "q4_0":                  # the coefficients are not the values
+        assert not np.allclose(z, values[1], atol=0.1)
