@@ -105,9 +105,9 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf
     the same vector code for every slot, so every caller gets the same bits); one by one (kv_row_math)
     when head_dim is not a multiple of 8. The queries are first taken into the keys' basis (kv_basis:
     in place, for q4_0 rows; a span always starts from freshly rotated queries) and the keys read in
-    it. The keys PREFETCH_AHEAD slots on
-    are hinted (up to pf_end: past the span and unit, since the head's next rows are read next), and
-    so are the same eight rows of k_next's head h below n_next (the next work's keys)."""
+    it. The keys PREFETCH_AHEAD slots on are hinted (up to pf_end: past the span and unit, since the
+    head's next rows are read next), and so are the same eight rows of k_next's head h below n_next
+    (the next work's keys)."""
     hd = qw.shape[1]
     to_key_basis(qw, h0, group, k_l)
     tile = misc[:8].reshape(-1)
@@ -147,8 +147,8 @@ def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next
     a time (kv_tile_math; in the values' basis, kv_basis, the sums taken back at the end), two query
     heads per pass over them, the last 1-7 as eight zero-padded rows with zero weights (as
     _scores_span); one by one (kv_row_math, values) when head_dim is not a multiple of 8, which no
-    q4_0 store has. The values PREFETCH_AHEAD slots on are hinted up to pf_end (as _scores_span), and so are the same eight
-    rows of v_next's head h below n_next (the next work's values)."""
+    q4_0 store has. The values PREFETCH_AHEAD slots on are hinted up to pf_end (as _scores_span), and
+    so are the same eight rows of v_next's head h below n_next (the next work's values)."""
     hd = ow.shape[1]
     for g in range(group):
         o = ow[h0 + g]
