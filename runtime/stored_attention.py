@@ -29,11 +29,25 @@ Work scratch (stored_work): (3, n_units, max(n_head, 12), hd) f32, three row blo
     work[1, u, h0 + g]    the unit's weighted value sum o for query head h0 + g
     work[2, u, 0:8]       eight rows of a quantized store, decoded into their basis (kv_tile_math.rows8_at)
     work[2, u, 8]         cos (first rotary_dim/2) and sin (next rotary_dim/2) of the offset of its
-                          first slot (later units with that offset copy them)
+                          first slot, when no earlier unit of the call computed them (the book, below)
     work[2, u, 9]         m (first group entries) and l (next group entries)
     work[2, u, 10]        the eight scores or weights of a span's last 1-7 slots (head_dim a multiple
-                          of 8), or one decoded row (the one-by-one kernels otherwise)
+                          of 8), or one decoded row (the one-by-one kernels otherwise); also the
+                          angles of an offset a unit of the parallel kernel meets that the book lacks
+                          (used at once, before the row serves anything else)
     work[2, u, 11]        the angles of an offset met later inside the unit
+
+The book: the angles of an offset are computed once per call, not once per unit and span. A ring
+layer holds two offsets (its sinks' and the other slots'), met by every kv head and unit, and each
+computation is rotary_dim/2 cosines and sines in float64, which cost about as much as the attention
+over a few dozen slots. The book is a tuple of int64 scalars (nothing allocated) naming the two
+offsets computed most recently in this call and the work rows that hold their angles,
+(off_a, row_a, off_b, row_b) with row = u * _MISC_ROWS + (_ANG or _ANG_IN), -1 when empty. A row
+in the book is never written again in the call: attend_stored (units in turn) adds what each unit
+computes; attend_stored_parallel fills it while planning (each unit's first offset, and that of its
+last slot into the unit's _ANG_IN row), and its units only read it, computing anything else into
+their own _ROW row. The angles are the same values whichever row they come from, so the bits do
+not depend on the book.
 
 Only the unit's group rows of blocks 0 and 1 are used: the query and sum rows keep the query head's
 index, so the row kernels (kv_row_math, kv_tile_math) address scores, queries and sums alike and
@@ -96,6 +110,56 @@ def _rotate_group(qw, ang, q, h0, group, rotary_dim, scale):
     for g in range(group):
         rotate_with(qw[h0 + g], q[h0 + g], ang[:half], ang[half:rotary_dim], rotary_dim)
     scale_group(qw, h0, group, scale)
+
+
+_NO_BOOK = (np.int64(-1), np.int64(-1), np.int64(-1), np.int64(-1))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _book_find(book, off):
+    """The work[2] row (u * _MISC_ROWS + r) of the book holding offset off's angles, or -1."""
+    if book[1] >= 0 and book[0] == off:
+        return book[1]
+    if book[3] >= 0 and book[2] == off:
+        return book[3]
+    return np.int64(-1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _book_add(book, off, row):
+    """The book with (off, row) first and the entry it held first second."""
+    return (off, row, book[0], book[1])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _book_drop(book, row):
+    """The book without the entry at work[2] row `row` (about to be rewritten)."""
+    if book[3] == row:
+        book = (book[0], book[1], np.int64(-1), np.int64(-1))
+    if book[1] == row:
+        book = (book[2], book[3], np.int64(-1), np.int64(-1))
+    return book
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _angles_row(work, row):
+    """work[2] row `row` (u * _MISC_ROWS + r) as a view."""
+    return work[2, row // _MISC_ROWS, row % _MISC_ROWS]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _offset_angles(work, book, u, r, off, q_pos, inv_freq, inv_scale, rotary_dim, learn):
+    """(angles row of offset off, book): the book's row when it has off, else computed into work[2, u, r]
+    and, when learn, added to the book."""
+    row = _book_find(book, off)
+    if row >= 0:
+        return _angles_row(work, row), book
+    half = rotary_dim // 2
+    ang = work[2, u, r]
+    angles_at(ang[:half], ang[half:rotary_dim], q_pos + off, inv_freq, inv_scale)
+    if learn:
+        book = _book_add(book, off, u * _MISC_ROWS + r)
+    return ang, book
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -198,16 +262,18 @@ def _exp_span(sc, n, softcap, ml, g, group):
 
 @njit(cache=True, nogil=True)
 def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores,
-          work, count_l, group, off0, k_next, v_next, n_next):
+          work, count_l, group, off0, k_next, v_next, n_next, book, learn):
     """Unit u (kv head h, slots from j0): scores, per-head maximum and exponential sum, and weighted
     value sums into work[:, u] (module docstring). off0: the offset work[0, u]'s queries are rotated
-    at on entry. The slots are scored in spans of one offset; the queries are re-rotated between spans.
+    at on entry. The slots are scored in spans of one offset; the queries are re-rotated between spans,
+    with the book's angles where it has them (module docstring); learn: the angles computed here go
+    into the unit's _ANG_IN row and the book (attend_stored), else into its _ROW row (the parallel
+    kernel's units, which only read the book). Returns the book.
     Rows j of head h of k_next / v_next below n_next are hinted into L2 as rows j are read (0: none)."""
     j1 = min(j0 + unit_slots(count_l[h]), count_l[h])
     h0 = h * group
     qw, misc = work[0, u], work[2, u]
-    ang = misc[_ANG_IN]
-    half = rotary_dim // 2
+    own = np.int64(_ANG_IN) if learn else np.int64(_ROW)
     cur = off0
     ja = j0
     while ja < j1:
@@ -217,31 +283,26 @@ def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotar
         _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, count_l[h])
         if jb < j1:
             cur = seq_l[h, jb] - pos_l[h, jb]
-            angles_at(ang[:half], ang[half:rotary_dim], q_pos + cur, inv_freq, inv_scale)
+            if learn and _book_find(book, cur) < 0:     # the unit's _ANG_IN row is rewritten: drop it from the book
+                book = _book_drop(book, u * _MISC_ROWS + _ANG_IN)
+            ang, book = _offset_angles(work, book, u, own, cur, q_pos, inv_freq, inv_scale, rotary_dim, learn)
             _rotate_group(qw, ang, q, h0, group, rotary_dim, scale)
         ja = jb
     for g in range(group):
         _exp_span(scores[h0 + g, j0:j1], j1 - j0, softcap, misc[_ML], g, group)
     _weighted_values(work[1, u], scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next, count_l[h])
+    return book
 
 
 @njit(cache=True, nogil=True)
-def _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group):
-    """Rotate unit u's queries at the offset of its first slot j0; returns (that offset, the unit
-    whose angles row now holds it). The angles of an offset are computed once (the unit `have`
-    holds those of have_off) and copied to later units that share it."""
-    half = rotary_dim // 2
+def _unit_query(u, h, j0, book, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group):
+    """Rotate unit u's queries at the offset of its first slot j0, with the book's angles when it has
+    that offset, else computed into the unit's _ANG row and added to the book; returns (that offset,
+    the book)."""
     off = seq_l[h, j0] - pos_l[h, j0]
-    ang = work[2, u, _ANG]
-    if have >= 0 and have_off == off:
-        src = work[2, have, _ANG]
-        for i in range(rotary_dim):            # a loop, not a slice copy: no shape check to compile
-            ang[i] = src[i]
-    else:
-        angles_at(ang[:half], ang[half:rotary_dim], q_pos + off, inv_freq, inv_scale)
-        have = u
+    ang, book = _offset_angles(work, book, u, np.int64(_ANG), off, q_pos, inv_freq, inv_scale, rotary_dim, True)
     _rotate_group(work[0, u], ang, q, h * group, group, rotary_dim, scale)
-    return off, have
+    return off, book
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -294,15 +355,14 @@ def _attend_units(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_
     (k_next, v_next, count_next: a layer of the same shape and KV types) are hinted as they go."""
     group = q.shape[0] // k_l.shape[0]
     # int64 from the start: a counter starting as a literal 0 makes Numba compile _unit twice
-    u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
+    u, book = np.int64(0), _NO_BOOK
     for h in range(k_l.shape[0]):                  # nothing allocated: a batched step calls this per sequence
         n_next = count_next[h] if hint_next else np.int64(0)
         for j0 in range(0, count_l[h], unit_slots(count_l[h])):
-            off, have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim,
-                                    scale, work, group)
-            have_off = off
-            _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores,
-                  work, count_l, group, off, k_next, v_next, n_next)
+            off, book = _unit_query(u, h, j0, book, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
+                                    work, group)
+            book = _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap,
+                         scores, work, count_l, group, off, k_next, v_next, n_next, book, True)
             u += 1
     _merge(out, scores, work, count_l, group, mass)
 
@@ -341,22 +401,30 @@ def attend_stored_ahead(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq
 @njit(cache=True, nogil=True)
 def _plan_units(q, k_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group):
     """attend_stored_parallel's units before they run: (3, n_units) i64 of each unit's kv head, first
-    slot and query offset, its queries rotated (_unit_query). A function of its own, not inlined:
-    the parallel kernel's compile then holds the loop alone."""
+    slot and query offset, its queries rotated (_unit_query), and the book the units read (module
+    docstring): it learns each unit's first offset and, into the unit's _ANG_IN row, the offset of its
+    last slot (a ring layer's other offset, where a unit starts at the sinks). A function of its own,
+    not inlined: the parallel kernel's compile then holds the loop alone. Returns (plan, book)."""
     n_units = 0
     for h in range(k_l.shape[0]):
         size = unit_slots(count_l[h])
         n_units += (count_l[h] + size - 1) // size
     plan = np.empty((3, n_units), np.int64)
-    u, have, have_off = np.int64(0), np.int64(-1), np.int64(0)
+    u, book = np.int64(0), _NO_BOOK
     for h in range(k_l.shape[0]):
-        for j0 in range(0, count_l[h], unit_slots(count_l[h])):
+        size = unit_slots(count_l[h])
+        for j0 in range(0, count_l[h], size):
             plan[0, u], plan[1, u] = h, j0
-            plan[2, u], have = _unit_query(u, h, j0, have, have_off, q, pos_l, seq_l, q_pos, inv_freq, inv_scale,
-                                           rotary_dim, scale, work, group)
-            have_off = plan[2, u]
+            off, book = _unit_query(u, h, j0, book, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
+                                    work, group)
+            plan[2, u] = off
+            j_last = min(j0 + size, count_l[h]) - 1
+            last = seq_l[h, j_last] - pos_l[h, j_last]
+            if last != off:
+                _, book = _offset_angles(work, book, u, np.int64(_ANG_IN), last, q_pos, inv_freq, inv_scale,
+                                         rotary_dim, True)
             u += 1
-    return plan
+    return plan, book
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
@@ -364,9 +432,10 @@ def attend_stored_parallel(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_f
                            softcap, scores, work, mass):
     """attend_stored with the units spread over the threads: the same bits for any thread count."""
     group = q.shape[0] // k_l.shape[0]
-    plan = _plan_units(q, k_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group)
+    plan, book = _plan_units(q, k_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work,
+                             group)
     for i in prange(plan.shape[1]):
         u = np.int64(i)
         _unit(u, plan[0, u], plan[1, u], q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
-              softcap, scores, work, count_l, group, plan[2, u], k_l, v_l, np.int64(0))
+              softcap, scores, work, count_l, group, plan[2, u], k_l, v_l, np.int64(0), book, False)
     _merge(out, scores, work, count_l, group, mass)
