@@ -216,7 +216,7 @@ class Replica:
         params["grammar"] = self._grammar(spec.get("grammar"))
         job = Job(spec["kind"], list(spec["ids"]), params, asyncio.get_running_loop(), asyncio.Queue(),
                   kv=KVConfig.from_dict(spec["kv"]) if spec.get("kv") else None,
-                  cache_prompt=spec.get("cache_prompt", True))
+                  cache_prompt=spec.get("cache_prompt", True), stream=spec.get("stream", True))
         try:
             self.worker.submit(job)
         except APIError as exc:
@@ -280,7 +280,7 @@ class RemoteWorker:
                 "params": {k: v for k, v in job.params.items() if k != "grammar"},
                 "grammar": None if grammar is None else {"kind": grammar.kind, "text": grammar.text},
                 "kv": job.kv.to_dict() if job.kv is not None else None, "cache_prompt": job.cache_prompt,
-                "affinity": job.affinity}
+                "affinity": job.affinity, "stream": job.stream}
         task = asyncio.get_running_loop().create_task(self._pump(job, spec))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

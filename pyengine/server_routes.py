@@ -343,7 +343,7 @@ class Routes:
     async def submit(self, request: Request, kind: str, ids: list[int], params: dict,
                      req: SamplingRequest) -> Job:
         job = Job(kind, ids, params, asyncio.get_running_loop(), asyncio.Queue(), kv=self.kv_config(req),
-                  cache_prompt=req.cache_prompt, affinity=req.session_id or req.user)
+                  cache_prompt=req.cache_prompt, affinity=req.session_id or req.user, stream=bool(req.stream))
         self.worker().submit(job)
         return job
 

@@ -19,11 +19,15 @@ it was fed. A store an engine failure interrupted is never cached.
 A Job talks to its HTTP handler only through events put on its asyncio queue, from the worker
 thread via the event loop. The worker posts events as it goes and hands them over once per engine
 step (one call_soon_threadsafe per event loop for every request of the step, not one per token per
-request), so the HTTP side wakes once per step:
+request), so the HTTP side wakes once per step, and only for what it sends as it comes: a request
+that is not streamed (job.stream False) gets its text as one chunk, posted with its end, so its
+handler does not wake for every token (on a small machine the event loop's wake-ups take cores
+the engine's threads are using):
 
     ("start", served_by)                                    admitted: the request is valid and prefilled
                                                             (served_by: the replica's name, or None)
-    ("chunk", text, token, finish_reason)                   one token
+    ("chunk", text, token, finish_reason)                   one token (streamed); not streamed: all its
+                                                            text, just before "end"
     ("end", finish_reason, info)     info: prompt_tokens, completion_tokens, cached_tokens, timings, kv_stats
     ("error", status, message)                              400 for a RingLLMError, 500 for anything else
 
@@ -73,6 +77,8 @@ class Job:
     last_token: float = 0.0      # when its latest chunk was emitted
     served_by: str | None = None # the replica that serves it (ringllm.ray_serve), from its "start" event
     affinity: str | None = None  # the request's conversation key (user / session_id): where Ray routes it
+    stream: bool = True          # False: its text is handed over once, with its end (module docstring)
+    held: list = field(default_factory=list)    # a non-streamed request's text so far
 
 
 
@@ -253,9 +259,14 @@ class Worker:
                 continue                      # dropped before the next step
             self.metrics.token(now - job.last_token)
             job.last_token = now
-            self._post(job, ("chunk", chunk.text, chunk.token, chunk.finish_reason))
+            if job.stream:
+                self._post(job, ("chunk", chunk.text, chunk.token, chunk.finish_reason))
+            else:
+                job.held.append(chunk.text)
             if chunk.finish_reason is not None:
                 del self.live[tag]
+                if not job.stream:
+                    self._post(job, ("chunk", "".join(job.held), chunk.token, chunk.finish_reason))
                 self._end(job, dec)
 
     def _end(self, job: Job, dec) -> None:

@@ -278,6 +278,43 @@ def test_full_queue_answers_503():
     assert not w._thread.is_alive()
 
 
+def test_unstreamed_job_gets_its_text_once_with_its_end(smollm2_path):
+    """A streamed job gets a chunk event per token; one not streamed (Job.stream False) gets all its
+    text as one chunk just before its end, and the same text, so its handler wakes once."""
+    import asyncio
+
+    from ringllm.llm import LLM
+    from ringllm.server import Worker, Job as _Job
+
+    llm = LLM(smollm2_path, progress=False)
+    w = Worker(llm, queue_size=4)
+    ids = llm.prompt_ids("The capital of France is")
+    params = dict(max_tokens=12, ignore_eos=True, temperature=0.0)
+
+    async def events_of(job):
+        out = []
+        while not out or out[-1][0] not in ("end", "error"):
+            out.append(await asyncio.wait_for(job.events.get(), 120))
+        return out
+
+    async def both():
+        loop = asyncio.get_running_loop()
+        jobs = [_Job("completion", ids, params, loop, asyncio.Queue(), stream=s) for s in (True, False)]
+        for job in jobs:
+            w.submit(job)
+        return await asyncio.gather(*(events_of(j) for j in jobs))
+
+    try:
+        streamed, whole = asyncio.run(both())
+    finally:
+        w.stop()
+    assert [e[0] for e in streamed] == ["start"] + ["chunk"] * 12 + ["end"]
+    assert [e[0] for e in whole] == ["start", "chunk", "end"]
+    assert whole[1][1] == "".join(e[1] for e in streamed[1:-1]) != ""
+    assert whole[1][3] == streamed[-2][3] == "length"
+    assert whole[-1][2]["completion_tokens"] == streamed[-1][2]["completion_tokens"] == 12
+
+
 # ---------------------------------------------------------------------------------------------- batched decoding
 
 def _stream_completion(server, body: dict, started: threading.Event | None = None,
