@@ -21,8 +21,9 @@ request prefers: the replica that served the same conversation key (the request'
 `session_id`), else the one that served the longest earlier prompt this prompt starts with (the
 prompts' token prefixes hashed, all at once, with a polynomial hash), so that a follow-up turn lands
 where its KV store is cached; a system prompt every conversation shares is not a whole earlier
-prompt, so it does not pull all new conversations onto one replica. Load still counts: the preferred replica is ranked first, the others after it from the least loaded, and Ray
-Serve moves on when the first is full (its max_ongoing_requests).
+prompt, so it does not pull all new conversations onto one replica. Load still counts: the preferred
+replica is ranked first, the others after it from the least loaded, and Ray Serve moves on when the
+first is full (its max_ongoing_requests).
 
 Faults: a Replica that dies costs its in-flight requests only; each gets an "error" event (503,
 "retry"): a non-streamed request answers 503, a stream ends with an error event. Ray Serve
@@ -237,8 +238,8 @@ class Replica:
 
     def stats(self) -> dict:
         w = self.worker
-        return {"name": self.name, "pid": os.getpid(), "queued": w.jobs.qsize(), "active": w.active, "peak_batch": w.peak_batch,
-                **w.counters, "prompt_cache": w.cache_stats()}
+        return {"name": self.name, "pid": os.getpid(), "queued": w.jobs.qsize(), "active": w.active,
+                "peak_batch": w.peak_batch, **w.counters, "prompt_cache": w.cache_stats()}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -164,9 +164,9 @@ class Routes:
         def chunk(text, finish, first=False, usage=None, info=None):
             if first:
                 text = ""
+            choices = [] if usage else [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
             body = {"id": rid, "object": "text_completion", "created": t, "model": name,
-                    "system_fingerprint": job.served_by, "choices": [] if usage else [{"index": 0, "text": text or "", "finish_reason": finish,
-                                                  "logprobs": None}]}
+                    "system_fingerprint": job.served_by, "choices": choices}
             if usage:
                 body["usage"] = usage
             if info:
@@ -175,7 +175,8 @@ class Routes:
 
         def final(text, finish, info):
             return {"id": rid, "object": "text_completion", "created": t, "model": name,
-                    "system_fingerprint": job.served_by, "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                    "system_fingerprint": job.served_by,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
                     "usage": usage(info), **end_fields(info)}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
