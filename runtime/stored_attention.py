@@ -150,7 +150,7 @@ def _angles_row(work, row):
 @njit(cache=True, nogil=True, inline="always")
 def _offset_angles(work, book, u, r, off, q_pos, inv_freq, inv_scale, rotary_dim, learn):
     """(angles row of offset off, book): the book's row when it has off, else computed into work[2, u, r]
-    and, when learn, added to the book."""
+    and, when learn, entered in the book in place of whatever that row held before."""
     row = _book_find(book, off)
     if row >= 0:
         return _angles_row(work, row), book
@@ -158,7 +158,7 @@ def _offset_angles(work, book, u, r, off, q_pos, inv_freq, inv_scale, rotary_dim
     ang = work[2, u, r]
     angles_at(ang[:half], ang[half:rotary_dim], q_pos + off, inv_freq, inv_scale)
     if learn:
-        book = _book_add(book, off, u * _MISC_ROWS + r)
+        book = _book_add(_book_drop(book, u * _MISC_ROWS + r), off, u * _MISC_ROWS + r)
     return ang, book
 
 
@@ -283,8 +283,6 @@ def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotar
         _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, count_l[h])
         if jb < j1:
             cur = seq_l[h, jb] - pos_l[h, jb]
-            if learn and _book_find(book, cur) < 0:     # the unit's _ANG_IN row is rewritten: drop it from the book
-                book = _book_drop(book, u * _MISC_ROWS + _ANG_IN)
             ang, book = _offset_angles(work, book, u, own, cur, q_pos, inv_freq, inv_scale, rotary_dim, learn)
             _rotate_group(qw, ang, q, h0, group, rotary_dim, scale)
         ja = jb
