@@ -25,6 +25,7 @@ from ringllm.runtime.kv_codec import encode_row, kv_row
 from ringllm.runtime.kv_row_math import accumulate_row, accumulate_rows4, group_scores
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import rotate_by_table, rotate_into
+from ringllm.runtime.simd import vadd, vhsum, vload, vzero
 
 _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
 
@@ -36,12 +37,39 @@ def exp_shifted(sc, n):
     m = sc[0]
     for j in range(1, n):
         m = max(m, sc[j])
-    total = np.float32(0.0)
     for j in range(n):
-        e = exp_f32(sc[j] - m)
-        sc[j] = e
-        total += e
-    return m, total
+        sc[j] = exp_f32(sc[j] - m)
+    return m, sum_in_order(sc, n)
+
+
+@njit(cache=True, nogil=True, fastmath=False)
+def sum_in_order(x, n):
+    """Sum of x[:n] (f32, contiguous) in one order whatever the caller: four eight-lane accumulators take
+    x[32 i + 8 a : 32 i + 8 a + 8] in turn, the chunks of eight left after them go to the first, the
+    accumulators are added (a0 + a1) + (a2 + a3), the lanes 0 to 7 in turn, then x[n - n % 8:n] one by one.
+
+    Why not a plain loop under fastmath: LLVM vectorizes such a sum as it sees fit for the code around
+    it: the same kernel linked into different callers (attend_stored alone and over the threads, a
+    batched step) can get different widths, hence different last bits of the softmax's denominator, on
+    some CPUs. Compiled with fastmath=False, stated (a kernel that leaves fastmath unset takes its first
+    caller's flags), and called, not inlined by Numba, so no reassociation flag reaches these
+    additions wherever LLVM inlines them."""
+    a0 = a1 = a2 = a3 = vzero()
+    j = 0
+    while j + 32 <= n:
+        a0 = vadd(a0, vload(x, j))
+        a1 = vadd(a1, vload(x, j + 8))
+        a2 = vadd(a2, vload(x, j + 16))
+        a3 = vadd(a3, vload(x, j + 24))
+        j += 32
+    while j + 8 <= n:
+        a0 = vadd(a0, vload(x, j))
+        j += 8
+    total = vhsum(vadd(vadd(a0, a1), vadd(a2, a3)))
+    while j < n:
+        total += x[j]
+        j += 1
+    return total
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)

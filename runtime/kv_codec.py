@@ -8,9 +8,11 @@ no type argument and a float32 store compiles to the code it had before types ex
 Quantization follows llama.cpp's reference quantizers (ggml-quants.c quantize_row_q8_0_ref /
 q4_0_ref), which gguf's NumPy quantizers also follow: q8_0 d = amax/127, q = round-half-away(x/d);
 q4_0 d = m/-8 with m the value of largest magnitude (the first of ties), q = min(15, trunc(x/d +
-8.5)); the multiplier 1/d is float32 and d is stored as f16. No fastmath in the encoders: a q8_0 row
-encodes to the same bytes as gguf.quants.quantize gives, a q4_0 row to the bytes it gives for the
-block's rotation (kv_types), which tests check.
+8.5)); the multiplier 1/d is float32 and d is stored as f16. No fastmath in the encoders, stated
+(fastmath=False) rather than left unset: Numba compiles a kernel that sets no fastmath with the flags
+of the first kernel that calls it, so an encoder first reached from a fastmath writer would be
+compiled, and cached, with them. A q8_0 row encodes to the same bytes as gguf.quants.quantize gives,
+a q4_0 row to the bytes it gives for the block's rotation (kv_types), which tests check.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def _round_half_away(x):
 # ---------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _enc_f32(row, src):
     for d in range(row.shape[0]):
         row[d] = src[d]
@@ -93,7 +95,7 @@ def _dec_f32(dst, row):
         dst[d] = row[d]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _enc_f16(row, src):
     for d in range(row.shape[0]):
         row[d] = f32_to_f16_bits(src[d])
@@ -105,7 +107,7 @@ def _dec_f16(dst, row):
         dst[d] = f16_bits_to_f32(row[d])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _enc_q8_0(row, src):
     for b in range(row.shape[0] // (QBLOCK + 2)):
         x0 = b * QBLOCK
@@ -131,7 +133,7 @@ def _dec_q8_0(dst, row):
             vstore(dst, b * QBLOCK + 8 * c, vmul(ld_i8(row, o + 2 + 8 * c), d))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def hadamard32(y):
     """y (32,) float32 in place -> H y, H the Walsh-Hadamard matrix of kv_types (Sylvester's order):
     butterflies of span 1, 2, 4, 8, 16 in that order, each pair (a, b) -> (a + b, a - b). The reference
@@ -144,7 +146,7 @@ def hadamard32(y):
                 y[k], y[k + h] = a + b, a - b
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _enc_q4_0(row, src):
     # each block rotated (kv_types: y = H (s * x)), then llama.cpp's q4_0 quantizer on y
     half = QBLOCK // 2
@@ -305,13 +307,13 @@ def _ov_kv_rows(arr, h, j0, n, buf):
     return impl
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _encode_rows(rows, src):
     for r in range(src.shape[0]):
         encode_row(rows[r], src[r])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _decode_rows(dst, rows):
     for r in range(dst.shape[0]):
         decode_row(dst[r], rows[r])

@@ -260,7 +260,7 @@ def _exp_span(sc, n, softcap, ml, g, group):
     ml[group + g] = total
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, softcap, scores,
           work, count_l, group, off0, k_next, v_next, n_next, book, learn):
     """Unit u (kv head h, slots from j0): scores, per-head maximum and exponential sum, and weighted
@@ -292,7 +292,7 @@ def _unit(u, h, j0, q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotar
     return book
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _unit_query(u, h, j0, book, q, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group):
     """Rotate unit u's queries at the offset of its first slot j0, with the book's angles when it has
     that offset, else computed into the unit's _ANG row and added to the book; returns (that offset,
@@ -396,7 +396,7 @@ def attend_stored_ahead(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_freq
                   scores, work, mass, k_next, v_next, count_next, hint_next)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _plan_units(q, k_l, pos_l, seq_l, count_l, q_pos, inv_freq, inv_scale, rotary_dim, scale, work, group):
     """attend_stored_parallel's units before they run: (3, n_units) i64 of each unit's kv head, first
     slot and query offset, its queries rotated (_unit_query), and the book the units read (module
