@@ -47,7 +47,7 @@ def _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new):
     encode_row(v_l[h, slot], v_new[h])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed):
     """Write one token into layer storage, evicting the oldest non-sink token when full.
 
@@ -65,7 +65,7 @@ def kv_write_streaming(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new,
         _put(k_l, v_l, seq_l, pos_l, h, slot, k_new, v_new, seq_new, pos_new)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def kv_write_shift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed):
     """The shift-and-append baseline (HF-style StreamingLLM): same arguments as kv_write_streaming,
     but the store is kept ordered: on eviction every slot after the victim (slot `sinks`, the oldest
@@ -105,7 +105,7 @@ def _move_slot(lay, h, dst, src, reindexed):
         hist_l[h, i, dst] = hist_l[h, i, src]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def evict_slots(lay, h, slots, n_slots, reindexed):
     """Remove the tokens in slots[:n_slots] of head h of the layer `lay` (LAYER_FIELDS), keeping
     slots [0, count) occupied.
@@ -154,7 +154,7 @@ def evict_slots(lay, h, slots, n_slots, reindexed):
     evicted_l[h] += n_slots
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def evict_slots_shift(lay, h, slots, n_slots, reindexed):
     """evict_slots for the shift-and-append baseline (update "shift"): head h's slots stay in sequence
     order (slot = rank); the victims are removed by copying every later survivor down over them
@@ -178,7 +178,7 @@ def evict_slots_shift(lay, h, slots, n_slots, reindexed):
     evicted_l[h] += n_slots
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def kv_write_policy(lay, k_new, v_new, seq_new, wr, victims, rw):
     """Evict drop_h[h] tokens of each head h (lowest key_l among unprotected slots) and write the new token.
 

@@ -68,7 +68,7 @@ def rotate_by_table(dst, src, delta, cos, sin, rotary_dim):
         dst[i] = src[i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def rope_rows_at(x, p, inv_freq, inv_scale, rotary_dim, tmp):
     """x (R, hd) rotated in place at position p (the key of one token, all kv heads).
 
@@ -97,7 +97,7 @@ def rotate_key_by(k_l, h, j, delta, have, angles, inv_freq, inv_scale, rotary_di
     encode_row(k_l[h, j], tmp)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def rotate_keys_to(k_l, kbase_l, target_l, count_l, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp):
     """Every held key, stored rotated at kbase, re-rotated to target_l (n_kv, P) i64; kbase = target.
     Converts a layer between RoPE layouts: keys before RoPE are keys rotated at 0."""
@@ -110,7 +110,7 @@ def rotate_keys_to(k_l, kbase_l, target_l, count_l, inv_freq, inv_scale, rotary_
                 kbase_l[h, j] = target_l[h, j]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def rk_write(rk_l, k_l, seq_l, count_l, seq_new, rotary_dim):
     """rk_l[h, slot] = rotate_half(k_l[h, slot]) over the rotary dims, for the slot holding seq_new."""
     half = rotary_dim // 2
@@ -128,7 +128,7 @@ def rk_write(rk_l, k_l, seq_l, count_l, seq_new, rotary_dim):
 # ---------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def kv_write_kshift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq_new, sinks, reindexed, inv_freq,
                     inv_scale, rotary_dim, back, angles, tmp):
     """kv_store.kv_write_streaming for keys stored rotated at their logical position: in reindexed

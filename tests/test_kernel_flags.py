@@ -3,9 +3,9 @@
 Numba compiles a kernel that leaves `fastmath` unset with the flags of the first kernel that calls it
 (and caches that code), so its arithmetic would depend on which caller a process, or the process that
 filled the kernel cache, met first. The stored layouts' attention promises the same bits alone, over
-the threads and in a batched step, and the KV codecs promise gguf's bytes: every kernel of theirs that
-Numba compiles on its own (not inline="always", which takes its caller's flags by design) says
-fastmath=FASTMATH or fastmath=False.
+the threads and in a batched step (whose key rotation and row writes are the single step's kernels),
+and the KV codecs promise gguf's bytes: every kernel of theirs that Numba compiles on its own (not
+inline="always", which takes its caller's flags by design) says fastmath=FASTMATH or fastmath=False.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ringllm.runtime.attention import sum_in_order
 
 RUNTIME = pathlib.Path(__file__).resolve().parents[1] / "runtime"
 SAME_BITS_MODULES = ("attention.py", "stored_attention.py", "stream_attention.py", "kv_codec.py", "kv_tile_math.py",
-                     "kv_row_math.py", "kv_basis.py", "fast_exp.py")
+                     "kv_row_math.py", "kv_basis.py", "fast_exp.py", "rope_kernels.py", "kv_write.py")
 
 
 def _kernels_without_flags(path: pathlib.Path) -> list[str]:
