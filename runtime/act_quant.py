@@ -48,7 +48,7 @@ def _store_block(X, xq, s16, t, c0, width, scale):
         s16[t, c16 // 16] = acc
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def quantize_row(X, xq, dx, s16, s32, fmt, t):
     """Quantize row t of X into row t of xq, dx, s16, s32 in format fmt (Q8_0 or Q8_K)."""
     n = X.shape[1]
@@ -84,13 +84,13 @@ def quantize_row(X, xq, dx, s16, s32, fmt, t):
         s32[t, b] = s16[t, 2 * b] + s16[t, 2 * b + 1]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _quantize_serial(X, xq, dx, s16, s32, fmt):
     for t in range(X.shape[0]):
         quantize_row(X, xq, dx, s16, s32, fmt, t)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _quantize_parallel(X, xq, dx, s16, s32, fmt):
     for t in prange(X.shape[0]):
         quantize_row(X, xq, dx, s16, s32, fmt, t)

@@ -151,7 +151,7 @@ def _attend_all(out, qrot, k_l, v_l, seq_l, seq0, n_slots, softcap):
                np.empty(R, np.float32), np.empty(R, np.float32), np.empty((K_BLOCK + 1, hd), np.float32))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _write_and_rotate(qrot, q, k_new, v_new, k_l, v_l, seq_l, pos_l, count_l, evicted_l, seq0, sinks, reindexed,
                       inv_freq, inv_scale, rotary_dim, scale, tmp):
     T, n_head, hd = q.shape

@@ -74,7 +74,7 @@ def _u32(b, i, o):
             | (np.uint32(b[i, o + 2]) << np.uint32(16)) | (np.uint32(b[i, o + 3]) << np.uint32(24)))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def half_bits_to_f32(h):
     """IEEE 754 binary16 bits (uint16 value held in an integer) -> np.float32, exactly.
 
@@ -114,21 +114,21 @@ def _f16(b, i, o):
 # Plain float types: F32, F16, BF16 (a "block" is one value)
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_f32(out, blocks):
     """F32: blocks (n, 4) uint8 little-endian IEEE binary32 -> out (n,) float32 (bit copy)."""
     for i in range(blocks.shape[0]):
         out[i] = np.uint32(_u32(blocks, i, 0)).view(np.float32)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_f16(out, blocks):
     """F16: blocks (n, 2) uint8 little-endian IEEE binary16 -> out (n,) float32 (exact)."""
     for i in range(blocks.shape[0]):
         out[i] = _f16(blocks, i, 0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_bf16(out, blocks):
     """BF16: blocks (n, 2) uint8; a bfloat16 is the top 16 bits of a float32 (ggml_bf16_t)."""
     for i in range(blocks.shape[0]):
@@ -148,7 +148,7 @@ def dequant_bf16(out, blocks):
 # j + 16 is its high nibble. Q5: qh is a little-endian uint32 whose bit j is bit 4 of value j.
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q4_0(out, blocks):
     """Q4_0: blocks (n, 18) -> out (n * 32,); y = d * (q - 8), q in 0..15."""
     for i in range(blocks.shape[0]):
@@ -160,7 +160,7 @@ def dequant_q4_0(out, blocks):
             out[base + j + 16] = d * np.float32(np.int32(q >> 4) - 8)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q4_1(out, blocks):
     """Q4_1: blocks (n, 20) -> out (n * 32,); y = d * q + m, q in 0..15."""
     for i in range(blocks.shape[0]):
@@ -173,7 +173,7 @@ def dequant_q4_1(out, blocks):
             out[base + j + 16] = d * np.float32(q >> 4) + m
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q5_0(out, blocks):
     """Q5_0: blocks (n, 22) -> out (n * 32,); y = d * (q - 16), q = nibble | qh bit << 4."""
     for i in range(blocks.shape[0]):
@@ -188,7 +188,7 @@ def dequant_q5_0(out, blocks):
             out[base + j + 16] = d * np.float32((np.int32(q >> 4) | h1) - 16)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q5_1(out, blocks):
     """Q5_1: blocks (n, 24) -> out (n * 32,); y = d * q + m, q = nibble | qh bit << 4."""
     for i in range(blocks.shape[0]):
@@ -204,7 +204,7 @@ def dequant_q5_1(out, blocks):
             out[base + j + 16] = d * np.float32(np.int32(q >> 4) | h1) + m
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q8_0(out, blocks):
     """Q8_0: blocks (n, 34) -> out (n * 32,); y = d * q, q int8."""
     for i in range(blocks.shape[0]):
@@ -239,7 +239,7 @@ def _scale_min_k4(blocks, i, j, off):
     return sc, mn
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q4_k(out, blocks):
     """Q4_K: blocks (n, 144) -> out (n * 256,).
 
@@ -265,7 +265,7 @@ def dequant_q4_k(out, blocks):
                 out[o + 32 + l] = d2 * np.float32(q >> 4) - dm2
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q5_k(out, blocks):
     """Q5_K: blocks (n, 176) -> out (n * 256,).
 
@@ -295,7 +295,7 @@ def dequant_q5_k(out, blocks):
                 out[o + 32 + l] = d2 * np.float32(q2) - dm2
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q6_k(out, blocks):
     """Q6_K: blocks (n, 210) -> out (n * 256,).
 
@@ -348,7 +348,7 @@ def _i8(byte):
 # bits 2 (u // 4) of scales[8 + u % 4], minus 32; y = (d (sc_u - 32)) q.
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q2_k(out, blocks):
     """Q2_K: blocks (n, 84) -> out (n * 256,)."""
     for i in range(blocks.shape[0]):
@@ -375,7 +375,7 @@ def _q3k_scale(blocks, i, u):
     return (lo | (hi << 4)) - 32
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_q3_k(out, blocks):
     """Q3_K: blocks (n, 110) -> out (n * 256,)."""
     for i in range(blocks.shape[0]):
@@ -405,7 +405,7 @@ def dequant_q3_k(out, blocks):
 # scales_h << 4; y = (d (ls_b - 32)) kvalue.
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_iq4_nl(out, blocks):
     """IQ4_NL: blocks (n, 18) -> out (n * 32,); y = d * kvalue[q]."""
     for i in range(blocks.shape[0]):
@@ -417,7 +417,7 @@ def dequant_iq4_nl(out, blocks):
             out[base + j + 16] = d * np.float32(KVALUES_IQ4NL[q >> 4])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def dequant_iq4_xs(out, blocks):
     """IQ4_XS: blocks (n, 136) -> out (n * 256,); y = (d (ls - 32)) * kvalue[q]."""
     for i in range(blocks.shape[0]):

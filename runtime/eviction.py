@@ -49,7 +49,7 @@ def grid_cell_bound(x, mode):
     return x
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def grid_keys(key, count_l, mode):
     """key[h, j] -> grid_value(key[h, j], mode) for the occupied slots."""
     if mode == GRID_NONE:
@@ -59,7 +59,7 @@ def grid_keys(key, count_l, mode):
             key[h, j] = grid_value(key[h, j], mode)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def keep_after(length, capacity, lazy, slack, max_drop):
     """Algorithm 1 of the staged-eviction seed: how many of `length` held tokens survive this step.
 
@@ -90,7 +90,7 @@ def ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new):
     return slot, (cap - 1 if reindexed else seq_new), seq_l[h, slot]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
     """The n_drop lowest keys among unprotected slots of one head; ties -> the older token.
 
@@ -137,7 +137,7 @@ def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
     return got
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def choose_one(key_h, seq_h, rank_h, n, sinks, recent, grid):
     """choose_victims(n_drop=1) on raw keys that are compared on grid `grid` (eviction.grid_value):
     the same victim as mapping every key onto the grid first, but the grid (a log2 per slot for
@@ -163,7 +163,7 @@ def choose_one(key_h, seq_h, rank_h, n, sinks, recent, grid):
     return best
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def pick_victims(key_l, grid, h, n_drop, seq_l, rank_l, count_l, sinks, recent, victims):
     """The n_drop victims of head h by the keys key_l[h] (raw, compared on `grid`; GRID_NONE: as
     they are) into victims[:got]; returns got (fewer only when too few slots are unprotected). One

@@ -60,7 +60,7 @@ def decoded_rows(tile_rows: int) -> int:
 # float32 at columns col0..col0+R-1: wt[c, col0 + r] = W[R t + r, c] (rows past n_rows are zero).
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _unpack_bits(wt, col0, c0, buf, r, dv, mv, bits):
     """Store 32 columns (c0..c0+31) of one 8-row group as y = dv * q + mv. bits 4: nibble dwords at
     r (4 x 32 bytes, column 8s + i at field i of dword s); bits 5: 5-bit field dwords (6 x 32 bytes,
@@ -77,7 +77,7 @@ def _unpack_bits(wt, col0, c0, buf, r, dv, mv, bits):
                 vstore(wt[c0 + 6 * m + i], col0, vfma(dv, andf(isrl(w, 5 * i), 0x1F), mv))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _unpack_tile_legacy(wt, col0, buf, kind, t, nb):
     """Family 0 tile t -> wt[:, col0:col0 + rows] (rows = 16 for Q8_0, else 24)."""
     rec = (REC_Q4_0, REC_Q4_1, REC_Q5_0, REC_Q5_1, REC_Q8_0)[kind]
@@ -104,7 +104,7 @@ def _unpack_tile_legacy(wt, col0, buf, kind, t, nb):
                     vstore(wt[b * QK + j], c, vmul(d, ld_i8(buf, r + 256 * g + 8 * j)))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _unpack_tile_kquant(wt, col0, buf, kind, t, nb):
     """Family 1 tile t -> wt[:, col0:col0 + rows] (rows = 16 for Q6_K, else 24)."""
     rec = (REC_Q4_K, REC_Q5_K, REC_Q6_K)[kind]
@@ -140,7 +140,7 @@ def _unpack_tile_kquant(wt, col0, buf, kind, t, nb):
                         _unpack_bits(wt, c, b * QK_K + QK * j, buf, r + 480 + 576 * j + 192 * g, dv, mv, 5)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _unpack_tile_float(wt, col0, buf, kind, t, nb):
     """Family 2 tile t -> wt[:, col0:col0 + 16] (nb = n_cols; kind 0 F16, 1 F32, 2 BF16)."""
     for c in range(nb):
@@ -153,7 +153,7 @@ def _unpack_tile_float(wt, col0, buf, kind, t, nb):
                 vstore(wt[c], col0 + 8 * g, ld_f32(buf, (t * nb + c) * REC_F32 + 32 * g))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _unpack_iq4(wt, col0, c0, buf, r, dv, mv, lut):
     """Store 32 IQ4 columns (c0..c0+31) of one 8-row group as y = dv * u + mv, u = kvalue + 128 looked
     up from the index nibble dwords at r (4 x 32 bytes; byte k of dword s: columns 8s + k, 8s + 4 + k)."""
@@ -166,7 +166,7 @@ def _unpack_iq4(wt, col0, c0, buf, r, dv, mv, lut):
             vstore(wt[c0 + 8 * s + 4 + k], col0, vfma(dv, andf(isrl(hi, 8 * k), 0xFF), mv))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _unpack_tile_lowbit(wt, col0, buf, kind, t, nb):
     """Family 3 tile t (24 rows) -> wt[:, col0:col0 + 24]: kind 0 Q2_K, 1 Q3_K, 2 IQ4_NL, 3 IQ4_XS."""
     rec = (REC_Q2_K, REC_Q3_K, REC_IQ4_NL, REC_IQ4_XS)[kind]
@@ -215,7 +215,7 @@ def _unpack_tiles(wt, buf, kind, rows, t0, t1, nb):
 # Matmul: register-tiled products of X with one decoded tile, and the parallel driver
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _gemm_2g(X, w, ld, go, t0, nt, tmp):
     """tmp[j, go:go + 16] = X[t0 + j] @ wt[:, go:go + 16] for j < nt (nt = 1, 2 or 4; w = wt flat,
     row stride ld; tmp (4, ld) flat). Register tiles: 4 tokens x 16 rows, or 2 tokens x 16 rows x
@@ -319,7 +319,7 @@ def _gemm_2g(X, w, ld, go, t0, nt, tmp):
         vstore(tmp, go + 8, vadd(a1, c1))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _gemm_1g(X, w, ld, go, t0, nt, tmp):
     """As _gemm_2g for the 8 rows go..go+7 (the third group of a 24-row tile): 4 tokens x 2 column
     parities (8 accumulators), one token at a time for a remainder."""
@@ -372,7 +372,7 @@ def _gemm_1g(X, w, ld, go, t0, nt, tmp):
             vstore(tmp, j * ld + go, vadd(a0, a1))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _gemm_2g8(X, w, t0, tmp):
     """tmp[j, 0:16] = X[t0 + j] @ wt[:, 0:16] for j < 8 (w = wt flat, row stride 16): one 16-lane
     accumulator per token, each lane summing what _gemm_2g's four-token path sums for it, in the same
@@ -407,7 +407,7 @@ def _gemm_2g8(X, w, t0, tmp):
     zstore(tmp, 112, a7)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _gemm_3g4(X, w, t0, tmp):
     """tmp[j, 0:24] = X[t0 + j] @ wt[:, 0:24] for j < 4 (w = wt flat, row stride 24): one pass, per token
     one 16-lane accumulator (rows 0-15) and one 8-lane (rows 16-23). On a CPU with AVX-512 the 16 lanes
@@ -447,7 +447,7 @@ def _gemm_3g4(X, w, t0, tmp):
     vstore(tmp, 88, e2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _gemm_z8x48(X, w, t0, tmp):
     """tmp[j, 0:48] = X[t0 + j] @ wt[:, 0:48] for j < 8 (w = wt flat, row stride 48): three 16-lane
     accumulators per token, each lane summing its products over the columns in order, one fma each."""
@@ -514,7 +514,7 @@ def _gemm_z8x48(X, w, t0, tmp):
     zstore(tmp, 368, h2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def gemm_tile_narrow(out, X, wt, r0, tmp, valid):
     """out[:, r0:r0 + valid] = X @ wt[:, :valid] (X (T, n_cols), wt (n_cols, ld) float32 C-contiguous,
     ld = valid = 16 or 24: one tile); rows of out past its end are dropped. tmp: float32 (8 * ld,)."""
@@ -539,7 +539,7 @@ def gemm_tile_narrow(out, X, wt, r0, tmp, valid):
         t0 += nt
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def gemm_tile_wide(out, X, wt, r0, tmp, valid):
     """out[:, r0:r0 + valid] = X @ wt[:, :valid] (wt (n_cols, WIDE_ROWS) float32 C-contiguous: tiles
     side by side, valid of its columns decoded); rows of out past its end are dropped. tmp: float32
@@ -620,7 +620,8 @@ def _family_entries(source, name: str) -> tuple:
     for family, unpack in enumerate((_unpack_tile_legacy, _unpack_tile_kquant, _unpack_tile_float,
                                      _unpack_tile_lowbit)):
         namespace = dict(globals(), unpack_tile=unpack)
-        entries.append(njit(cache=True, nogil=True, parallel=True)(bind_copy(source, f"{name}_{family}", namespace)))
+        kernel = bind_copy(source, f"{name}_{family}", namespace)
+        entries.append(njit(cache=True, nogil=True, parallel=True, fastmath=False)(kernel))
     return tuple(entries)
 
 

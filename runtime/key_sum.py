@@ -31,7 +31,7 @@ def key_inv_norm(k_l, h, j, buf):
     return 1.0 / max(np.sqrt(nrm), 1e-30)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def key_sum_move(ksum, k_l, h, j, inv, sign, buf):
     """ksum[h] += sign * round(k_l[h, j] * inv * 2^40): slot j's unit key enters (+1) or leaves (-1)
     the head's sum. No fastmath: a key's rounded contribution must be the same bits when it leaves.
@@ -41,7 +41,7 @@ def key_sum_move(ksum, k_l, h, j, inv, sign, buf):
         ksum[h, d] += sign * np.int64(np.floor(np.float64(kj[d]) * inv * KEY_SUM_FIXED + 0.5))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def key_sums(ksum, k_l, score_l, count_l):
     """Rebuild ksum (n_kv, hd) i64 and each held slot's 1/|k| in score_l from the keys (a restored
     store, a replace_many): what the write kernel keeps incrementally."""

@@ -42,7 +42,7 @@ from ringllm.runtime.rope_kernels import REBASE_LIMIT
 # ---------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def kv_put_rows(k_l, v_l, heads, slots, k_rows, v_rows):
     """k_l[heads[i], slots[i]] = k_rows[i], v_l[...] = v_rows[i] for i = 0..m-1 in order (a later row
     wins where a (head, slot) repeats).
@@ -60,7 +60,7 @@ def kv_put_rows(k_l, v_l, heads, slots, k_rows, v_rows):
             v_l[h, s, j] = v_rows[i, j]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, slots, k_new,
                     v_new, seq_new, reindexed, rebased, vseq):
     """m new tokens enter and the m tokens in their slots leave, per head, in one pass.

@@ -53,7 +53,7 @@ PAR_MIN_WEIGHTS = 65536  # matrices with fewer weights run on the calling thread
 # x preparation: pre-scaled copies of x and per-block sums, once per call, shared by all rows
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def prep_x(xs, xsum, x, tab, sub):
     """xs (n,) float32 = x * tab[c % 32] (the power-of-two pre-scaling of each column's field, see
     x_scales); xsum (n // sub,) float32 = sums of x over runs of sub = 32 or 16 values. n % 32 == 0."""
@@ -121,14 +121,14 @@ def _split(out, x, scratch):
     return out.shape[0], n_cols, scratch[o:o + n_cols], scratch[56:o], scratch[:32]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def copy_x(xs, x):
     """xs[:] = x (float types and Q8_0 use x as is)."""
     for c in range(x.shape[0]):
         xs[c] = x[c]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _finish_tail(out, tail, r0):
     """out[r0:] = tail[:n_rows - r0] (rows of the last, partial tile)."""
     for r in range(r0, out.shape[0]):
@@ -245,7 +245,7 @@ def _compile(template: str, names: tuple, **fields):
     in parallel. Returns the entry kernel."""
     exec(compile("\n" * _template_line(template) + template.format(**fields), __file__, "exec"), globals())
     for i, fn in enumerate(names):
-        globals()[fn] = njit(cache=True, nogil=True, parallel=i == len(names) - 1)(globals()[fn])
+        globals()[fn] = njit(cache=True, nogil=True, parallel=i == len(names) - 1, fastmath=False)(globals()[fn])
     return globals()[names[-1]]
 
 

@@ -15,7 +15,7 @@ ACT_SILU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
 ACT_CODES = {"silu": ACT_SILU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def rms_norm_rows(out, x, w, eps):
     """out (R, n) = x (R, n) * w (n,) / sqrt(mean(x^2) + eps), row by row (out may alias x). The float64
     sum of squares runs in four interleaved partial sums: one chain of n dependent adds (strict order,
@@ -38,7 +38,7 @@ def rms_norm_rows(out, x, w, eps):
             out[r, i] = x[r, i] * inv * w[i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def layer_norm_rows(out, x, w, b, eps):
     """out (R, n) = (x - mean) / sqrt(var + eps) * w + b, row by row (out may alias x)."""
     rows, n = x.shape
@@ -74,7 +74,7 @@ def _gated_row(out, gate, up, kind, t, n):
         out[t, i] = _act(gate[t, i], kind) * up[t, i]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def gated_act(out, gate, up, kind):
     """out (T, n_ff) = act(gate) * up, rows over threads. One prange loop serves T = 1 as well (a
     serial twin for few rows would put a second copy of the body into the kernel: compile time)."""
@@ -89,7 +89,7 @@ def _gated_fused_row(out, gate_up, kind, t, n):
         out[t, i] = _act(gate_up[t, i], kind) * gate_up[t, n + i]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def gated_act_fused(out, gate_up, kind):
     """out (T, n_ff) = act(gate) * up, gate_up (T, 2 n_ff) = [gate | up] (the stacked projection's
     output). One signature whatever T: slices of gate_up would be C-contiguous for T = 1 only, and
@@ -99,7 +99,7 @@ def gated_act_fused(out, gate_up, kind):
         _gated_fused_row(out, gate_up, kind, t, n)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def act_inplace(x, kind):
     """x (T, n_ff) = act(x)."""
     T, n = x.shape
@@ -108,7 +108,7 @@ def act_inplace(x, kind):
             x[t, i] = _act(x[t, i], kind)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def add_bias(x, b):
     """x (T, n) += b (n,)."""
     T, n = x.shape
@@ -117,7 +117,7 @@ def add_bias(x, b):
             x[t, i] += b[i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def softcap(x, cap):
     """x = cap * tanh(x / cap), elementwise over (T, n)."""
     T, n = x.shape

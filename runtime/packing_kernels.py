@@ -142,7 +142,7 @@ def _q6k_scales_and_values(rec3, t, b, blocks, r, groups, g, lane, vals):
 # One kernel per type: records (nt, nb, record_bytes) from blocks (n_rows, nb, block_bytes)
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_q8_0(rec3, blocks, n_rows):
     """Q8_0 (G = 2): values [G][32][8] i8, then d [G][8] f16."""
     nt, nb = rec3.shape[0], rec3.shape[1]
@@ -157,7 +157,7 @@ def _pack_q8_0(rec3, blocks, n_rows):
                 _copy2(rec3, t, b, _at(256 * groups, 2, 0, g, groups, 1, 0, lane), blocks, r, 0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_q4_legacy(rec3, blocks, n_rows, qs_off, has_min):
     """Q4_0 (qs_off 2) / Q4_1 (qs_off 4, has_min) (G = 3): nibble dwords [G][4][8] u32 (byte p of the 16:
     columns 2p, 2p + 1 of the block, p < 8 from the low nibbles of qs[2p], qs[2p + 1], p >= 8 from their
@@ -180,7 +180,7 @@ def _pack_q4_legacy(rec3, blocks, n_rows, qs_off, has_min):
                     _copy2(rec3, t, b, _at(o_d + 16 * groups, 2, 0, g, groups, 1, 0, lane), blocks, r, 2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_q5_legacy(rec3, blocks, n_rows, qh_off, has_min):
     """Q5_0 (qh at 2) / Q5_1 (qh at 4, has_min) (G = 3): 5-bit field dwords [G][6][8] u32
     (_fields5_put), d [G][8] f16, Q5_1's m [G][8] f16."""
@@ -200,7 +200,7 @@ def _pack_q5_legacy(rec3, blocks, n_rows, qh_off, has_min):
                     _copy2(rec3, t, b, _at(o_d + 16 * groups, 2, 0, g, groups, 1, 0, lane), blocks, r, 2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_q4_k(rec3, blocks, n_rows):
     """Q4_K (G = 3): scales (_kquant_scales), then nibble dwords [8 sub][G][4][8] u32 at 160 G: sub-block
     2c + h, column l is nibble h of qs[32 c + l] (qs at blk[16:144]); byte k of dword s holds columns
@@ -223,7 +223,7 @@ def _pack_q4_k(rec3, blocks, n_rows):
                             rec3[t, b, o + k + 4 * 4 * groups * 8] = (lo >> 4) | (hi & 0xF0)    # sub-block 2c + 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_q5_k(rec3, blocks, n_rows):
     """Q5_K (G = 3): scales (_kquant_scales), then 5-bit field dwords [8 sub][G][6][8] u32 at 160 G:
     sub-block 2c + h, column l is nibble h of qs[32 c + l] (qs at blk[48:176]) with bit 2c + h of
@@ -244,7 +244,7 @@ def _pack_q5_k(rec3, blocks, n_rows):
                                  groups, sub, g, lane)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_q6_k(rec3, blocks, n_rows):
     """Q6_K (G = 2): d [G][8] f16 (blk[208:210]), scales [16][G][8] i8 (blk[192:208]) at 16 G, 6-bit
     field dwords [8 sub][G][6][8] u32 at 144 G (packing._fields6: dword 3h + m holds column
@@ -284,7 +284,7 @@ def _nibble_dwords_put(rec3, t, b, o, vals, v0, groups, g, lane):
             rec3[t, b, base + k] = (vals[c] & 15) | ((vals[c + 1] & 15) << 4)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_q8_q8_0(rec3, blocks, n_rows):
     """Q8_0, q8 layout (G = 2): quads [G][8][8] u32 (quad 2a: columns 8a + 0, 2, 4, 6; quad 2a + 1:
     8a + 1, 3, 5, 7), then d [G][8] f16."""
@@ -302,7 +302,7 @@ def _pack_q8_q8_0(rec3, blocks, n_rows):
                 _copy2(rec3, t, b, _at(256 * groups, 2, 0, g, groups, 1, 0, lane), blocks, r, 0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_q8_q5_0(rec3, blocks, n_rows):
     """Q5_0, q8 layout (G = 2): low-nibble dwords [G][4][8] u32, high-bit dwords [G][8] u32 at 128 G (byte
     k holds bit 4 of column 8s + 2k at bit 4 + s and of column 8s + 2k + 1 at bit s), d [G][8] f16 at
@@ -329,7 +329,7 @@ def _pack_q8_q5_0(rec3, blocks, n_rows):
                 _copy2(rec3, t, b, _at(160 * groups, 2, 0, g, groups, 1, 0, lane), blocks, r, 0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_q8_q6_k(rec3, blocks, n_rows):
     """Q6_K, q8 layout (G = 2): d [G][8] f16, scales [16][G][8] i8 at 16 G, then per sub-block j at
     144 G + 192 G j: low-nibble dwords [G][4][8] u32 and, 128 G on, high-bit dwords [G][2][8] u32 (dword

@@ -21,7 +21,7 @@ from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import rotate_into
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def gather_slots(slots, spos, seq_l, table, n_table, held, n_held, reindexed):
     """List the occupied slots of one layer in table order: slots[j] = block * B + offset,
     spos[j] = logical position. seq_l (n_blocks, B) i64; table (>= n_table,) i64; held (>= n_held,)

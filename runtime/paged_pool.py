@@ -53,7 +53,7 @@ from ringllm.runtime.eviction import count_below
 # ---------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def copy_slot(k, v, seq, sb, so, db, do):
     """Slot (sb, so) -> slot (db, do) in every layer: K, V (n_kv, hd) and the token index."""
     n_layer, _, n_kv, _, hd = k.shape
@@ -65,7 +65,7 @@ def copy_slot(k, v, seq, sb, so, db, do):
                 v[il, db, h, do, d] = v[il, sb, h, so, d]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def copy_block(k, v, seq, sb, db):
     """Block sb -> block db, every layer (copy-on-write)."""
     for il in range(k.shape[0]):
@@ -74,7 +74,7 @@ def copy_block(k, v, seq, sb, db):
         seq[il, db] = seq[il, sb]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def repack_kernel(k, v, seq, table, n_table, trace):
     """Order-preserving repack of one sequence, in place: the k-th survivor (table order, judged by
     layer 0; the layers are in step) moves to table slot k; its old slot becomes a hole.
@@ -110,7 +110,7 @@ def repack_kernel(k, v, seq, table, n_table, trace):
     return dst, copies, ne
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def fill_kernel(k, v, seq, table, n_table, keep):
     """Hole-filling: the survivors of the blocks with keep[i] == False (table order) are copied into
     the holes of the kept blocks (table order). The evacuated blocks are only read (the caller drops
@@ -137,7 +137,7 @@ def fill_kernel(k, v, seq, table, n_table, keep):
     return copies
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def find_token(seq_l, table, n_table, s):
     """Table slot holding token s in one layer (seq_l (n_blocks, B) i64), or -1."""
     B = seq_l.shape[1]
@@ -149,7 +149,7 @@ def find_token(seq_l, table, n_table, s):
     return -1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def held_insert(held_l, n, s):
     """Insert token s into the sorted held_l[:n] (capacity > n). Returns its rank."""
     j = n
@@ -160,7 +160,7 @@ def held_insert(held_l, n, s):
     return j
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def held_remove(held_l, n, s):
     """Remove token s from the sorted held_l[:n]. Returns its rank, -1 when absent."""
     lo = count_below(held_l, n, s)
@@ -171,7 +171,7 @@ def held_remove(held_l, n, s):
     return lo
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def block_counts(seq0, table, n_table, out):
     """out[i] = survivors (layer-0 slots >= 0) of table entry i. seq0 (n_blocks, B) i64."""
     for ti in range(n_table):

@@ -65,7 +65,7 @@ from ringllm.runtime.kernel_copies import bind_copy
 from ringllm.runtime.kv_write import COUNT, RANK, SEQ, kv_write_policy
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def policy_write_attend(lay, k_new, v_new, seq_new, wr, victims, rw, at):
     """kv_write_policy(lay, k_new, v_new, seq_new, wr, victims, rw) (wr's drop_h filled by
     KVStore.prepare_policy_write), then the new token's attention over the layer. at = (out, q,
@@ -121,7 +121,7 @@ def pick_ahead(lay, st, n_drop, victims, pend, pend_drop):
         pend_drop[h] = got
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def observe_nothing(lay, mass, q, prm):
     """observe_layer of the policies whose heads observe alone."""
 
@@ -224,5 +224,5 @@ def bind_layer_step(policy: str, choose_next, observe_head, observe_layer=observ
     # __name__ stays this module's: Numba rebuilds a cached kernel's environment by importing it
     namespace.update(choose_next=choose_next, observe_head=observe_head, observe_layer=observe_layer,
                      PER_HEAD_CHOICE=per_head_choice, CHOOSES_AHEAD=chooses_ahead)
-    namespace["head_step"] = njit(cache=True, nogil=True)(bind_copy(_head_step, f"{policy}_head_step", namespace))
-    return njit(cache=True, nogil=True, parallel=True)(bind_copy(_layer_step, f"{policy}_layer_step", namespace))
+    namespace["head_step"] = njit(cache=True, nogil=True, fastmath=False)(bind_copy(_head_step, f"{policy}_head_step", namespace))
+    return njit(cache=True, nogil=True, parallel=True, fastmath=False)(bind_copy(_layer_step, f"{policy}_layer_step", namespace))

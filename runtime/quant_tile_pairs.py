@@ -211,7 +211,7 @@ def _dot2_q6(buf, r, xs0, xs1, xb):
     return a0, b0, a1, b1, e0, f0, e1, f1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _runtime(v):
     """v as a plain int64: a constant passed through it reaches a callee as a run-time value, not a
     literal, so one compiled body serves every caller."""
@@ -230,7 +230,7 @@ def _store3(dst, d0, o0, o1, o2):
 # Legacy blocks (Q4_0, Q4_1, Q5_0, Q5_1: 24-row tiles; Q8_0: 16 rows)
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, rec, bits, has_min):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1 tile for two rows: y = d q + m (has_min) or d (q - 2^(bits - 1)),
     folded per block as d * sum(q x) + m * S_b or d * (sum(q x) - 2^(bits - 1) S_b). Record: fields
@@ -287,25 +287,25 @@ def _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, rec, bi
     _store3(dst1, d0, p0, p1, p2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_q4_0(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q4_0 tile (24 rows) for two rows of x."""
     _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q4_0), _runtime(4), _runtime(0))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_q4_1(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q4_1 tile (24 rows) for two rows of x."""
     _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q4_1), _runtime(4), _runtime(1))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_q5_0(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q5_0 tile (24 rows) for two rows of x."""
     _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q5_0), _runtime(5), _runtime(0))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_q5_1(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q5_1 tile (24 rows) for two rows of x."""
     _tile2_legacy(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q5_1), _runtime(5), _runtime(1))
@@ -327,7 +327,7 @@ def _q8_pair(buf, ra, rb, xs0, xs1, c, acc):
     return a, b, e, f
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_q8_0(dst0, dst1, d0, buf, base, nb, x0, x1):
     """Q8_0 tile (16 rows) for two rows of x: y = d q, q int8 [col][lane] per group; even and odd
     columns summed apart as tile_q8_0 does."""
@@ -361,7 +361,7 @@ def tile2_q8_0(dst0, dst1, d0, buf, base, nb, x0, x1):
 # K-quants (Q4_K, Q5_K: 24-row tiles; Q6_K: 16 rows)
 # ==================================================================================================
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, rec, bits):
     """Q4_K / Q5_K tile for two rows: per 32-value sub-block j, y = (d sc_j) q - (dmin m_j). Record
     as tile_q4_k / tile_q5_k (d, dmin [3][8] f16, sc, mn [8][3][8] u8, then the fields)."""
@@ -407,19 +407,19 @@ def _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, rec, 
     _store3(dst1, d0, p0, p1, p2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_q4_k(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q4_K tile (24 rows) for two rows of x."""
     _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q4_K), _runtime(4))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_q5_k(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q5_K tile (24 rows) for two rows of x."""
     _tile2_kquant45(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1, _runtime(REC_Q5_K), _runtime(5))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_q6_k(dst0, dst1, d0, buf, base, nb, xs0, xsum0, xs1, xsum1):
     """Q6_K tile (16 rows) for two rows of x: per 16-value sub-block u, y = (d sc_u) (q - 32)."""
     o0 = vzero()
@@ -480,7 +480,7 @@ def _float_pair(buf, r, kind, xs0, xs1, c, acc):
     return vfma(w0, u, a), vfma(w1, u, b), vfma(w0, v, e), vfma(w1, v, f)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, kind):
     """F16 (kind 0) / F32 (1) / BF16 (2) tile for two rows: nb = n_cols, per column [2 groups][8 lanes];
     even and odd columns summed apart as tile_f16 / tile_f32 / tile_bf16 do."""
@@ -505,19 +505,19 @@ def _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, kind):
     vstore(dst1, d0 + 8, vadd(ev[3], od[3]))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_f16(dst0, dst1, d0, buf, base, nb, x0, x1):
     """F16 tile (16 rows) for two rows of x."""
     _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, _runtime(0))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_f32(dst0, dst1, d0, buf, base, nb, x0, x1):
     """F32 tile (16 rows) for two rows of x."""
     _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, _runtime(1))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile2_bf16(dst0, dst1, d0, buf, base, nb, x0, x1):
     """BF16 tile (16 rows) for two rows of x."""
     _tile2_float(dst0, dst1, d0, buf, base, nb, x0, x1, _runtime(2))
@@ -529,12 +529,12 @@ def tile2_bf16(dst0, dst1, d0, buf, base, nb, x0, x1):
 # the kernels above with _dot2_q4 / _dot2_q6 bound to _dot2_q4_pairs / _dot2_q6_pairs.
 # ==================================================================================================
 
-_tile2_legacy_pairs = njit(cache=True, nogil=True)(
+_tile2_legacy_pairs = njit(cache=True, nogil=True, fastmath=False)(
     bind_copy(_tile2_legacy.py_func, "_tile2_legacy_pairs", dict(globals(), _dot2_q4=_dot2_q4_pairs)))
-_tile2_kquant45_pairs = njit(cache=True, nogil=True)(
+_tile2_kquant45_pairs = njit(cache=True, nogil=True, fastmath=False)(
     bind_copy(_tile2_kquant45.py_func, "_tile2_kquant45_pairs", dict(globals(), _dot2_q4=_dot2_q4_pairs)))
 _PAIR_NS = dict(globals(), _tile2_legacy=_tile2_legacy_pairs, _tile2_kquant45=_tile2_kquant45_pairs,
                 _dot2_q6=_dot2_q6_pairs)
 for _tile in (tile2_q4_0, tile2_q4_1, tile2_q4_k, tile2_q6_k):
-    globals()[_tile.__name__ + "_pairs"] = njit(cache=True, nogil=True)(
+    globals()[_tile.__name__ + "_pairs"] = njit(cache=True, nogil=True, fastmath=False)(
         bind_copy(_tile.py_func, _tile.__name__ + "_pairs", _PAIR_NS))

@@ -418,7 +418,7 @@ REC_F16 = 2 * 16                         # per column (F16 and BF16)
 REC_F32 = 2 * 32                         # per column (F32)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q4_0(dst, d0, buf, base, nb, xs, xsum):
     """Q4_0 tile (24 rows): y = d (q - 8) -> d * (sum q x - 8 S_b)."""
     o0 = vzero()
@@ -437,7 +437,7 @@ def tile_q4_0(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q4_1(dst, d0, buf, base, nb, xs, xsum):
     """Q4_1 tile (24 rows): y = d q + m -> d * sum(q x) + m * S_b."""
     o0 = vzero()
@@ -459,7 +459,7 @@ def tile_q4_1(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q5_0(dst, d0, buf, base, nb, xs, xsum):
     """Q5_0 tile (24 rows): y = d (q - 16) -> d * (sum q x - 16 S_b)."""
     o0 = vzero()
@@ -478,7 +478,7 @@ def tile_q5_0(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q5_1(dst, d0, buf, base, nb, xs, xsum):
     """Q5_1 tile (24 rows): y = d q + m."""
     o0 = vzero()
@@ -500,7 +500,7 @@ def tile_q5_1(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q8_0(dst, d0, buf, base, nb, x):
     """Q8_0 tile: y = d q, q int8 stored [col][lane] per group (256 bytes)."""
     o0 = vzero()
@@ -526,7 +526,7 @@ def tile_q8_0(dst, d0, buf, base, nb, x):
     vstore(dst, d0 + 8, o1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q4_k(dst, d0, buf, base, nb, xs, xsum):
     """Q4_K tile (24 rows): per 32-value sub-block j, y = (d sc_j) q - (dmin m_j).
 
@@ -556,7 +556,7 @@ def tile_q4_k(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q5_k(dst, d0, buf, base, nb, xs, xsum):
     """Q5_K tile (24 rows): as Q4_K with 5-bit values; record per super-block: d, dmin [3][8] f16,
     sc, mn [8 sub][3][8] u8, fields [8 sub][3 groups][6][8 lanes] u32."""
@@ -583,7 +583,7 @@ def tile_q5_k(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q6_k(dst, d0, buf, base, nb, xs, xsum):
     """Q6_K tile (16 rows): per 16-value sub-block u, y = (d sc_u) (q - 32), sc int8.
 
@@ -610,7 +610,7 @@ def tile_q6_k(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 8, o1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q2_k(dst, d0, buf, base, nb, xs, xsum):
     """Q2_K tile (24 rows): per 16-value sub-block u, y = (d sc_u) q - (dmin m_u), q 2 bits.
 
@@ -659,7 +659,7 @@ def tile_q2_k(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_q3_k(dst, d0, buf, base, nb, xs, xsum):
     """Q3_K tile (24 rows): per 16-value sub-block u, y = (d sc_u) (u3 - 4), u3 = q + 4 in 0..7.
 
@@ -694,7 +694,7 @@ def tile_q3_k(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_iq4_nl(dst, d0, buf, base, nb, xs, xsum):
     """IQ4_NL tile (24 rows): y = d kvalue[q] = d (u - 128) -> d * (sum u x - 128 S_b).
 
@@ -718,7 +718,7 @@ def tile_iq4_nl(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_iq4_xs(dst, d0, buf, base, nb, xs, xsum):
     """IQ4_XS tile (24 rows): per 32-value sub-block j, y = (d (ls_j - 32)) kvalue[q].
 
@@ -746,7 +746,7 @@ def tile_iq4_xs(dst, d0, buf, base, nb, xs, xsum):
     vstore(dst, d0 + 16, o2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_f16(dst, d0, buf, base, nb, x):
     """F16 tile: nb = n_cols; per column [2 groups][8 lanes] f16."""
     a0 = vzero()
@@ -772,7 +772,7 @@ def tile_f16(dst, d0, buf, base, nb, x):
     vstore(dst, d0 + 8, vadd(c0, c1))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_bf16(dst, d0, buf, base, nb, x):
     """BF16 tile: nb = n_cols; per column [2 groups][8 lanes] bf16."""
     a0 = vzero()
@@ -798,7 +798,7 @@ def tile_bf16(dst, d0, buf, base, nb, x):
     vstore(dst, d0 + 8, vadd(c0, c1))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_f32(dst, d0, buf, base, nb, x):
     """F32 tile: nb = n_cols; per column [2 groups][8 lanes] f32."""
     a0 = vzero()
@@ -834,5 +834,5 @@ def tile_f32(dst, d0, buf, base, nb, x):
 PAIR_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
 _PAIR_NS = dict(globals(), _dot_q4=dot_q4_pairs, _dot_q6=dot_q6_pairs)
 for _tile in (tile_q4_0, tile_q4_1, tile_q4_k, tile_q6_k):
-    globals()[_tile.__name__ + "_pairs"] = njit(cache=True, nogil=True)(
+    globals()[_tile.__name__ + "_pairs"] = njit(cache=True, nogil=True, fastmath=False)(
         bind_copy(_tile.py_func, _tile.__name__ + "_pairs", _PAIR_NS))

@@ -312,7 +312,7 @@ def put_rows8(out, t, row0, a):
 
 
 _GRP_SOURCE = '''
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def grp{n}_{name}{v}(buf, base, g, nb, {xs}):
 {zeros}
     for b in range(nb):
@@ -347,7 +347,7 @@ def group_{name}{v}(out, buf, xq, dx, s16, s32, nb, u):
         t += 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile1_{name}{v}(out, buf, tile, nb, X0, t):
 {zeros}
     base = tile * nb * {rec}
@@ -365,7 +365,7 @@ def few_{name}{v}(out, buf, xq, dx, s16, s32, nb, tile):
         tile1_{name}{v}(out, buf, tile, nb, (xq[t], dx[t], s16[t], s32[t]), t)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def q8mm_{name}{v}(out, buf, X, xq, dx, s16, s32, nb):
     T = X.shape[0]
     if T < 4:
@@ -380,7 +380,7 @@ def q8mm_{name}{v}(out, buf, X, xq, dx, s16, s32, nb):
             group_{name}{v}(out, buf, xq, dx, s16, s32, nb, u)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def q8mm_{name}{v}_serial(out, buf, X, xq, dx, s16, s32, nb):
     T = X.shape[0]
     for t in range(T):

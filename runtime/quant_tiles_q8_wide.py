@@ -200,7 +200,7 @@ def _zput(out, t, row0, a):
 
 
 _GRP_SOURCE = '''
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def zgrp{n}_{name}(buf, base0, g0, base1, g1, nb, {xs}):
 {zeros}
     for b in range(nb):
@@ -240,7 +240,7 @@ def zgroup_{name}(out, buf, xq, dx, s16, s32, nb, p):
         t += 1
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def q8mm_{name}_vnni512(out, buf, X, xq, dx, s16, s32, nb):
     T = X.shape[0]
     if T < 4:
@@ -255,7 +255,7 @@ def q8mm_{name}_vnni512(out, buf, X, xq, dx, s16, s32, nb):
             zgroup_{name}(out, buf, xq, dx, s16, s32, nb, p)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def q8mm_{name}_vnni512_serial(out, buf, X, xq, dx, s16, s32, nb):
     T = X.shape[0]
     for t in range(T):

@@ -1,25 +1,29 @@
-"""The kernels behind a same-bits contract state their fastmath flags.
+"""Every ringllm kernel states its fastmath flags.
 
 Numba compiles a kernel that leaves `fastmath` unset with the flags of the first kernel that calls it
 (and caches that code), so its arithmetic would depend on which caller a process, or the process that
-filled the kernel cache, met first. The stored layouts' attention promises the same bits alone, over
-the threads and in a batched step (whose key rotation and row writes are the single step's kernels),
-and the KV codecs promise gguf's bytes: every kernel of theirs that Numba compiles on its own (not
-inline="always", which takes its caller's flags by design) says fastmath=FASTMATH or fastmath=False.
+filled the kernel cache, met first: the stored layouts' attention once gave different last bits alone
+and over the threads that way, and a key's RoPE rotation used fused multiply-adds or not by whether
+the batched step or the single step compiled it first. So every kernel Numba compiles on its own (not
+inline="always", which takes its caller's flags by design) says fastmath=FASTMATH (numba_flags) or
+fastmath=False: in the source, and for the kernels built at import from templates and copies.
 """
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import pkgutil
+import sys
 
 import numpy as np
 from numba import njit
+from numba.core.registry import CPUDispatcher
 
+import ringllm.runtime
 from ringllm.runtime.attention import sum_in_order
 
-RUNTIME = pathlib.Path(__file__).resolve().parents[1] / "runtime"
-SAME_BITS_MODULES = ("attention.py", "stored_attention.py", "stream_attention.py", "kv_codec.py", "kv_tile_math.py",
-                     "kv_row_math.py", "kv_basis.py", "fast_exp.py", "rope_kernels.py", "kv_write.py")
+RUNTIME = pathlib.Path(ringllm.runtime.__file__).resolve().parent
 
 
 def _kernels_without_flags(path: pathlib.Path) -> list[str]:
@@ -37,13 +41,30 @@ def _kernels_without_flags(path: pathlib.Path) -> list[str]:
             kw = {k.arg: k.value for k in deco.keywords}
             inline = isinstance(kw.get("inline"), ast.Constant) and kw["inline"].value == "always"
             if not inline and "fastmath" not in kw:
-                found.append(f"{path.name}:{node.lineno} {node.name}")
+                found.append(f"{path.relative_to(RUNTIME)}:{node.lineno} {node.name}")
     return found
 
 
-def test_same_bits_kernels_state_their_fastmath_flags():
-    missing = [k for m in SAME_BITS_MODULES for k in _kernels_without_flags(RUNTIME / m)]
+def test_every_kernel_in_the_source_states_its_fastmath_flags():
+    missing = [k for path in sorted(RUNTIME.rglob("*.py")) for k in _kernels_without_flags(path)]
     assert not missing, f"kernels that would take their first caller's fastmath flags: {missing}"
+
+
+def test_every_kernel_built_at_import_states_its_fastmath_flags():
+    """The kernels in the runtime's modules once imported, those built from templates included."""
+    for info in pkgutil.walk_packages(ringllm.runtime.__path__, "ringllm.runtime."):
+        importlib.import_module(info.name)
+    kernels, missing = 0, []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("ringllm.") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            if isinstance(obj, CPUDispatcher) and obj.__module__ == name:
+                kernels += 1
+                options = obj.targetoptions
+                if options.get("inline") != "always" and "fastmath" not in options:
+                    missing.append(f"{name}.{obj.py_func.__name__}")
+    assert kernels > 300 and not missing, missing
 
 
 def test_a_stated_strict_kernel_stays_strict_under_a_fastmath_caller():

@@ -34,7 +34,7 @@ from ringllm.runtime.policies.snapkv import MASS_FIXED, SnapKV, observe_head, po
 from ringllm.runtime.policy_step import bind_layer_step
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def select_drops(key, tot_l, seq_l, rank_l, count_l, pool, by_rank, capacity, lazy, slack, max_drop, sinks, recent,
                  floor, mode, low, order, ptr, drop_h):
     """drop_h[h] = how many of the layer's n_total victims head h gives, by one layer-wide selection,
@@ -142,7 +142,7 @@ def select_drops(key, tot_l, seq_l, rank_l, count_l, pool, by_rank, capacity, la
     return got
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
     """The next write's victims (policy_step's contract): one layer-wide selection (select_drops);
     prm: pool, floor, and the scratch low, order, ptr."""

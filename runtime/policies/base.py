@@ -106,7 +106,7 @@ def step_params(pool: int = 0, width: int = 0, floor: int = 0, lam: float = 0.0,
     return (int(pool), int(width), int(floor), float(lam), by_rank, s, low, order, ptr, qhist)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def popcount(x):
     """Set bits of an int64 (Kernighan)."""
     c = 0
@@ -116,7 +116,7 @@ def popcount(x):
     return c
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def seq_keys(key, seq_l, count_l):
     """key[h, j] = sequence index: the oldest unprotected token goes first."""
     for h in range(seq_l.shape[0]):
@@ -124,7 +124,7 @@ def seq_keys(key, seq_l, count_l):
             key[h, j] = seq_l[h, j]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def copy_keys(key, score_l, count_l, sign):
     """key[h, j] = sign * score[h, j] for occupied slots."""
     for h in range(score_l.shape[0]):
@@ -137,7 +137,7 @@ def score_keys(store, il: int) -> None:
     copy_keys(store.key, store.score[il], store.count[il], 1.0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def accumulate_mass(score_l, mass, count_l):
     """score[h, j] += mass[h, j] (float64 accumulation) for occupied slots."""
     for h in range(score_l.shape[0]):
@@ -145,7 +145,7 @@ def accumulate_mass(score_l, mass, count_l):
             score_l[h, j] += mass[h, j]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def choose_lowest_score(lay, st, prm, by_rank, s, victims, pend, pend_drop):
     """choose_next (policy_step's contract) of the policies whose key is the slot's score itself (h2o's
     accumulated mass, tova's latest weight): the lowest scores go."""

@@ -27,7 +27,7 @@ from ringllm.runtime.policies.random_policy import splitmix64
 from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def gaussian_draws(out, seed, il, hq, seq_new):
     """out (S, hd) f64 standard normals for (seed, layer, query head, new token), Box-Muller pairs."""
     S, hd = out.shape
@@ -44,7 +44,7 @@ def gaussian_draws(out, seed, il, hq, seq_new):
                 out[s, d + 1] = r * np.sin(2.0 * np.pi * u2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _nucleus_votes(qv, keys, n, scale, softcap, p, votes):
     """Softmax of qv (hd,) . keys[:n] * scale (soft-capped as the model's attention is when softcap > 0);
     add 1 to votes[j] for the top-p nucleus; returns its size."""
@@ -75,7 +75,7 @@ def _nucleus_votes(qv, keys, n, scale, softcap, p, votes):
     return size
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, rotary_dim, scale, softcap, p, seed,
            il, seq_new, p_now, p_future, z, krot, cs, sn):
     n_kv = k_l.shape[0]
@@ -119,12 +119,12 @@ def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, 
     return budget
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
     """Nothing is chosen ahead: the budget needs the next token's query (fill_keys, Python path)."""
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def observe_head(lay, mass, q, seq_new, hq0, prm):
     """The new token's query rows join the history ring (prm's qhist (n_head, w, hd), column seq_new
     mod w), as on_insert does on the Python path."""

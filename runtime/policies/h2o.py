@@ -17,7 +17,7 @@ from ringllm.runtime.policies.base import Policy, accumulate_mass, choose_lowest
 from ringllm.runtime.policy_step import bind_layer_step
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def observe_head(lay, mass, q, seq_new, hq0, prm):
     """Every held token's score grows by the mass it just received."""
     accumulate_mass(lay[SCORE], mass, lay[COUNT])

@@ -16,7 +16,7 @@ from numba import njit
 from ringllm.runtime.policies.base import Policy, copy_keys
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _store_norms(score_l, count_l, k_pre):
     for h in range(score_l.shape[0]):
         acc = 0.0

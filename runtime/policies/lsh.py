@@ -17,7 +17,7 @@ from numba import njit
 from ringllm.runtime.policies.base import Policy, popcount
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def simhash_rows(out, x, proj):
     """out (R,) i64 = packed sign bits of proj (c, d) @ x[r] (d,) for each row r of x (R, d)."""
     c, d = proj.shape
@@ -32,7 +32,7 @@ def simhash_rows(out, x, proj):
         out[r] = code
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _hamming_keys(key, aux_l, count_l, q_codes, group):
     for h in range(aux_l.shape[0]):
         for j in range(count_l[h]):
@@ -42,7 +42,7 @@ def _hamming_keys(key, aux_l, count_l, q_codes, group):
             key[h, j] = -dist
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _store_codes(aux_l, count_l, codes):
     for h in range(aux_l.shape[0]):
         aux_l[h, count_l[h] - 1] = codes[h]

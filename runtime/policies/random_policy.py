@@ -15,7 +15,7 @@ from ringllm.runtime.policies.base import Policy
 _MASK = (1 << 64) - 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def splitmix64(x):
     """One splitmix64 output for state x (uint64)."""
     x = x + np.uint64(0x9E3779B97F4A7C15)
@@ -24,7 +24,7 @@ def splitmix64(x):
     return x ^ (x >> np.uint64(31))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _random_keys(key, seq_l, count_l, seed, il, seq_new):
     for h in range(seq_l.shape[0]):
         base = splitmix64(splitmix64(splitmix64(np.uint64(seed)) ^ np.uint64(il * 1024 + h)) ^ np.uint64(seq_new))

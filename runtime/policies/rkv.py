@@ -53,7 +53,7 @@ def rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
             key[h, j] = lam * np.float64(tot_l[h, j]) * top - (1.0 - lam) * red
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
     """The next write's victims (policy_step's contract): importance against redundancy (prm's lam)."""
     n_drop = drops_ahead(lay, st, pend_drop)

@@ -17,7 +17,7 @@ from ringllm.runtime.policies.base import Policy, popcount, step_params
 from ringllm.runtime.policy_step import bind_layer_step, drops_ahead, pick_ahead
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def update_history(aux_l, mass, count_l, group, history):
     mask = (1 << history) - 1 if history < 64 else -1
     for h in range(aux_l.shape[0]):
@@ -28,14 +28,14 @@ def update_history(aux_l, mass, count_l, group, history):
             aux_l[h, j] = ((aux_l[h, j] << 1) | low) & mask
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def unimportant_keys(key, aux_l, count_l):
     for h in range(aux_l.shape[0]):
         for j in range(count_l[h]):
             key[h, j] = -popcount(aux_l[h, j])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
     """The next write's victims (policy_step's contract): the most steps unimportant."""
     n_drop = drops_ahead(lay, st, pend_drop)
@@ -44,7 +44,7 @@ def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
         pick_ahead(lay, st, n_drop, victims, pend, pend_drop)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def observe_head(lay, mass, q, seq_new, hq0, prm):
     """This step's bit of every held token's history (prm's width: the history length)."""
     count_l = lay[COUNT]

@@ -51,7 +51,7 @@ def mass_fixed(m):
     return np.int64(np.floor(np.float64(m) * MASS_FIXED + 0.5))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def record_window(hist_l, tot_l, mass, count_l, col):
     """hist[h, col, j] = mass[h, j] and tot[h, j] (int64) = the slot's window total in fixed point,
     for the occupied slots: the total moves by the new entry minus the one it replaces. Integer
@@ -64,7 +64,7 @@ def record_window(hist_l, tot_l, mass, count_l, col):
             hist_l[h, col, j] = m
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def window_totals(tot_l, hist_l, count_l):
     """tot[h, j] = sum over the slot's window hist[h, :, j] of mass_fixed (as record_window keeps it)."""
     for h in range(hist_l.shape[0]):
@@ -105,7 +105,7 @@ def pooled_keys(key, tot_l, rank_l, count_l, pool, by_rank):
             key[h, j] = by_rank[P + rank_l[h, j]]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
     """The next write's victims (policy_step's contract): the lowest pooled window mass (prm's pool)."""
     n_drop = drops_ahead(lay, st, pend_drop)
@@ -114,7 +114,7 @@ def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
         pick_ahead(lay, st, n_drop, victims, pend, pend_drop)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def observe_head(lay, mass, q, seq_new, hq0, prm):
     """The step's mass enters the observation window (prm's width: w), column seq_new mod w."""
     record_window(lay[HIST], lay[AUX], mass, lay[COUNT], seq_new % prm[1])

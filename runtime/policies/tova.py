@@ -16,7 +16,7 @@ from ringllm.runtime.policies.base import Policy, choose_lowest_score, score_key
 from ringllm.runtime.policy_step import bind_layer_step
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def latest_mean(score_l, mass, count_l, n_head):
     n_kv = score_l.shape[0]
     n = count_l[0]
@@ -29,12 +29,12 @@ def latest_mean(score_l, mass, count_l, n_head):
             score_l[h, j] = acc
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def observe_head(lay, mass, q, seq_new, hq0, prm):
     """Nothing per head: the score is a mean over every head (observe_layer)."""
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def observe_layer(lay, mass, q, prm):
     """Every slot's score becomes the latest query's weight on it, averaged over the query heads."""
     latest_mean(lay[SCORE], mass, lay[COUNT], q.shape[0])
