@@ -14,12 +14,13 @@ query kept at 16 bits instead of 8, so the query's rounding (at most amax / 6553
 far below the key's own.
 
 Both run on one thread over one kv head's --slots slots (rows in L2/L3 after the first pass, as the
-arithmetic's floor) for the --group query heads of that kv head: the float path through
-_scores_span itself (two heads per pass over the decoded rows, dot8x2, the third alone), the integer
-path head by head. Reported: nanoseconds per slot for the whole group (the fastest of --repeats passes
-of 50 calls), and each path's largest score error against float64 scores of the decoded keys, beside
-the scores' spread. The integer kernels here are the study's, not the runtime's. Writes
-bench/results/<name>.{json,md}.
+arithmetic's floor) for the --group query heads of that kv head: the float path through the kernels
+the attention's span scoring runs (kv_tile_math.rows8_at decoding eight rows into a tile, dot8x2 for
+two heads per pass over it, dot8 for a third; without the span's prefetch hints, the rows being in
+cache), the integer path head by head. Reported: nanoseconds per slot for the whole group (the
+fastest of --repeats passes of 50 calls), and each path's largest score error against float64 scores
+of the decoded keys, beside the scores' spread. The integer kernels here are the study's, not the
+runtime's. Writes bench/results/<name>.{json,md}.
 """
 from __future__ import annotations
 
@@ -36,14 +37,23 @@ from numba.extending import intrinsic
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, write_results  # noqa: E402
 
+from numba.core import cgutils, types  # noqa: E402
+
 from ringllm.runtime.kv_codec import block_scale, decode, encode  # noqa: E402
+from ringllm.runtime.kv_tile_math import dot8, dot8x2, head_rows, rows8_at  # noqa: E402
 from ringllm.runtime.numba_flags import FASTMATH  # noqa: E402
-from ringllm.runtime.simd import (_byte_ptr, _call, i32x8, iadd, itof, ld_i32, vfma, vload, vmul, vsplat,  # noqa: E402
-                                  vstore, vsum8x8, vzero)
-from ringllm.runtime.stored_attention import _MISC_ROWS, _scores_span  # noqa: E402
+from ringllm.runtime.simd import (i32x8, iadd, itof, ld_i32, vfma, vload, vmul, vsplat, vstore,  # noqa: E402
+                                  vsum8x8, vzero)
+from ringllm.runtime.stored_attention import stored_work  # noqa: E402
 
 _VW = ir.VectorType(ir.IntType(16), 16)
 _VI = ir.VectorType(ir.IntType(32), 8)
+
+
+def _vector_at(context, builder, arrty, arr, off, offty, vty):
+    """Pointer to a vty at byte offset off of array arr's data."""
+    data = builder.bitcast(context.make_array(arrty)(context, builder, arr).data, ir.IntType(8).as_pointer())
+    return builder.bitcast(builder.gep(data, [context.cast(builder, off, offty, types.intp)]), vty.as_pointer())
 
 
 @intrinsic
@@ -51,7 +61,7 @@ def ld_i8w(typingctx, buf, off):
     """16 int8 at byte offset off sign-extended to 16 int16 lanes (vpmovsxbw), carried as an i32x8."""
     def codegen(context, builder, sig, args):
         vb = ir.VectorType(ir.IntType(8), 16)
-        b = builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], vb), align=1)
+        b = builder.load(_vector_at(context, builder, sig.args[0], args[0], args[1], sig.args[1], vb), align=1)
         return builder.bitcast(builder.sext(b, _VW), _VI)
     return i32x8(buf, off), codegen
 
@@ -60,8 +70,8 @@ def ld_i8w(typingctx, buf, off):
 def madd16(typingctx, a, b):
     """vpmaddwd: 8 int32 lanes, lane i = a[2i] b[2i] + a[2i+1] b[2i+1] of the two vectors' int16 lanes."""
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", _VI,
-                     [builder.bitcast(args[0], _VW), builder.bitcast(args[1], _VW)])
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VW, _VW]), "llvm.x86.avx2.pmadd.wd")
+        return builder.call(fn, [builder.bitcast(args[0], _VW), builder.bitcast(args[1], _VW)])
     return i32x8(a, b), codegen
 
 
@@ -155,6 +165,22 @@ def scores_int16_rowsum(scores, h0, group, q16, dq, k_l, h, ja, jb, dk):
             vstore(scores[h0 + g], j, acc)
 
 
+@njit(cache=False, fastmath=FASTMATH)
+def scores_float(scores, qw, group, k_l, h, ja, jb, tile):
+    """scores[g, ja:jb] (jb - ja a multiple of 8) as the attention scores a span today: eight rows decoded
+    into tile, two query heads per pass over it (dot8x2), the last one alone (dot8)."""
+    hd = qw.shape[1]
+    rows = head_rows(k_l, h, tile)
+    for j in range(ja, jb, 8):
+        base = rows8_at(k_l, h, j, tile)
+        g = 0
+        while g + 2 <= group:
+            dot8x2(scores[g], scores[g + 1], j, qw[g], qw[g + 1], rows, base, hd)
+            g += 2
+        if g < group:
+            dot8(scores[g], j, qw[g], rows, base, hd)
+
+
 def _fastest(fn, repeats: int, calls: int = 50) -> float:
     fn()
     best = float("inf")
@@ -178,7 +204,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     k_l = encode(rng.standard_normal((1, slots, hd)).astype(np.float32), "q8_0")
     qw = (rng.standard_normal((group, hd)) * hd ** -0.5).astype(np.float32)      # rotated queries, times scale
-    misc = np.zeros((_MISC_ROWS, hd), np.float32)
+    tile = stored_work(1, group, hd, slots)[2, 0, :8].reshape(-1)      # the unit's tile rows of the attention's scratch
     s_float = np.zeros((group, slots), np.float32)
     s_int = np.zeros((group, slots), np.float32)
     s_rowsum = np.zeros((group, slots), np.float32)
@@ -187,7 +213,7 @@ def main() -> None:
     dq = np.zeros((group, hd // 32), np.float32)
 
     def float_path():
-        _scores_span(s_float, qw, k_l, 0, 0, slots, 0, group, misc, k_l, 0, slots)
+        scores_float(s_float, qw, group, k_l, 0, 0, slots, tile)
 
     def int_path():
         quantize_queries(qw, 0, group, q16, dq)
