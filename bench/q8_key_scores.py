@@ -101,6 +101,12 @@ def _block_dot(qb, b, k_flat, r):
     return iadd(lo, hi)
 
 
+@njit(cache=False, fastmath=FASTMATH, inline="always")
+def _scaled_block(qb, b, k_flat, r, d, acc):
+    """acc + float(the block-b integer dot at byte r) x (the key block's scale x d, the query's)."""
+    return vfma(itof(_block_dot(qb, b, k_flat, r)), vsplat(block_scale(k_flat, r) * d), acc)
+
+
 @njit(cache=False, fastmath=FASTMATH)
 def scores_int16(scores, h0, group, q16, dq, k_l, h, ja, jb):
     """scores[h0 + g, ja:jb] (jb - ja a multiple of 8) of the q8_0 rows of head h against the int16
@@ -116,21 +122,14 @@ def scores_int16(scores, h0, group, q16, dq, k_l, h, ja, jb):
             for b in range(nb):
                 d = dq[g, b]
                 r = j * width + b * 34
-                a0 = vfma(itof(_block_dot(qb, b, k_flat, r)), vsplat(block_scale(k_flat, r) * d), a0)
-                r += width
-                a1 = vfma(itof(_block_dot(qb, b, k_flat, r)), vsplat(block_scale(k_flat, r) * d), a1)
-                r += width
-                a2 = vfma(itof(_block_dot(qb, b, k_flat, r)), vsplat(block_scale(k_flat, r) * d), a2)
-                r += width
-                a3 = vfma(itof(_block_dot(qb, b, k_flat, r)), vsplat(block_scale(k_flat, r) * d), a3)
-                r += width
-                a4 = vfma(itof(_block_dot(qb, b, k_flat, r)), vsplat(block_scale(k_flat, r) * d), a4)
-                r += width
-                a5 = vfma(itof(_block_dot(qb, b, k_flat, r)), vsplat(block_scale(k_flat, r) * d), a5)
-                r += width
-                a6 = vfma(itof(_block_dot(qb, b, k_flat, r)), vsplat(block_scale(k_flat, r) * d), a6)
-                r += width
-                a7 = vfma(itof(_block_dot(qb, b, k_flat, r)), vsplat(block_scale(k_flat, r) * d), a7)
+                a0 = _scaled_block(qb, b, k_flat, r, d, a0)
+                a1 = _scaled_block(qb, b, k_flat, r + width, d, a1)
+                a2 = _scaled_block(qb, b, k_flat, r + 2 * width, d, a2)
+                a3 = _scaled_block(qb, b, k_flat, r + 3 * width, d, a3)
+                a4 = _scaled_block(qb, b, k_flat, r + 4 * width, d, a4)
+                a5 = _scaled_block(qb, b, k_flat, r + 5 * width, d, a5)
+                a6 = _scaled_block(qb, b, k_flat, r + 6 * width, d, a6)
+                a7 = _scaled_block(qb, b, k_flat, r + 7 * width, d, a7)
             vstore(row, j, vsum8x8(a0, a1, a2, a3, a4, a5, a6, a7))
 
 
