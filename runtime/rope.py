@@ -36,7 +36,8 @@ import numpy as np
 
 from ringllm.runtime import compile_share
 from ringllm.runtime.attention import attend, attend_rk
-from ringllm.runtime.stored_attention import PARALLEL_MIN_SLOTS, attend_stored, attend_stored_parallel, stored_work
+from ringllm.runtime.stored_attention import (PARALLEL_MIN_SLOTS, attend_stored, attend_stored_parallel,
+                                              attend_stored_tokens, same_unit_plan, stored_work)
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.rope_kernels import REBASE_LIMIT, kv_write_kshift, rk_write, rope_rows_at, rotate_keys_to
 from ringllm.runtime.rope_scaling import base_freqs
@@ -142,6 +143,7 @@ class AttendScratch:
         self.angles = np.zeros((2, rotary_dim // 2), np.float32)
         self.ktmp = np.zeros(head_dim + rotary_dim, np.float32)
         self.qpos = np.zeros(n_kv, np.int64)
+        self.no_mass = np.zeros((0, 0), np.float32)
 
     def grow(self, slots: int) -> bool:
         """Make scores hold `slots` columns; True when it had to grow."""
@@ -150,6 +152,21 @@ class AttendScratch:
         self.scores = np.zeros((self.scores.shape[0], slots), np.float32)
         self.work = stored_work(self.n_kv, self.out.shape[0], self.out.shape[1], slots)
         return True
+
+    def run_buffers(self, T: int, slots: int) -> tuple:
+        """Buffers of a run of T <= RUN_TOKENS tokens' attention (StoredRope.write_attend_run) over
+        layers of at most `slots` slots: (out (T, n_head, hd), scores (T, n_head, slots), work
+        (T, stored_work), books (T, 4) i64, counts (T, n_kv) i64, q_pos (T,) i64), views of arrays
+        allocated once for RUN_TOKENS tokens and grown with the slots."""
+        run = getattr(self, "_run", None)
+        if run is None or run[1].shape[2] < slots:
+            n_head, hd = self.out.shape
+            run = (np.zeros((RUN_TOKENS, n_head, hd), np.float32), np.zeros((RUN_TOKENS, n_head, slots), np.float32),
+                   np.zeros((RUN_TOKENS, *stored_work(self.n_kv, n_head, hd, slots).shape), np.float32),
+                   np.zeros((RUN_TOKENS, 4), np.int64), np.zeros((RUN_TOKENS, self.n_kv), np.int64),
+                   np.zeros(RUN_TOKENS, np.int64))
+            self._run = run
+        return tuple(a[:T] for a in run)
 
 
 class RopeStrategy:
@@ -187,6 +204,11 @@ def _query_position_grown(store, il: int, rope: LayerRope, seq: int) -> int:
         rope.table.ensure(qp + REBASE_LIMIT + 1)
         rope.full.ensure(qp + 1)
     return qp
+
+
+# Tokens a run's attention takes at once (StoredRope.write_attend_run): a speculative verification's
+# gamma + 1; longer runs go in parts of this many.
+RUN_TOKENS = 8
 
 
 # The threaded attention in this process: "ready" once it has run, else the monotonic time at which a
@@ -234,6 +256,38 @@ class StoredRope(RopeStrategy):
 
     def attend(self, store, il, rope, q, seq, scale, softcap, mass, sc):
         _attend_stored(store, il, rope, store.seq[il], q, seq, scale, softcap, mass, sc)
+
+    @staticmethod
+    def runs(store, il: int, T: int) -> bool:
+        """Whether write_attend_run can take T tokens into ring layer il: written in place into free
+        slots (every head holds count + T <= its slots), so no token evicts one an earlier token sees."""
+        return (store.layer_ring[il] and store.update == "inplace"
+                and int(store.count[il].max()) + T <= store.k[il].shape[1])
+
+    def write_attend_run(self, store, il, rope, k, v, q, seq0, scale, softcap, sc, out):
+        """Tokens seq0 .. seq0 + T - 1 into ring layer il (k, v (T, n_kv, hd) before RoPE: rotated
+        in place) and out (T, n_head, hd) = each one's attention (q (T, n_head, hd) before RoPE), as T
+        calls of write then attend give them (the same bits): every token is written, through the store's
+        write (and its journal), then each one's attention over the slots it saw when written, all the
+        run's tokens at once (stored_attention.attend_stored_tokens: the layer's rows read once, not T
+        times). runs(store, il, T) must hold. Runs of more than RUN_TOKENS tokens go in parts."""
+        T = q.shape[0]
+        for a in range(0, T, RUN_TOKENS):
+            n = min(RUN_TOKENS, T - a)
+            o, scores, work, books, counts, q_pos = sc.run_buffers(n, store.k[il].shape[1])
+            for t in range(n):
+                self.write(store, il, rope, k[a + t], v[a + t], seq0 + a + t, sc)
+                counts[t] = store.count[il]
+                q_pos[t] = store.query_position(il, seq0 + a + t)
+            args = (store.k[il], store.v[il], store.pos[il], store.seq[il])
+            tail = (rope.inv_freq, rope.inv_scale, rope.rotary_dim, scale, softcap)
+            if same_unit_plan(counts):
+                attend_stored_tokens(o, q[a:a + n], *args, counts, q_pos, *tail, scores, work, books)
+            else:                   # a token crossed a unit boundary: its own call (the same bits)
+                for t in range(n):
+                    attend_stored_parallel(o[t], q[a + t], *args, counts[t], q_pos[t], *tail, scores[t], work[t],
+                                           sc.no_mass)
+            out[a:a + n] = o
 
 
 class KShiftRope(RopeStrategy):

@@ -68,7 +68,7 @@ from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
 __all__ = ["UNIT_SLOTS", "MAX_UNITS", "unit_slots", "PARALLEL_MIN_SLOTS", "stored_work", "attend_stored",
-           "attend_stored_ahead", "attend_stored_parallel"]
+           "attend_stored_ahead", "attend_stored_parallel", "same_unit_plan", "attend_stored_tokens"]
 
 UNIT_SLOTS = 256                 # slots per unit at least: a unit's scores (group x 256 f32) and rows stay in L1/L2
 # A head's slots are cut into at most this many units (unit_slots): each unit's start costs the
@@ -437,3 +437,44 @@ def attend_stored_parallel(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_f
         _unit(u, plan[0, u], plan[1, u], q, k_l, v_l, pos_l, seq_l, q_pos, inv_freq, inv_scale, rotary_dim, scale,
               softcap, scores, work, count_l, group, plan[2, u], k_l, v_l, np.int64(0), book, False)
     _merge(out, scores, work, count_l, group, mass)
+
+
+def same_unit_plan(counts: np.ndarray) -> bool:
+    """Whether every row of counts (T, n_kv) i64 (each token's occupied slots per kv head) cuts each
+    head into the same units (unit_slots and the number of units): attend_stored_tokens' condition."""
+    per = -(-counts // MAX_UNITS)
+    size = np.maximum(UNIT_SLOTS, -(-per // UNIT_SLOTS) * UNIT_SLOTS)
+    n_units = -(-counts // size)
+    return bool((size == size[0]).all() and (n_units == n_units[0]).all())
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+def attend_stored_tokens(out, q, k_l, v_l, pos_l, seq_l, counts, q_pos, inv_freq, inv_scale, rotary_dim, scale,
+                         softcap, scores, work, books):
+    """attend_stored_parallel for T tokens at once over one layer, each token t seeing the first
+    counts[t, h] slots of each kv head h at query position q_pos[t]: the attention of a run of tokens
+    written one after another without evicting, each attending right after its write (a speculative
+    verification, a short chunk), after all of them were written. Each token's units and merge are
+    attend_stored_parallel's (the same bits as calling it per token with that token's count); a unit's
+    tokens run in turn on one thread, so its key and value rows come from memory once for all of them
+    (from L2 after the first), where a call per token reads the layer T times.
+
+    out, q (T, n_head, hd) f32; counts (T, n_kv) i64, q_pos (T,) i64; scores (T, n_head, >= cap) f32,
+    work (T, *stored_work(...).shape) f32, books (T, 4) i64 scratch. same_unit_plan(counts) must hold.
+    Nothing is written to a mass array (no policy reads it on a ring layer)."""
+    T = q.shape[0]
+    group = q.shape[1] // k_l.shape[0]
+    plan = np.empty((3, 0), np.int64)
+    for t in range(T):
+        plan, book = _plan_units(q[t], k_l, pos_l, seq_l, counts[t], q_pos[t], inv_freq, inv_scale, rotary_dim,
+                                 scale, work[t], group)
+        books[t, 0], books[t, 1], books[t, 2], books[t, 3] = book
+    for i in prange(plan.shape[1]):
+        u = np.int64(i)
+        for t in range(T):
+            book = (books[t, 0], books[t, 1], books[t, 2], books[t, 3])
+            _unit(u, plan[0, u], plan[1, u], q[t], k_l, v_l, pos_l, seq_l, q_pos[t], inv_freq, inv_scale, rotary_dim,
+                  scale, softcap, scores[t], work[t], counts[t], group, plan[2, u], k_l, v_l, np.int64(0), book, False)
+    no_mass = np.zeros((0, 0), np.float32)
+    for t in range(T):
+        _merge(out[t], scores[t], work[t], counts[t], group, no_mass)

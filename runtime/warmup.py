@@ -7,7 +7,8 @@ compiles what a long one needs, provided it takes every code path the long one t
 - prefill of fewer than matvec.TILED_MIN_T rows (one matvec per row) and of more (the tiled
   matrix-matrix kernels, and the whole-chunk attention however few pairs the chunk attends: a long
   prompt's later chunks take it), for each weight type of the model; and, unless left out, the few-row kernels
-  batched decode and speculative decoding run (rows in pairs through each tile);
+  batched decode and speculative decoding run (rows in pairs through each tile), and the attention of a
+  verification's tokens as one run (warm_verify_run);
 - a single-token step (decode);
 - writes into a full store, where the policy chooses victims (its compiled layer step, its
   scores), with the store's position mode and staged-eviction settings.
@@ -89,6 +90,7 @@ def warm(engine, kv: KVConfig, few_rows: bool = True) -> None:
     engine.step(1 % n_vocab, store)
     if few_rows:
         warm_few_rows(engine)
+        warm_verify_run(engine, small)
 
 
 def warm_decode(engine, kv: KVConfig, one_thread_first: bool = False) -> None:
@@ -121,6 +123,20 @@ def warm_few_rows(engine) -> None:
     that batches (the server's worker) and should not pay their compile inside its first batch."""
     for qtype in sorted({pm.qtype for pm in getattr(engine, "mats", {}).values()}):
         warm_weight_type(qtype)
+
+
+def warm_verify_run(engine, kv: KVConfig) -> None:
+    """Compile (or load) the attention a speculative verification runs when its tokens fit in a ring
+    layer's free slots (rope.StoredRope.write_attend_run): two journaled tokens into a fresh store of
+    kv's configuration, taken back out. A store the journal cannot undo never verifies: nothing to do."""
+    store = engine.new_store(kv)
+    try:
+        store.begin_journal(2)
+    except ConfigError:
+        return
+    engine.logits([1 % engine.spec.n_vocab, 2 % engine.spec.n_vocab], store, few_rows=True)
+    store.rollback(0)
+    store.commit()
 
 
 def warm_weight_type(qtype: GGMLType) -> None:

@@ -287,27 +287,61 @@ def test_rollback_exact_smollm2(smollm2, kv):
     check_rollbacks(eng, KVConfig(**kv), ids, 60, 4, chunk=True)
 
 
-def test_few_row_verify_gives_the_bits_of_decoding(smollm2):
+def verify_equals_decoding(eng, a, b, rows):
+    """Journaled, the rows' logits from one verify forward into store a equal those of decoding them one
+    by one into store b (the same state), bit for bit; both stores are rolled back after."""
+    a.begin_journal(len(rows))
+    got = eng.logits(rows, a, few_rows=True)
+    b.begin_journal(len(rows))
+    want = np.stack([eng.step(t, b).copy() for t in rows])
+    np.testing.assert_array_equal(got, want)
+    for st in (a, b):
+        st.rollback(0)
+        st.commit()
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "q8_0"])
+def test_few_row_verify_gives_the_bits_of_decoding(smollm2, kv_type):
     """forward(few_rows=True), as speculative decoding drafts and verifies: 2 to 8 rows through the few-row
     products (Q4_1 / Q8_0 pairs kernels) give each row's logits bit for bit as decoding the tokens one
-    by one does, over a journaled store that evicts."""
+    by one does, over a journaled store that evicts (T >= 5) or has room for the rows (T <= 4: their
+    attention as one run, rope.StoredRope.write_attend_run)."""
     eng = CPUEngine(smollm2.spec, smollm2.tensors)
-    kv = KVConfig(capacity=40, policy="streaming", sinks=4)
+    kv = KVConfig(capacity=40, policy="streaming", sinks=4, k_type=kv_type, v_type=kv_type)
     ids = smollm2.tokenizer.encode("It was the best of times, it was the worst of times, it was the age of wisdom,")
     ids = (ids * 3)[:36]
     a, b = eng.new_store(kv), eng.new_store(kv)
     eng.prefill(ids[:36], a)
     eng.prefill(ids[:36], b)
     for T in range(2, 9):
-        rows = ids[36 - T:36]
-        a.begin_journal(T)
-        got = eng.logits(rows, a, few_rows=True)
-        b.begin_journal(T)
-        want = np.stack([eng.step(t, b).copy() for t in rows])
-        np.testing.assert_array_equal(got, want)
-        for st in (a, b):
-            st.rollback(0)
-            st.commit()
+        verify_equals_decoding(eng, a, b, ids[36 - T:36])
+
+
+@pytest.mark.parametrize("positions", ["reindexed", "original"])
+def test_verify_run_gives_the_bits_of_decoding(tiny, monkeypatch, positions):
+    """A journaled verify of T tokens into free slots writes them in turn and attends them as one run
+    (stored_attention.attend_stored_tokens: each layer's rows read once for all T): every row's logits
+    are bit for bit those of decoding the tokens one by one, whether all the run's tokens cut the heads
+    into the same units or one crosses a unit boundary (2048 slots: that run attends token by token),
+    runs longer than rope.RUN_TOKENS included; rollback gives back the store that was prefilled."""
+    from ringllm.runtime import rope as rope_module
+
+    spec, tensors = tiny
+    eng = CPUEngine(spec, tensors)
+    kv = KVConfig(capacity=2100, policy="streaming", sinks=4, positions=positions)
+    ids = np.random.default_rng(1).integers(0, spec.n_vocab, 2070).tolist()
+    runs, split = [], []
+    real_run, real_plan = rope_module.attend_stored_tokens, rope_module.same_unit_plan
+    monkeypatch.setattr(rope_module, "attend_stored_tokens", lambda *a: (runs.append(a[1].shape[0]), real_run(*a)))
+    monkeypatch.setattr(rope_module, "same_unit_plan", lambda c: real_plan(c) or split.append(len(c)) or False)
+    for n_prompt in (100, 2044):            # from 2044, a run of 5+ tokens crosses 2048 slots
+        a, b, fresh = eng.new_store(kv), eng.new_store(kv), eng.new_store(kv)
+        for st in (a, b, fresh):
+            eng.prefill(ids[:n_prompt], st)
+        for T in (2, 5, 8, 11):
+            verify_equals_decoding(eng, a, b, ids[n_prompt:n_prompt + T])
+        assert_same_store(a, fresh)
+    assert runs and max(runs) == rope_module.RUN_TOKENS and split, "both kinds of run were exercised"
 
 
 @pytest.mark.slow
