@@ -10,7 +10,8 @@ k tokens enter, k tokens leave, one call per layer:
     older than it: O(n log m) instead of m passes of O(n)).
   * KVJournal (KVStore.begin_journal / rollback / commit): before every write of a journaled
     token, the store's small per-slot arrays of that layer (seq, rank, kbase, pos, count, evicted,
-    score, aux, hist, extra, ksum: a few KB) are snapshot and the K/V/RK rows the write will overwrite (the
+    score, aux, hist, extra, ksum: a few KB; for a ring write into a free slot only seq, count, evicted
+    and the slot's position) are snapshot and the K/V/RK rows the write will overwrite (the
     ring's slot, or the policy's victims, the new token's slot and the keys a "rebased" layer will
     re-rotate) are saved. rollback(n_keep)
     puts the saved rows back in reverse order (one kv_put_rows call per layer: the rejected tokens
@@ -152,10 +153,15 @@ class KVJournal:
 
     Per layer and journaled token t: snapshot[field][t] = the layer's small arrays before token t's
     write; rows[t] = (heads (r,) i64, slots (r,) i64, k (r, hd), v (r, hd), rk (r, rotary_dim) or
-    None): the rows that write overwrites, as they were.
+    None, pos (r,) i64 or None): the rows that write overwrites, as they were. A ring write into a
+    free slot (every head below its capacity: nothing evicted) changes only its slot's row, sequence
+    index and position and the head's count: its snapshot holds LIGHT_FIELDS alone and pos the
+    slots' positions (the position array is `rank` in reindexed mode, else `pos`), a few KB where the
+    whole snapshot of a long layer is ~0.6 MB, taken for every token of every verify.
     """
 
     SNAP_FIELDS = ("seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra", "ksum")
+    LIGHT_FIELDS = ("seq", "count", "evicted")
 
     def __init__(self, store, max_tokens: int):
         if max_tokens < 1:
@@ -173,6 +179,7 @@ class KVJournal:
                       for f in self.fields} for il in range(store.spec.n_layer)]
         self.victims = np.zeros(max(store.layer_physical) + 1, np.int64)
         self.heads = np.arange(store.spec.n_head_kv, dtype=np.int64)     # a ring write: one row per head
+        self.pos_field = "rank" if store.reindexed else "pos"             # the array a ring write's positions go to
         self.reset()
 
     def reset(self) -> None:
@@ -190,7 +197,7 @@ class KVJournal:
         cnt, ev = store.count[il], store.evicted[il]
         cap, s = store.seq[il].shape[1], store.layer_sinks[il]
         slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1))          # int64, as count and evicted
-        self._record(store, il, self.heads[:cnt.shape[0]], slots)
+        self._record(store, il, self.heads[:cnt.shape[0]], slots, light=bool((cnt < cap).all()))
 
     def before_policy(self, store, il: int, grid: int) -> None:
         """kv_write_policy is about to evict drop_h[h] tokens of each head (store.key filled, `grid` as
@@ -218,18 +225,20 @@ class KVJournal:
                 heads.extend([h] * again.size)
         self._record(store, il, np.asarray(heads, np.int64), np.asarray(slots, np.int64))
 
-    def _record(self, store, il: int, heads: np.ndarray, slots: np.ndarray) -> None:
+    def _record(self, store, il: int, heads: np.ndarray, slots: np.ndarray, light: bool = False) -> None:
+        """Save what token t's write changes; light: a ring write into free slots (class docstring)."""
         t = self.n[il]
         if t >= self.max_tokens:
             raise ConfigError(f"journal full: it was begun for {self.max_tokens} tokens; begin_journal(n) with "
                               "the number of tokens the verify feeds")
         snap = self.snap[il]
-        for f in self.fields:
+        for f in (self.LIGHT_FIELDS if light else self.fields):
             src = getattr(store, f)[il]
             if src.size:
                 snap[f][t] = src
         rk = store.rk[il][heads, slots] if store.rk is not None else None
-        self.rows[il].append((heads, slots, store.k[il][heads, slots], store.v[il][heads, slots], rk))
+        pos = getattr(store, self.pos_field)[il][heads, slots] if light else None
+        self.rows[il].append((heads, slots, store.k[il][heads, slots], store.v[il][heads, slots], rk, pos))
         self.n[il] = t + 1
 
     def _check(self, il: int, t: int, seq_after: np.ndarray) -> None:
@@ -245,6 +254,24 @@ class KVJournal:
                                "(a write path the journal does not predict); rollback would be wrong")
 
     # -- rollback -----------------------------------------------------------------------------
+
+    def _restore_small(self, il: int, n_keep: int, fed: int) -> None:
+        """Layer il's small arrays back to their state before token n_keep: from the oldest full snapshot
+        among tokens n_keep .. fed - 1 (it undoes every token after it), then the light tokens before
+        that, newest first (their snapshot fields and their slots' positions)."""
+        store, snap, entries = self.store, self.snap[il], self.rows[il]
+        oldest_full = next((t for t in range(n_keep, fed) if entries[t][5] is None), fed)
+        if oldest_full < fed:
+            for f in self.fields:
+                dst = getattr(store, f)[il]
+                if dst.size:
+                    dst[...] = snap[f][oldest_full]
+        pos_l = getattr(store, self.pos_field)[il]
+        for t in range(oldest_full - 1, n_keep - 1, -1):
+            heads, slots, *_, pos = entries[t]
+            pos_l[heads, slots] = pos
+            for f in self.LIGHT_FIELDS:
+                getattr(store, f)[il][...] = snap[f][t]
 
     def rollback(self, n_keep: int) -> None:
         """Undo every journaled token after the first n_keep: the store becomes bitwise the store
@@ -269,11 +296,7 @@ class KVJournal:
             if store.rk is not None and undo[0][4] is not None:
                 rows = np.concatenate([u[4][::-1] for u in undo])
                 kv_put_rows(store.rk[il], store.rk[il], heads, slots, rows, rows)
-            snap = self.snap[il]
-            for f in self.fields:
-                dst = getattr(store, f)[il]
-                if dst.size:
-                    dst[...] = snap[f][n_keep]
+            self._restore_small(il, n_keep, fed)
             del self.rows[il][n_keep:]
             self.n[il] = n_keep
         store.forget_pending()

@@ -115,6 +115,20 @@ def test_rollback_exact_rope_modes(tiny, rope):
         check_rollbacks(eng, KVConfig(capacity=16, policy="streaming", sinks=2, positions=positions), ids, 30, 4, True)
 
 
+@pytest.mark.parametrize("rope", ["stored", "fused", "rk"])
+@pytest.mark.parametrize("positions", ["reindexed", "original"])
+def test_rollback_exact_into_free_ring_slots(tiny, rope, positions):
+    """Journaled tokens written into a ring's free slots keep a light record (KVJournal.LIGHT_FIELDS and
+    the slots' positions): undone exactly, alone and when the journal's later tokens evict (the ring
+    fills up inside the journal), for every n_keep, through one verify forward and through steps."""
+    eng = CPUEngine(*tiny, n_batch=16, rope=rope)
+    ids = np.random.default_rng(5).permutation(256)[:60].tolist()
+    kv = KVConfig(capacity=16, policy="streaming", sinks=2, positions=positions)
+    check_rollbacks(eng, kv, ids, 5, 4, chunk=True, positions_evict=False)      # every token into a free slot
+    check_rollbacks(eng, kv, ids, 14, 4, chunk=True)                            # two free slots, then evictions
+    check_rollbacks(eng, kv, ids, 13, 6, chunk=False)
+
+
 def test_rollback_exact_sliding_window():
     """Gemma 3 style: two sliding-window layers (their own ring) beside a policy layer."""
     eng = CPUEngine(*tiny_model(seed=3, window=(8, 8, 0)), n_batch=16)
