@@ -10,8 +10,8 @@ k tokens enter, k tokens leave, one call per layer:
     older than it: O(n log m) instead of m passes of O(n)).
   * KVJournal (KVStore.begin_journal / rollback / commit): before every write of a journaled
     token, the store's small per-slot arrays of that layer (seq, rank, kbase, pos, count, evicted,
-    score, aux, hist, extra, ksum: a few KB; for a ring write into a free slot only seq, count, evicted
-    and the slot's position) are snapshot and the K/V/RK rows the write will overwrite (the
+    score, aux, hist, extra, ksum: a few KB; for a ring write only seq, count, evicted and positions,
+    into a free slot only its slot's position) are snapshot and the K/V/RK rows the write will overwrite (the
     ring's slot, or the policy's victims, the new token's slot and the keys a "rebased" layer will
     re-rotate) are saved. rollback(n_keep)
     puts the saved rows back in reverse order (one kv_put_rows call per layer: the rejected tokens
@@ -151,13 +151,16 @@ def check_replace_many(store, il: int, slots: np.ndarray, seqs: np.ndarray) -> N
 class KVJournal:
     """Undo log of up to `max_tokens` tokens fed into `store` (see the module docstring).
 
-    Per layer and journaled token t: snapshot[field][t] = the layer's small arrays before token t's
-    write; rows[t] = (heads (r,) i64, slots (r,) i64, k (r, hd), v (r, hd), rk (r, rotary_dim) or
-    None, pos (r,) i64 or None): the rows that write overwrites, as they were. A ring write into a
-    free slot (every head below its capacity: nothing evicted) changes only its slot's row, sequence
-    index and position and the head's count: its snapshot holds LIGHT_FIELDS alone and pos the
-    slots' positions (the position array is `rank` in reindexed mode, else `pos`), a few KB where the
-    whole snapshot of a long layer is ~0.6 MB, taken for every token of every verify.
+    Per layer and journaled token t: snapshot[field][t] = a small array of the layer before token t's
+    write, for the fields that write may change; rows[t] = (heads (r,) i64, slots (r,) i64, k (r, hd),
+    v (r, hd), rk (r, rotary_dim) or None, pos (r,) i64 or None, fields): the rows that write
+    overwrites, as they were, the slots' positions when only theirs change, and the fields snapshot.
+    A policy write may change any small array: all of them (SNAP_FIELDS). A ring write (the streaming
+    kernel) changes the sequence index and position of its slot, the head's count and evicted, and in
+    reindexed mode, when it evicts, the position of every newer token: LIGHT_FIELDS and the position
+    array (`rank` in reindexed mode, else `pos`); into a free slot, LIGHT_FIELDS and its slot's
+    position alone. A layer of 4096 slots holds ~0.6 MB of small arrays; a verify snapshots them for
+    every token of every layer.
     """
 
     SNAP_FIELDS = ("seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra", "ksum")
@@ -180,6 +183,7 @@ class KVJournal:
         self.victims = np.zeros(max(store.layer_physical) + 1, np.int64)
         self.heads = np.arange(store.spec.n_head_kv, dtype=np.int64)     # a ring write: one row per head
         self.pos_field = "rank" if store.reindexed else "pos"             # the array a ring write's positions go to
+        self.ring_fields = self.LIGHT_FIELDS + (self.pos_field,)          # what a ring write may change
         self.reset()
 
     def reset(self) -> None:
@@ -197,7 +201,9 @@ class KVJournal:
         cnt, ev = store.count[il], store.evicted[il]
         cap, s = store.seq[il].shape[1], store.layer_sinks[il]
         slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1))          # int64, as count and evicted
-        self._record(store, il, self.heads[:cnt.shape[0]], slots, light=bool((cnt < cap).all()))
+        free = bool((cnt < cap).all())
+        self._record(store, il, self.heads[:cnt.shape[0]], slots, self.LIGHT_FIELDS if free else self.ring_fields,
+                     slot_positions=free)
 
     def before_policy(self, store, il: int, grid: int) -> None:
         """kv_write_policy is about to evict drop_h[h] tokens of each head (store.key filled, `grid` as
@@ -223,22 +229,24 @@ class KVJournal:
                 again = np.flatnonzero((off < 0) | (off + got >= REBASE_LIMIT))
                 slots.extend(again.tolist())
                 heads.extend([h] * again.size)
-        self._record(store, il, np.asarray(heads, np.int64), np.asarray(slots, np.int64))
+        self._record(store, il, np.asarray(heads, np.int64), np.asarray(slots, np.int64), self.fields)
 
-    def _record(self, store, il: int, heads: np.ndarray, slots: np.ndarray, light: bool = False) -> None:
-        """Save what token t's write changes; light: a ring write into free slots (class docstring)."""
+    def _record(self, store, il: int, heads: np.ndarray, slots: np.ndarray, fields: tuple,
+                slot_positions: bool = False) -> None:
+        """Save what token t's write changes: the rows at (heads, slots), the small arrays `fields`, and
+        with slot_positions the slots' positions (class docstring)."""
         t = self.n[il]
         if t >= self.max_tokens:
             raise ConfigError(f"journal full: it was begun for {self.max_tokens} tokens; begin_journal(n) with "
                               "the number of tokens the verify feeds")
         snap = self.snap[il]
-        for f in (self.LIGHT_FIELDS if light else self.fields):
+        for f in fields:
             src = getattr(store, f)[il]
             if src.size:
                 snap[f][t] = src
         rk = store.rk[il][heads, slots] if store.rk is not None else None
-        pos = getattr(store, self.pos_field)[il][heads, slots] if light else None
-        self.rows[il].append((heads, slots, store.k[il][heads, slots], store.v[il][heads, slots], rk, pos))
+        pos = getattr(store, self.pos_field)[il][heads, slots] if slot_positions else None
+        self.rows[il].append((heads, slots, store.k[il][heads, slots], store.v[il][heads, slots], rk, pos, fields))
         self.n[il] = t + 1
 
     def _check(self, il: int, t: int, seq_after: np.ndarray) -> None:
@@ -256,22 +264,21 @@ class KVJournal:
     # -- rollback -----------------------------------------------------------------------------
 
     def _restore_small(self, il: int, n_keep: int, fed: int) -> None:
-        """Layer il's small arrays back to their state before token n_keep: from the oldest full snapshot
-        among tokens n_keep .. fed - 1 (it undoes every token after it), then the light tokens before
-        that, newest first (their snapshot fields and their slots' positions)."""
+        """Layer il's small arrays back to their state before token n_keep. Each field from the oldest
+        snapshot of it among tokens n_keep .. fed - 1: a token before that one left the field as it was
+        (else it would have snapshot it), except the positions of the slots a ring write into a free
+        slot took, put back newest first. A field no undone token snapshot is as it was."""
         store, snap, entries = self.store, self.snap[il], self.rows[il]
-        oldest_full = next((t for t in range(n_keep, fed) if entries[t][5] is None), fed)
-        if oldest_full < fed:
-            for f in self.fields:
-                dst = getattr(store, f)[il]
-                if dst.size:
-                    dst[...] = snap[f][oldest_full]
-        pos_l = getattr(store, self.pos_field)[il]
-        for t in range(oldest_full - 1, n_keep - 1, -1):
-            heads, slots, *_, pos = entries[t]
-            pos_l[heads, slots] = pos
-            for f in self.LIGHT_FIELDS:
-                getattr(store, f)[il][...] = snap[f][t]
+        for f in self.fields:
+            first = next((t for t in range(n_keep, fed) if f in entries[t][6]), fed)
+            dst = getattr(store, f)[il]
+            if first < fed and dst.size:
+                dst[...] = snap[f][first]
+            if f == self.pos_field:
+                for t in range(first - 1, n_keep - 1, -1):
+                    heads, slots, pos = entries[t][0], entries[t][1], entries[t][5]
+                    if pos is not None:
+                        dst[heads, slots] = pos
 
     def rollback(self, n_keep: int) -> None:
         """Undo every journaled token after the first n_keep: the store becomes bitwise the store
