@@ -148,6 +148,33 @@ def check_replace_many(store, il: int, slots: np.ndarray, seqs: np.ndarray) -> N
 # ---------------------------------------------------------------------------------------------
 
 
+@njit(cache=True, nogil=True, fastmath=False)
+def ring_save(t, k_l, v_l, seq_l, pos_l, count_l, evicted_l, sinks, snap_seq, snap_count, snap_evicted, snap_pos,
+              slots, k_rows, v_rows, pos_rows):
+    """KVJournal's record of journaled token t about to be written into a ring layer by the streaming
+    kernel (kv_write.kv_write_streaming): per head the slot it takes (eviction.ring_slot's choice,
+    without advancing anything) into slots[t], that slot's K/V row and position into k_rows[t],
+    v_rows[t], pos_rows[t]; seq, count and evicted into their snapshots of token t, and the whole
+    position array into snap_pos[t] when some head is full (that write evicts, and in reindexed mode
+    moves every newer token's position). Returns whether every head had a free slot."""
+    n_kv, cap = seq_l.shape
+    free = True
+    for h in range(n_kv):
+        n = count_l[h]
+        slot = n if n < cap else sinks + evicted_l[h] % max(cap - sinks, 1)
+        free = free and n < cap
+        slots[t, h] = slot
+        k_rows[t, h] = k_l[h, slot]
+        v_rows[t, h] = v_l[h, slot]
+        pos_rows[t, h] = pos_l[h, slot]
+    snap_seq[t] = seq_l
+    snap_count[t] = count_l
+    snap_evicted[t] = evicted_l
+    if not free:
+        snap_pos[t] = pos_l
+    return free
+
+
 class KVJournal:
     """Undo log of up to `max_tokens` tokens fed into `store` (see the module docstring).
 
@@ -184,6 +211,7 @@ class KVJournal:
         self.heads = np.arange(store.spec.n_head_kv, dtype=np.int64)     # a ring write: one row per head
         self.pos_field = "rank" if store.reindexed else "pos"             # the array a ring write's positions go to
         self.ring_fields = self.LIGHT_FIELDS + (self.pos_field,)          # what a ring write may change
+        self.ring_rows = [None] * store.spec.n_layer     # per ring layer: slots, k, v, positions per token
         self.reset()
 
     def reset(self) -> None:
@@ -198,12 +226,31 @@ class KVJournal:
     def before_ring(self, store, il: int) -> None:
         """The ring kernel is about to write: each head's slot is `count` while free, else the oldest
         non-sink slot sinks + evicted mod (P - sinks) (eviction.ring_slot)."""
-        cnt, ev = store.count[il], store.evicted[il]
-        cap, s = store.seq[il].shape[1], store.layer_sinks[il]
-        slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1))          # int64, as count and evicted
-        free = bool((cnt < cap).all())
-        self._record(store, il, self.heads[:cnt.shape[0]], slots, self.LIGHT_FIELDS if free else self.ring_fields,
-                     slot_positions=free)
+        if store.rk is not None:          # the RK cache's rows too: the general recorder
+            cnt, ev = store.count[il], store.evicted[il]
+            cap, s = store.seq[il].shape[1], store.layer_sinks[il]
+            slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1))      # int64, as count and evicted
+            free = bool((cnt < cap).all())
+            self._record(store, il, self.heads[:cnt.shape[0]], slots, self.LIGHT_FIELDS if free else self.ring_fields,
+                         slot_positions=free)
+            return
+        t = self.n[il]
+        if t >= self.max_tokens:
+            self._full()
+        if self.ring_rows[il] is None:
+            k, v = store.k[il], store.v[il]
+            n_kv = k.shape[0]
+            m = self.max_tokens
+            self.ring_rows[il] = (np.empty((m, n_kv), np.int64), np.empty((m,) + k[:, 0].shape, k.dtype),
+                                  np.empty((m,) + v[:, 0].shape, v.dtype), np.empty((m, n_kv), np.int64))
+        slots, k_rows, v_rows, pos_rows = self.ring_rows[il]
+        snap = self.snap[il]
+        free = ring_save(t, store.k[il], store.v[il], store.seq[il], getattr(store, self.pos_field)[il],
+                         store.count[il], store.evicted[il], store.layer_sinks[il], snap["seq"], snap["count"],
+                         snap["evicted"], snap[self.pos_field], slots, k_rows, v_rows, pos_rows)
+        self.rows[il].append((self.heads[:slots.shape[1]], slots[t], k_rows[t], v_rows[t], None,
+                              pos_rows[t] if free else None, self.LIGHT_FIELDS if free else self.ring_fields))
+        self.n[il] = t + 1
 
     def before_policy(self, store, il: int, grid: int) -> None:
         """kv_write_policy is about to evict drop_h[h] tokens of each head (store.key filled, `grid` as
@@ -237,8 +284,7 @@ class KVJournal:
         with slot_positions the slots' positions (class docstring)."""
         t = self.n[il]
         if t >= self.max_tokens:
-            raise ConfigError(f"journal full: it was begun for {self.max_tokens} tokens; begin_journal(n) with "
-                              "the number of tokens the verify feeds")
+            self._full()
         snap = self.snap[il]
         for f in fields:
             src = getattr(store, f)[il]
@@ -248,6 +294,10 @@ class KVJournal:
         pos = getattr(store, self.pos_field)[il][heads, slots] if slot_positions else None
         self.rows[il].append((heads, slots, store.k[il][heads, slots], store.v[il][heads, slots], rk, pos, fields))
         self.n[il] = t + 1
+
+    def _full(self):
+        raise ConfigError(f"journal full: it was begun for {self.max_tokens} tokens; begin_journal(n) with "
+                          "the number of tokens the verify feeds")
 
     def _check(self, il: int, t: int, seq_after: np.ndarray) -> None:
         """Every slot whose token changed during journaled token t (seq_after: layer il's sequence indices
