@@ -40,7 +40,7 @@ from ringllm.runtime.policy_step import policy_write_attend
 from ringllm.runtime.ops import (ACT_CODES, act_inplace, add_bias, gated_act, gated_act_fused, layer_norm_rows,
                                  rms_norm_rows, softcap)
 from ringllm.runtime.qtensor import QTensor
-from ringllm.runtime.rope import STRATEGIES, AttendScratch, StoredRope, layer_ropes
+from ringllm.runtime.rope import STRATEGIES, AttendScratch, layer_ropes
 from ringllm.runtime.rope_kernels import REBASE_LIMIT
 
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -579,8 +579,8 @@ class CPUEngine:
                                kk[rows], v3[rows], seq0, scale, attn_cap, self.chunk_q, self.sc.ktmp)
             return
         strategy, sc = STRATEGIES[store.layer_rope_mode[il]], self.sc
-        if (T > 1 and hook is None and store.journal is not None and isinstance(strategy, StoredRope)
-                and strategy.runs(store, il, T)):     # a speculative verification: the layer read once
+        if T > 1 and hook is None and store.journal is not None and strategy.runs(store, il, T):
+            # a speculative verification: the layer read once (rope.StoredRope.write_attend_run)
             rows = slice(t0, t0 + T)
             strategy.write_attend_run(store, il, rope, kk[rows], v3[rows], b.q[rows].reshape(T, nh, hd), seq0, scale,
                                       attn_cap, sc, b.att[rows].reshape(T, nh, hd))

@@ -226,14 +226,6 @@ class KVJournal:
     def before_ring(self, store, il: int) -> None:
         """The ring kernel is about to write: each head's slot is `count` while free, else the oldest
         non-sink slot sinks + evicted mod (P - sinks) (eviction.ring_slot)."""
-        if store.rk is not None:          # the RK cache's rows too: the general recorder
-            cnt, ev = store.count[il], store.evicted[il]
-            cap, s = store.seq[il].shape[1], store.layer_sinks[il]
-            slots = np.where(cnt < cap, cnt, s + ev % max(cap - s, 1))      # int64, as count and evicted
-            free = bool((cnt < cap).all())
-            self._record(store, il, self.heads[:cnt.shape[0]], slots, self.LIGHT_FIELDS if free else self.ring_fields,
-                         slot_positions=free)
-            return
         t = self.n[il]
         if t >= self.max_tokens:
             self._full()
@@ -248,8 +240,10 @@ class KVJournal:
         free = ring_save(t, store.k[il], store.v[il], store.seq[il], getattr(store, self.pos_field)[il],
                          store.count[il], store.evicted[il], store.layer_sinks[il], snap["seq"], snap["count"],
                          snap["evicted"], snap[self.pos_field], slots, k_rows, v_rows, pos_rows)
-        self.rows[il].append((self.heads[:slots.shape[1]], slots[t], k_rows[t], v_rows[t], None,
-                              pos_rows[t] if free else None, self.LIGHT_FIELDS if free else self.ring_fields))
+        heads = self.heads[:slots.shape[1]]
+        rk = store.rk[il][heads, slots[t]] if store.rk is not None else None       # the RK cache's rows (rope "rk")
+        self.rows[il].append((heads, slots[t], k_rows[t], v_rows[t], rk, pos_rows[t] if free else None,
+                              self.LIGHT_FIELDS if free else self.ring_fields))
         self.n[il] = t + 1
 
     def before_policy(self, store, il: int, grid: int) -> None:
@@ -276,23 +270,22 @@ class KVJournal:
                 again = np.flatnonzero((off < 0) | (off + got >= REBASE_LIMIT))
                 slots.extend(again.tolist())
                 heads.extend([h] * again.size)
-        self._record(store, il, np.asarray(heads, np.int64), np.asarray(slots, np.int64), self.fields)
+        self._record(store, il, np.asarray(heads, np.int64), np.asarray(slots, np.int64))
 
-    def _record(self, store, il: int, heads: np.ndarray, slots: np.ndarray, fields: tuple,
-                slot_positions: bool = False) -> None:
-        """Save what token t's write changes: the rows at (heads, slots), the small arrays `fields`, and
-        with slot_positions the slots' positions (class docstring)."""
+    def _record(self, store, il: int, heads: np.ndarray, slots: np.ndarray) -> None:
+        """Save what token t's policy write may change: the rows at (heads, slots) and every small
+        array (class docstring)."""
         t = self.n[il]
         if t >= self.max_tokens:
             self._full()
         snap = self.snap[il]
-        for f in fields:
+        for f in self.fields:
             src = getattr(store, f)[il]
             if src.size:
                 snap[f][t] = src
         rk = store.rk[il][heads, slots] if store.rk is not None else None
-        pos = getattr(store, self.pos_field)[il][heads, slots] if slot_positions else None
-        self.rows[il].append((heads, slots, store.k[il][heads, slots], store.v[il][heads, slots], rk, pos, fields))
+        k, v = store.k[il][heads, slots], store.v[il][heads, slots]
+        self.rows[il].append((heads, slots, k, v, rk, None, self.fields))
         self.n[il] = t + 1
 
     def _full(self):

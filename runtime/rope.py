@@ -144,6 +144,7 @@ class AttendScratch:
         self.ktmp = np.zeros(head_dim + rotary_dim, np.float32)
         self.qpos = np.zeros(n_kv, np.int64)
         self.no_mass = np.zeros((0, 0), np.float32)
+        self._run = None                    # run_buffers' arrays, made on a run's first use
 
     def grow(self, slots: int) -> bool:
         """Make scores hold `slots` columns; True when it had to grow."""
@@ -158,7 +159,7 @@ class AttendScratch:
         layers of at most `slots` slots: (out (T, n_head, hd), scores (T, n_head, slots), work
         (T, stored_work), books (T, 4) i64, counts (T, n_kv) i64, q_pos (T,) i64), views of arrays
         allocated once for RUN_TOKENS tokens and grown with the slots."""
-        run = getattr(self, "_run", None)
+        run = self._run
         if run is None or run[1].shape[2] < slots:
             n_head, hd = self.out.shape
             run = (np.zeros((RUN_TOKENS, n_head, hd), np.float32), np.zeros((RUN_TOKENS, n_head, slots), np.float32),
@@ -194,6 +195,11 @@ class RopeStrategy:
     def attend(self, store, il: int, rope: LayerRope, q: np.ndarray, seq: int, scale: np.float32, softcap: np.float32,
                mass: np.ndarray, sc: AttendScratch) -> None:
         raise NotImplementedError
+
+    @staticmethod
+    def runs(store, il: int, T: int) -> bool:
+        """Whether write_attend_run can take T tokens into layer il (StoredRope; no other strategy has it)."""
+        return False
 
 
 def _query_position_grown(store, il: int, rope: LayerRope, seq: int) -> int:

@@ -439,13 +439,17 @@ def attend_stored_parallel(out, q, k_l, v_l, pos_l, seq_l, count_l, q_pos, inv_f
     _merge(out, scores, work, count_l, group, mass)
 
 
-def same_unit_plan(counts: np.ndarray) -> bool:
+@njit(cache=True, nogil=True, fastmath=False)
+def same_unit_plan(counts):
     """Whether every row of counts (T, n_kv) i64 (each token's occupied slots per kv head) cuts each
     head into the same units (unit_slots and the number of units): attend_stored_tokens' condition."""
-    per = -(-counts // MAX_UNITS)
-    size = np.maximum(UNIT_SLOTS, -(-per // UNIT_SLOTS) * UNIT_SLOTS)
-    n_units = -(-counts // size)
-    return bool((size == size[0]).all() and (n_units == n_units[0]).all())
+    for h in range(counts.shape[1]):
+        size = unit_slots(counts[0, h])
+        n_units = (counts[0, h] + size - 1) // size
+        for t in range(1, counts.shape[0]):
+            if unit_slots(counts[t, h]) != size or (counts[t, h] + size - 1) // size != n_units:
+                return False
+    return True
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
