@@ -142,9 +142,9 @@ def test_smollm2_1000_tokens_capacity_64(smollm2, positions):
 @pytest.mark.parametrize("positions", ["reindexed", "original"])
 def test_smollm2_2000_token_prompt_capacity_512(smollm2, positions):
     """Issue acceptance: a 2,000-token prompt streams through a 512-slot store in prefill chunks; CI's
-    short form: 1,100 tokens (still twice the store)."""
+    short form: 800 tokens (the store full, then five 64-token chunks that evict)."""
     from conftest import full_or_short, novel_text
-    n_prompt = full_or_short(2000, 1100)
+    n_prompt = full_or_short(2000, 800)
     prompt = smollm2.tokenizer.encode(novel_text()[30000:45000])[:n_prompt]
     assert len(prompt) == n_prompt
     st = run_pair(smollm2, prompt, 50, capacity=512, policy="streaming", positions=positions, n_batch=64)
