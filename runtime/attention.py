@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.fast_exp import exp_f32
-from ringllm.runtime.kv_codec import encode_row, kv_row
+from ringllm.runtime.kv_codec import encode_row, key_row, kv_row
 from ringllm.runtime.kv_row_math import accumulate_row, accumulate_rows4, group_scores
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import rotate_by_table, rotate_into
@@ -132,12 +132,15 @@ def _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap, vb):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale, softcap, scores, krot, qrot, mass):
+def attend(out, q, k_l, koff, seq_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale, softcap, scores, krot,
+           qrot, mass):
     """Attention of one token over the occupied slots of one layer.
 
     out (n_head, hd) f32: result.         q (n_head, hd) f32: queries before RoPE.
-    k_l, v_l (n_kv, cap, width) in the store's KV types (kv_types.py; f32: width = hd); pos_l (n_kv, cap)
-        i64; count_l (n_kv,) i64: the layer's store.
+    k_l, v_l (n_kv, cap, width) in the store's KV types (kv_types.py; f32: width = hd); koff (n_kv, hd)
+        f32 the layer's key offsets and seq_l (n_kv, cap) i64 its sequence indices (kv_codec.key_row: the
+        offsets are added to q4_0 keys as they are read); pos_l
+        (n_kv, cap) i64; count_l (n_kv,) i64: the layer's store.
     q_pos (n_kv,) i64: the query's logical position per kv head (heads may hold different numbers
         of tokens under per-head budgets, and in reindexed mode the query sits at count - 1).
     cos, sin (n_pos, rotary_dim/2) f32: RopeTable.
@@ -157,7 +160,7 @@ def attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale,
             rotate_into(qrot[h0 + g], q[h0 + g], q_pos[h], cos, sin, rotary_dim)
         scale_group(qrot, h0, group, scale)
         for j in range(n):
-            rotate_into(krot, kv_row(k_l, h, j, krot), pos_l[h, j], cos, sin, rotary_dim)
+            rotate_into(krot, key_row(k_l, koff, seq_l, h, j, krot), pos_l[h, j], cos, sin, rotary_dim)
             group_scores(scores, qrot, krot, h0, group, j)
         _softmax_weighted_v(out, scores, v_l, mass, h, n, group, softcap, vb)
 

@@ -37,7 +37,7 @@ from dataclasses import replace
 import numpy as np
 
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.kv_codec import decode, encode
+from ringllm.runtime.kv_codec import encode
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_store import KVStore
 from ringllm.runtime.press import LayerPrompt, choose_layer, equal_counts
@@ -102,8 +102,9 @@ def held_slots(store: KVStore, il: int, h: int) -> np.ndarray:
 
 
 def stored_key_values(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarray:
-    """(len(slots), hd) f32: those keys as the layer holds them (its layout), decoded from its KV type."""
-    return decode(store.k[il][h, slots], store.spec.head_dim)
+    """(len(slots), hd) f32: those keys as the layer holds them (its layout), decoded from its KV type
+    (with the layer's key offsets: KVStore.key_values)."""
+    return store.key_values(il, h, slots)
 
 
 def plain_keys(store: KVStore, il: int, h: int, slots: np.ndarray) -> np.ndarray:
@@ -140,7 +141,7 @@ def laid_out_keys(store: KVStore, il: int, h: int, slots: np.ndarray, mode: str,
     src = store.rope_mode(il)
     if mode == "stored" and src == "stored":
         return store.k[il][h, slots]
-    if mode == "fused" and src in ("fused", "rk"):
+    if mode == "fused" and src in ("fused", "rk") and not store.offsets_keys(il):
         return store.k[il][h, slots]
     k = plain_keys(store, il, h, slots)
     if mode == "stored":

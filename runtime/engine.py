@@ -608,36 +608,38 @@ class CPUEngine:
         if not store.reindexed and seq0 + T + REBASE_LIMIT >= table.cos.shape[0]:
             table.ensure(seq0 + T + REBASE_LIMIT + 1)     # original positions grow with the stream
         lay = store.layers[il]
+        kk = store.relative_keys(il, kk[t0:t0 + T], seq0)     # what the rows encode (kv_types: key offsets)
+        t_q = t0
         inserts = type(policy).on_insert is not Policy.on_insert
         layer_step = policy.layer_step if store.journal is None else None
         if layer_step is not None:
             st, rw_rows = store.step_args(il, policy.key_grid), store.rotation_args(il, rows=True)
             pend, prm = store.pending(il), policy.step_params(store, il)
-        for t in range(t0, t0 + T):
-            seq = seq0 + t - t0
-            q_t = b.q[t].reshape(nh, hd)
+        for t in range(T):
+            seq = seq0 + t
+            q_t = b.q[t_q + t].reshape(nh, hd)
             if layer_step is not None and layer_step(
-                    lay, kk[t], v3[t], seq, st, rw_rows,
+                    lay, kk[t], v3[t_q + t], seq, st, rw_rows,
                     (sc.out, q_t, table.cos, table.sin, scale, attn_cap, sc.scores, self.head_qvar, self.head_have,
                      self.head_krot, sc.qrot, sc.qpos, mass, self.head_offs), pend, prm):
                 if hook is not None:
                     hook(il, mass, store)
-                b.att[t] = sc.out.reshape(-1)
+                b.att[t_q + t] = sc.out.reshape(-1)
                 continue
             grid = store.prepare_policy_write(il, q_t, seq)
             if store.journal is not None:
                 store.journal.before_policy(store, il, grid)
-            policy_write_attend(lay, kk[t], v3[t], seq, store.write_args(il, grid), store.victims[0],
+            policy_write_attend(lay, kk[t], v3[t_q + t], seq, store.write_args(il, grid), store.victims[0],
                                 store.rotation_args(il),
                                 (sc.out, q_t, table.cos, table.sin, scale, attn_cap, sc.scores, self.qvar, self.qvar_have,
                                  sc.krot, sc.qrot, sc.qpos, mass, self.offs))
             if inserts:          # the policy's per-token state of the new slot (reads neither attention nor out),
                 k_pre = kk[t] if not store.kv.quantized_keys else round_trip(kk[t], store.kv.k_type)   # from the
-                policy.on_insert(store, il, k_pre, q_t)                                # key as the store holds it
+                policy.on_insert(store, il, k_pre + store.key_offset_rows(il, seq), q_t)    # key as held
             policy.observe(store, il, mass, seq)
             if hook is not None:
                 hook(il, mass, store)
-            b.att[t] = sc.out.reshape(-1)
+            b.att[t_q + t] = sc.out.reshape(-1)
 
     def _ffn_fused(self, il: int) -> bool:
         """Whether layer il's FFN takes its stacked gate|up product and the fused activation."""

@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ringllm.runtime.kv_types import Q4_0_SIGNS, QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
+from ringllm.runtime.kv_types import OFFSET_FROM, Q4_0_SIGNS, QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.simd import (andf, ld_i8, ld_u8i, srlf, vadd, vbfly1, vbfly2, vbfly4, vload, vmul, vsplat,
                                  vstore, vsub)
@@ -251,6 +251,19 @@ def kv_row(arr, h, j, buf):
     return buf
 
 
+def key_row(arr, off, seq_l, h, j, buf):
+    """kv_row for a key array whose rows hold k - c (kv_types: key offsets; off (n_kv, hd) f32 holds
+    c, seq_l (n_kv, P) i64 the slots' sequence indices): a q4_0 row decoded into buf (hd,) f32, off[h]
+    added unless the slot holds one of the first OFFSET_FROM tokens (their rows hold their keys), buf
+    returned; any other type is kv_row's (its rows hold the keys themselves; off and seq_l unread)."""
+    if arr.dtype == np.uint8:
+        decode_row(buf, arr[h, j])
+        if seq_l[h, j] >= OFFSET_FROM:
+            buf[:off.shape[1]] += off[h]
+        return buf
+    return kv_row(arr, h, j, buf)
+
+
 def kv_rows(arr, h, j0, n, buf):
     """Rows j0 .. j0 + n - 1 of head h of a store array as float32 (n, hd): the rows themselves for
     f32, else decoded into buf (>= n, hd) f32 and returned as buf[:n]."""
@@ -288,6 +301,23 @@ def _ov_kv_row(arr, h, j, buf):
 
     def impl(arr, h, j, buf):
         dec(buf, arr[h, j])
+        return buf
+    return impl
+
+
+@overload(key_row, inline="always")
+def _ov_key_row(arr, off, seq_l, h, j, buf):
+    if arr.dtype != types.uint8:
+        def impl_plain(arr, off, seq_l, h, j, buf):
+            return kv_row(arr, h, j, buf)
+        return impl_plain
+    dec = _codec(arr, 1)
+
+    def impl(arr, off, seq_l, h, j, buf):
+        dec(buf, arr[h, j])
+        if seq_l[h, j] >= OFFSET_FROM:
+            for d in range(off.shape[1]):
+                buf[d] += off[h, d]
         return buf
     return impl
 

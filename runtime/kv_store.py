@@ -23,6 +23,10 @@ Arrays per layer il (allocated once, never resized, never shifted; P = physical 
                                               k/|k| (before RoPE) in units of 2^-40, kept by the write
                                               kernel for policies with keeps_key_sum (rkv; score then
                                               holds 1/|k|); (0, head_dim) for the others
+    koff[il]       (n_kv_head, head_dim) float32  the key offsets c of a q4_0 policy layer: the rows of
+                                              tokens from kv_types.OFFSET_FROM on hold k - c, every
+                                              reader adds c (kv_types: when c is chosen); zero on
+                                              every other layer and type
 
 Positions (DESIGN.md):
     reindexed: a token's position is its rank, by sequence index, among the tokens its head holds;
@@ -62,7 +66,7 @@ from ringllm.runtime.kv_codec import decode, encode, round_trip
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
 from ringllm.runtime.host_memory import lazy_zeros_group, small_pages
-from ringllm.runtime.kv_types import Q4_0_ROWS, STORE_DTYPE, row_width
+from ringllm.runtime.kv_types import OFFSET_FROM, Q4_0_ROWS, STORE_DTYPE, key_offset_of, row_width
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
@@ -208,6 +212,7 @@ class KVStore:
         self.extra = [np.zeros(self.policy_impl.extra_shape(), np.float32) for _ in phys]
         ks_rows = nkv if self.policy_impl.keeps_key_sum else 0
         self.ksum = [np.zeros((ks_rows, hd), np.int64) for _ in phys]     # rkv: sum of unit keys per head
+        self.koff = [np.zeros((nkv, hd), np.float32) for _ in phys]       # key offsets (q4_0 policy layers)
         # each layer's arrays as the kernels take them (LAYER_FIELDS)
         self.layers = [tuple(getattr(self, name)[il] for name in LAYER_FIELDS) for il in range(spec.n_layer)]
         self.key = np.zeros((nkv, max(phys)), np.float64)      # victim keys, filled by the policy
@@ -288,11 +293,50 @@ class KVStore:
             write(self.k[il], self.v[il], self.seq[il], self.pos[il], self.count[il], self.evicted[il],
                   k_new, v_new, seq, self.layer_sinks[il], self.reindexed)
             return
+        k_new = self.relative_keys(il, np.asarray(k_new, np.float32)[None], seq)[0]
         grid = self.prepare_policy_write(il, q, seq)
         if self.journal is not None:          # journal hook (kv_multi.py): victims chosen, rows saved
             self.journal.before_policy(self, il, grid)
         kv_write_policy(self.layers[il], k_new, v_new, seq, self.write_args(il, grid), self.victims[0],
                         self.rotation_args(il))
+
+    def offsets_keys(self, il: int) -> bool:
+        """Whether layer il holds its keys relative to key offsets (kv_types: q4_0 keys of a policy layer)."""
+        return self.kv.k_type == "q4_0" and not self.layer_ring[il]
+
+    def relative_keys(self, il: int, k_rows: np.ndarray, seq0: int) -> np.ndarray:
+        """k_rows (T, n_kv, hd) f32, keys before RoPE about to be written into layer il as tokens seq0..:
+        what the layer's rows encode. On a layer that holds keys relative to offsets (kv_types), k_rows
+        - c for the tokens from OFFSET_FROM on, c chosen first when these bring the layer its first
+        such token (from every key it has seen but token 0's); else k_rows."""
+        if not self.offsets_keys(il):
+            return k_rows
+        seqs = seq0 + np.arange(k_rows.shape[0])
+        if seqs[-1] >= OFFSET_FROM and self._offsets_open(il):
+            for h in range(self.spec.n_head_kv):
+                n = int(self.count[il][h])
+                held = np.flatnonzero(self.seq[il][h, :n] > 0)
+                seen = np.concatenate([self.key_values(il, h, held), k_rows[seqs > 0, h]])
+                self.koff[il][h] = key_offset_of(seen)
+        return k_rows - self.key_offset_rows(il, seqs)
+
+    def _offsets_open(self, il: int) -> bool:
+        """Whether layer il's key offsets may still be chosen: it holds no row relative to them (no token
+        from OFFSET_FROM on; a policy layer always holds its newest token)."""
+        return int(self.seq[il].max(initial=-1)) < OFFSET_FROM
+
+    def key_offset_rows(self, il: int, seqs: np.ndarray) -> np.ndarray:
+        """(..., n_kv, hd) f32: the offsets the rows of tokens `seqs` (any shape) hold their keys relative
+        to, per kv head. Zero where the layer holds no offsets, and for the first OFFSET_FROM tokens."""
+        seqs = np.asarray(seqs)
+        on = (seqs >= OFFSET_FROM) & self.offsets_keys(il)
+        return np.where(on[..., None, None], self.koff[il], np.float32(0))
+
+    def key_values(self, il: int, h: int, slots: np.ndarray) -> np.ndarray:
+        """(len(slots), hd) f32: head h's keys in those slots of layer il, decoded from the KV type with
+        the layer's key offsets added (in the layer's layout: before RoPE on a policy layer)."""
+        k = decode(self.k[il][h, slots], self.spec.head_dim)
+        return k + self.key_offset_rows(il, self.seq[il][h, slots])[:, h]
 
     def prepare_policy_write(self, il: int, q: np.ndarray | None, seq: int) -> int:
         """Before a write into policy layer il: how many tokens each head drops (self.drop_h) and, when
@@ -428,7 +472,7 @@ class KVStore:
                 self.victims[h, :row.size] = row
                 evict_slots(self.layers[il], h, self.victims[h], row.size, self.reindexed)
         if self.ksum[il].shape[0] > 0:
-            key_sums(self.ksum[il], self.k[il], self.score[il], self.count[il])
+            key_sums(self.ksum[il], self.k[il], self.koff[il], self.seq[il], self.score[il], self.count[il])
 
     def resized(self, layer_capacity: list[int], capacity: int | None = None) -> "KVStore":
         """A copy of this store whose layer il keeps layer_capacity[il] tokens (KVStore(layer_capacity=)),
@@ -499,11 +543,29 @@ class KVStore:
         hd = self.spec.head_dim
         arrays = dict(state["arrays"])
         for il in range(self.spec.n_layer):
-            for field, name in (("k", k_type), ("v", v_type)):
-                rows = arrays[f"{field}.{il}"]
-                if rows.dtype != STORE_DTYPE[name]:
-                    arrays[f"{field}.{il}"] = encode(decode(rows, hd), name)
+            rows = arrays[f"v.{il}"]
+            if rows.dtype != STORE_DTYPE[v_type]:
+                arrays[f"v.{il}"] = encode(decode(rows, hd), v_type)
+            if arrays[f"k.{il}"].dtype != STORE_DTYPE[k_type]:
+                rel = (self.seq[il] >= OFFSET_FROM)[..., None]   # the rows relative to the offsets
+                keys = decode(arrays[f"k.{il}"], hd)
+                if self.offsets_keys(il):
+                    keys += np.where(rel, self.koff[il][:, None, :], np.float32(0))
+                now = k_type == "q4_0" and not self.layer_ring[il]
+                off = self._held_key_offsets(il, keys) if now else np.zeros_like(self.koff[il])
+                arrays[f"k.{il}"] = encode(keys - np.where(rel, off[:, None, :], np.float32(0)), k_type)
+                arrays[f"koff.{il}"] = off
         return KVStore.restore(self.spec, {**state, "kv": kv.to_dict(), "arrays": arrays, "layer_rope_mode": modes})
+
+    def _held_key_offsets(self, il: int, keys: np.ndarray) -> np.ndarray:
+        """Key offsets (n_kv, hd) for layer il's held keys `keys` (n_kv, P, hd), before RoPE: per head,
+        kv_types.key_offset_of over the keys it holds but token 0's (zero for a head that holds none)."""
+        off = np.zeros((keys.shape[0], keys.shape[2]), np.float32)
+        for h in range(keys.shape[0]):
+            held = np.flatnonzero(self.seq[il][h, :int(self.count[il][h])] > 0)
+            if held.size:
+                off[h] = key_offset_of(keys[h, held])
+        return off
 
     def snapshot(self) -> "StoreSnapshot":
         """This store's state in as many bytes as it has written (StoreSnapshot): what a prompt cache
@@ -598,21 +660,24 @@ class KVStore:
                               f"{k_rows.shape}, {v_rows.shape}")
         check_replace_many(self, il, slots, seqs)
         self.forget_pending(il)
+        k_keys = k_rows
+        k_rows = np.ascontiguousarray(self.relative_keys(il, k_rows, int(seqs[0])), dtype=np.float32)
         kv_replace_many(self.k[il], self.v[il], self.seq[il], self.rank[il], self.pos[il], self.kbase[il],
                         self.score[il], self.aux[il], self.hist[il], self.count[il], self.evicted[il], slots, k_rows,
                         v_rows, seqs, self.reindexed, self.rope_mode(il) == "rebased", np.empty(seqs.size, np.int64))
         if self.ksum[il].shape[0] > 0:     # rkv's sum of unit keys: rebuilt (m new keys, m leaving)
-            key_sums(self.ksum[il], self.k[il], self.score[il], self.count[il])
+            key_sums(self.ksum[il], self.k[il], self.koff[il], self.seq[il], self.score[il], self.count[il])
         if type(self.policy_impl).on_replace is not Policy.on_replace and self.uses_policy(il):
-            self.policy_impl.on_replace(self, il, slots, self._keys_before_rope(il, slots, k_rows))
+            self.policy_impl.on_replace(self, il, slots, self._keys_before_rope(il, slots, k_keys, seqs))
 
-    def _keys_before_rope(self, il: int, slots: np.ndarray, k_rows: np.ndarray) -> np.ndarray:
+    def _keys_before_rope(self, il: int, slots: np.ndarray, k_rows: np.ndarray, seqs: np.ndarray) -> np.ndarray:
         """k_rows (m, n_kv, hd) as replace_many took them, brought back to before RoPE and as the store
         holds them: a "rebased" layer's rows were rotated at their slots' kbase (rope_kernels.rope_rows_at,
         angles in f64); quantized keys (always before RoPE on policy layers) rounded through their type,
         as the write path hands the policy the key as stored."""
         if self.kv.quantized_keys:
-            return round_trip(k_rows, self.kv.k_type)
+            off = self.key_offset_rows(il, seqs)                   # (m, n_kv, hd)
+            return round_trip(k_rows - off, self.kv.k_type) + off
         if self.rope_mode(il) != "rebased":
             return k_rows
         out = k_rows.copy()
@@ -650,7 +715,7 @@ class KVStore:
 
     @property
     def array_fields(self) -> tuple[str, ...]:
-        base = ("k", "v", "seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra", "ksum")
+        base = ("k", "v", "seq", "rank", "kbase", "count", "evicted", "score", "aux", "hist", "extra", "ksum", "koff")
         return base + (() if self.reindexed else ("pos",)) + (("rk",) if self.rk is not None else ())
 
     def state(self) -> dict:
@@ -691,6 +756,8 @@ class KVStore:
             arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("kbase.")}}   # rebased layers
         if not any(name.startswith("ksum.") for name in arrays):     # saved before ksum: rkv rebuilds it
             arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("ksum.")}}    # (after_restore)
+        if not any(name.startswith("koff.") for name in arrays):     # saved before key offsets: its rows
+            arrays = {**arrays, **{n: a for n, a in fresh.items() if n.startswith("koff.")}}    # hold the keys
         if state.get("hist_layout") != "window_major":     # saved when hist was (n_kv, P, w): slot-major
             arrays = {n: (np.swapaxes(np.asarray(a), 1, 2) if n.startswith("hist.") else a) for n, a in arrays.items()}
         if set(arrays) != set(fresh):

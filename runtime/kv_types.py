@@ -23,6 +23,22 @@ and the signs are exact, and H's sums of integers times one scale are exact in f
 decodes to the same values whatever the order of the sums (the same bits but for the sign of a
 zero). Bytes per row are unchanged.
 
+Key offsets (q4_0 keys of policy layers). A pre-RoPE key of a model like SmolLM2 is mostly an
+offset that changes little from token to token; rotated, it still sets every block's scale, and
+the part that tells tokens apart keeps few levels. So a q4_0 store's policy layers (keys held before
+RoPE, the "fused" layout) hold each key as k - c, c (n_kv, head_dim) one vector per layer and kv
+head, and every reader adds c back (kv_codec.key_row). Token 0's row (OFFSET_FROM = 1: the rows
+before OFFSET_FROM) holds its key itself: it may be written before c exists, in a stream fed token by
+token, and the first token of a text is an attention sink whose key is unlike the others'. c is
+chosen by the write that brings the layer its first token from OFFSET_FROM on, from the keys of
+every token it has seen but token 0 (key_offset_of): a prompt's, or in a stream fed token by token
+token 1's alone (a wider start, the first 16 tokens' rows holding their keys and c their mean, lost
+more: the early tokens, sinks and heavy hitters, stay and are attended most; docs/kv_types.md). c is
+kept for the layer's life: a parameter of the rows, saved with them, never re-fitted (a row is never
+re-encoded). The ring layers
+(keys stored rotated at their sequence index, where a fixed pre-RoPE offset turns with the
+position) hold no offset (c = 0, which is also what a store saved before offsets existed holds).
+
 The array's dtype names the type (the row codecs, runtime/kv_codec.py, dispatch on it). Slot
 moves copy rows whatever their type (k_l.shape[2] is the row's width in elements). No Numba here:
 the CLI and KVConfig read these names.
@@ -41,6 +57,24 @@ QBLOCK = 32                                   # values per q8_0 / q4_0 block (on
 Q4_0_SIGNS = np.array([-1.0 if (0x9E3779B9 >> i) & 1 else 1.0 for i in range(QBLOCK)], np.float32)
 Q4_0_ROWS = "hadamard"                        # KVStore.state()'s name for this q4_0 row form
 _BLOCK_BYTES = {"q8_0": 2 + QBLOCK, "q4_0": 2 + QBLOCK // 2}
+OFFSET_BITS = 5                               # significant bits a key offset keeps (key_offset_of)
+OFFSET_FROM = 1                               # the first token whose row holds its key relative to the offset
+
+
+def key_offset_of(keys: np.ndarray) -> np.ndarray:
+    """One kv head's key offset from its keys (N, hd) float32 before RoPE (N >= 1): their mean, rounded
+    to OFFSET_BITS significant bits. -> (hd,) float32.
+
+    The rounding makes the offset a coarse parameter: two engines whose keys differ in their last bits
+    (the reference engine and the CPU engine sum in different orders) choose the same offset unless a
+    mean lies within that difference of a rounding boundary, and a 1/32 relative error of the offset
+    costs nothing measurable (the rounded residual's scale follows its norm)."""
+    keys = np.asarray(keys, np.float32)
+    if keys.ndim != 2 or keys.shape[0] == 0:
+        raise ConfigError(f"a key offset needs keys (N >= 1, head_dim); got shape {keys.shape}")
+    mant, expo = np.frexp(keys.astype(np.float64).mean(axis=0))
+    scale = float(1 << OFFSET_BITS)
+    return np.ldexp(np.round(mant * scale) / scale, expo).astype(np.float32)
 
 
 def check_kv_type(name: str, what: str, head_dim: int | None = None) -> None:

@@ -5,7 +5,9 @@ layer; the compiled policy step (policy_step.py) calls kv_write_policy per kv he
 A layer's arrays travel as one tuple in LAYER_FIELDS order (KVStore.layers[il]); shapes, with P
 the layer's physical slots: k, v (n_kv, P, hd) f32; seq, rank, pos, kbase (n_kv, P) i64; score
 (n_kv, P) f64; aux (n_kv, P) i64; hist (n_kv, w, P) f32; count, evicted (n_kv,) i64; ksum (n_kv or
-0, hd) i64 (kv_store.py's docstring says what each holds).
+0, hd) i64; koff (n_kv, hd) f32, the key offsets the rows of a q4_0 policy layer are relative to
+(kv_types; the kernels that read keys add them, kv_codec.key_row) (kv_store.py's docstring says what
+each holds).
 
     kv_write_streaming   the ring (streaming, full, sliding windows): the slot eviction.ring_slot
                          names, positions of newer tokens moved down one in reindexed mode
@@ -26,9 +28,9 @@ from ringllm.runtime.rope_kernels import rotate_key_by
 
 # The arrays of one layer in the order the kernels take them: one tuple per layer (KVStore.layers),
 # built once (the arrays are never reallocated) and unpacked at the top of a kernel.
-LAYER_FIELDS = ("k", "v", "seq", "rank", "pos", "kbase", "score", "aux", "hist", "count", "evicted", "ksum")
+LAYER_FIELDS = ("k", "v", "seq", "rank", "pos", "kbase", "score", "aux", "hist", "count", "evicted", "ksum", "koff")
 # their indices, for kernels that read one or two of them (lay[SCORE]; Numba folds the constant)
-K, V, SEQ, RANK, POS, KBASE, SCORE, AUX, HIST, COUNT, EVICTED, KSUM = range(len(LAYER_FIELDS))
+K, V, SEQ, RANK, POS, KBASE, SCORE, AUX, HIST, COUNT, EVICTED, KSUM, KOFF = range(len(LAYER_FIELDS))
 
 @njit(cache=True, nogil=True, inline="always")
 def copy_row(a_l, h, dst, src):
@@ -91,7 +93,7 @@ def kv_write_shift(k_l, v_l, seq_l, pos_l, count_l, evicted_l, k_new, v_new, seq
 @njit(cache=True, nogil=True, inline="always")
 def _move_slot(lay, h, dst, src, reindexed):
     """Slot dst of head h takes everything slot src holds (k, v, seq, rank, pos, kbase, score, aux, hist)."""
-    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum = lay
+    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum, koff = lay
     seq_l[h, dst] = seq_l[h, src]
     rank_l[h, dst] = rank_l[h, src]
     kbase_l[h, dst] = kbase_l[h, src]
@@ -114,7 +116,7 @@ def evict_slots(lay, h, slots, n_slots, reindexed):
     rank_l, so positions follow). Each hole takes the last occupied slot (k, v, seq, rank, pos,
     kbase, score, aux, hist move together): one slot copy per victim, no shifting.
     """
-    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum = lay
+    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum, koff = lay
     n = count_l[h]
     # rank update first, while the victims are still in place: a survivor drops by the number of
     # victims older than it (binary search over the victims' sorted sequence indices)
@@ -159,7 +161,7 @@ def evict_slots_shift(lay, h, slots, n_slots, reindexed):
     """evict_slots for the shift-and-append baseline (update "shift"): head h's slots stay in sequence
     order (slot = rank); the victims are removed by copying every later survivor down over them
     (k, v, seq, pos, kbase, score, aux, hist), as an ordered cache does. Benchmarks only."""
-    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum = lay
+    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum, koff = lay
     n = count_l[h]
     slots[:n_slots].sort()
     out = 0
@@ -183,7 +185,8 @@ def kv_write_policy(lay, k_new, v_new, seq_new, wr, victims, rw):
     """Evict drop_h[h] tokens of each head h (lowest key_l among unprotected slots) and write the new token.
 
     lay: the layer's arrays (LAYER_FIELDS). k_new, v_new (n_kv, hd) f32: the new token's key (before
-    RoPE) and value; seq_new its sequence index. wr = (key_l, grid, drop_h, sinks, recent,
+    RoPE; minus the layer's key offsets koff where it has them: the caller subtracts) and value; seq_new
+    its sequence index. wr = (key_l, grid, drop_h, sinks, recent,
     reindexed, shift): drop_h (n_kv,) i64 equal for every head but under adakv; key_l (n_kv, P) f64
     filled by the policy for occupied slots when any drop_h > 0, raw keys compared on grid `grid`
     (GRID_NONE: compared as they are; see eviction.grid_value; GRID_GIVEN: key_l[h, :drop_h[h]]
@@ -203,7 +206,7 @@ def kv_write_policy(lay, k_new, v_new, seq_new, wr, victims, rw):
     victims' unit keys leave it and the new key's enters, and the new slot's score is its 1/|k|
     (key_sum_move). Returns None.
     """
-    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum = lay
+    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum, koff = lay
     key_l, grid, drop_h, sinks, recent, reindexed, shift = wr
     rebase, inv_freq, inv_scale, rotary_dim, angles, angle_tag, tmp = rw
     n_kv = seq_l.shape[0]
@@ -218,7 +221,7 @@ def kv_write_policy(lay, k_new, v_new, seq_new, wr, victims, rw):
                 got = pick_victims(key_l, grid, h, drop_h[h], seq_l, rank_l, count_l, sinks, recent, victims)
             if ksum.shape[0] > 0:
                 for m in range(got):
-                    key_sum_move(ksum, k_l, h, victims[m], score_l[h, victims[m]], -1, tmp)
+                    key_sum_move(ksum, k_l, koff, seq_l, h, victims[m], score_l[h, victims[m]], -1, tmp)
             if shift:
                 evict_slots_shift(lay, h, victims, got, reindexed)
             else:
@@ -234,8 +237,8 @@ def kv_write_policy(lay, k_new, v_new, seq_new, wr, victims, rw):
             hist_l[h, i, slot] = 0.0
         count_l[h] = slot + 1
         if ksum.shape[0] > 0:
-            score_l[h, slot] = key_inv_norm(k_l, h, slot, tmp)
-            key_sum_move(ksum, k_l, h, slot, score_l[h, slot], 1, tmp)
+            score_l[h, slot] = key_inv_norm(k_l, koff, seq_l, h, slot, tmp)
+            key_sum_move(ksum, k_l, koff, seq_l, h, slot, score_l[h, slot], 1, tmp)
         if rebase != 0:
             kbase_l[h, slot] = pos_l[h, slot]
             rotate_key_by(k_l, h, slot, pos_l[h, slot], angle_tag, angles, inv_freq, inv_scale, rotary_dim, tmp)

@@ -76,7 +76,7 @@ def policy_write_attend(lay, k_new, v_new, seq_new, wr, victims, rw, at):
     seq_new), offs (P,) i64; mass (n_kv, P) f32 written when it has rows. rw's rebase nonzero: keys
     rotated at kbase (attend_rebased, which also does the re-rotations the write kernel leaves to
     it), 0: keys before RoPE (attend)."""
-    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum = lay
+    k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum, koff = lay
     out, q, cos, sin, scale, softcap, scores, qvar, have, krot, qrot, q_pos, mass, offs = at
     reindexed = wr[5]
     rebase, rotary_dim = rw[0], rw[3]
@@ -87,7 +87,8 @@ def policy_write_attend(lay, k_new, v_new, seq_new, wr, victims, rw, at):
         attend_rebased(out, q, k_l, v_l, pos_l, kbase_l, count_l, q_pos, cos, sin, rotary_dim, scale, softcap, scores,
                        qvar, have, mass, offs)
     else:
-        attend(out, q, k_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale, softcap, scores, krot, qrot, mass)
+        attend(out, q, k_l, koff, seq_l, v_l, pos_l, count_l, q_pos, cos, sin, rotary_dim, scale, softcap, scores, krot,
+               qrot, mass)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def _head_step(h, args):
     and each head has its own scratch rows, so heads run on separate threads. args: _layer_step's
     groups and the write's grid as one flat tuple (a parallel loop takes flat tuples only), in the
     order lay, (k_new, v_new, seq_new), st, (grid,), rw, at, pend, prm."""
-    (k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum,
+    (k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum, koff,
      k_new, v_new, seq_new,
      key_l, key_grid, drop_h, capacity, lazy, slack, max_drop, sinks, recent, reindexed, victims, shift,
      grid,
@@ -158,7 +159,7 @@ def _head_step(h, args):
     g = q.shape[0] // count_l.shape[0]
     a, b = h * g, h * g + g
     lay_h = (k_l[h:e], v_l[h:e], seq_l[h:e], rank_l[h:e], pos_l[h:e], kbase_l[h:e], score_l[h:e], aux_l[h:e],
-             hist_l[h:e], count_l[h:e], evicted_l[h:e], ksum[h:e])
+             hist_l[h:e], count_l[h:e], evicted_l[h:e], ksum[h:e], koff[h:e])
     policy_write_attend(lay_h, k_new[h:e], v_new[h:e], seq_new,
                         (pend_l[h:e], grid, drop_h[h:e], sinks, recent, reindexed, shift), victims[h],
                         (rebase, inv_freq, inv_scale, rotary_dim, angles[h], angle_tag[h:e], tmp[h]),

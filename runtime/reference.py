@@ -29,6 +29,7 @@ import numpy as np
 
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.kv_config import KVConfig
+from ringllm.runtime.kv_types import OFFSET_FROM, key_offset_of
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_types import GGMLType
@@ -156,6 +157,8 @@ class ReferenceCache:
         # compressing prefill's observation window: runtime/reference_press.py)
         self.query_hook = None
         self.released = 0          # tokens a press released (runtime/reference_press.py)
+        # key offsets per layer (n_kv, hd) f32 (kv_types: q4_0 keys of policy layers), set by begin_write
+        self.key_offsets = [np.zeros((spec.n_head_kv, spec.head_dim), np.float32) for _ in range(spec.n_layer)]
         hd, nkv = spec.head_dim, spec.n_head_kv
         budgets = (self.impl.budgets(kv.capacity, spec.n_layer) if hasattr(self.impl, "budgets")
                    else [kv.capacity or 0] * spec.n_layer)
@@ -263,6 +266,8 @@ class ReferenceCache:
         before RoPE (rounded to the KV types as insert rounds them), their policy state zero, then
         what the policy computes from the key at insert (after_insert: knorm's norm, lsh's code).
         Nothing is attended: no attention state moves."""
+        if len(seqs_in):          # before the victims leave: the engine sees the layer as it was
+            self.begin_write(il, np.asarray(k, np.float32), int(np.asarray(seqs_in)[0]))
         self.evict(il, seqs_out)
         lc = self.layers[il]
         for i, s in enumerate(np.asarray(seqs_in, np.int64)):
@@ -271,15 +276,38 @@ class ReferenceCache:
             if lc.policy:
                 self.impl.after_insert(lc, il, k_i)
 
+    def _ring(self, il: int) -> bool:
+        """Whether the engine's store keeps layer il as a ring (kv_store.py's layer_ring)."""
+        return not self.layers[il].policy or self.kv.ring
+
+    def begin_write(self, il: int, k: np.ndarray, seq0: int) -> None:
+        """Before keys k (T, n_kv, hd) (before RoPE) of tokens seq0.. enter layer il: on a layer that
+        holds q4_0 keys relative to offsets (kv_types: a policy layer), when they bring it its first
+        token from OFFSET_FROM on, the offsets are chosen from every key it has seen but token 0's:
+        those it holds (as rounded) and these (kv_types.key_offset_of)."""
+        if self.kv.k_type != "q4_0" or self._ring(il) or seq0 + k.shape[0] - 1 < OFFSET_FROM:
+            return
+        lc = self.layers[il]
+        if max((int(np.max(s, initial=-1)) for s in lc.seq), default=-1) >= OFFSET_FROM:
+            return                         # chosen already: rows relative to the offsets exist
+        new = seq0 + np.arange(k.shape[0]) > 0
+        for h in range(k.shape[1]):
+            held = np.asarray(lc.seq[h]) > 0
+            self.key_offsets[il][h] = key_offset_of(np.concatenate([np.asarray(lc.k[h])[held], k[new, h]]))
+
     def rounded_kv(self, il: int, k: np.ndarray, v: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """k, v (n_kv, hd) as the store holds them under the KV types (module docstring), keys given
-        and returned before RoPE."""
+        and returned before RoPE. q4_0 keys of a policy layer are rounded relative to the layer's
+        offsets c (begin_write): round(k - c) + c."""
         kv = self.kv
         if kv.v_type != "f32":
             v = round_kv_type(v, kv.v_type)
         if kv.k_type != "f32":
-            ring = not self.layers[il].policy or kv.ring     # the engine's ring layers (kv_store.py)
-            if not ring or self.ring_keys == "fused":
+            ring = self._ring(il)
+            if not ring and kv.k_type == "q4_0":       # relative to the offsets from OFFSET_FROM on (kv_types)
+                c = self.key_offsets[il] if seq >= OFFSET_FROM else np.float32(0)
+                k = round_kv_type(k - c, kv.k_type) + c
+            elif not ring or self.ring_keys == "fused":
                 k = round_kv_type(k, kv.k_type)
             else:
                 s = self.spec
@@ -454,6 +482,7 @@ class ReferenceEngine:
         group = nh // nkv
         out = np.zeros((T, nh, hd), np.float32)
         base, scale = layer_freqs(s, il), s.rope_scale[il]
+        cache.begin_write(il, k, int(seqs[0]))
         for t in range(T):
             cache.insert(il, k[t], v[t], int(seqs[t]), q[t])
             lc = cache.layers[il]

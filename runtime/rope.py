@@ -319,7 +319,7 @@ class FusedRope(RopeStrategy):
 
     def attend(self, store, il, rope, q, seq, scale, softcap, mass, sc):
         _query_position_grown(store, il, rope, seq)
-        attend(sc.out, q, store.k[il], store.v[il], store.pos[il], store.count[il],
+        attend(sc.out, q, store.k[il], store.koff[il], store.seq[il], store.v[il], store.pos[il], store.count[il],
                store.query_positions(il, seq, sc.qpos), rope.table.cos, rope.table.sin, rope.rotary_dim, scale, softcap,
                sc.scores, sc.krot, sc.qrot, mass)
 

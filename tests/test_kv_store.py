@@ -64,7 +64,8 @@ def test_store_and_attention_match_reference(positions, capacity, sinks, rotary_
                           stored_work(nkv, nh, hd, capacity), mass)
         else:
             table.ensure(max(qp, int(store.pos[0].max())) + 1)
-            attend(out, q, store.k[0], store.v[0], store.pos[0], store.count[0], np.full(nkv, qp), table.cos, table.sin,
+            attend(out, q, store.k[0], store.koff[0], store.seq[0], store.v[0], store.pos[0], store.count[0],
+                   np.full(nkv, qp), table.cos, table.sin,
                    spec.rotary_dim, np.float32(spec.attn_scale), np.float32(0.0), scores, krot, qrot, mass)
         np.testing.assert_allclose(out, _ref_attention(ref, 0, q, spec), atol=1e-5, err_msg=f"step {t}")
         # the same token set, slot by slot, with the same logical positions

@@ -160,7 +160,7 @@ def test_evict_removes_the_chosen_tokens(tiny, policy):
             assert st.score[1][h, j] == kept_score[(h, int(seq[j]))]
     if st.ksum[1].shape[0]:                           # rkv: the key sums equal a rebuild
         ks, sc = st.ksum[1].copy(), st.score[1].copy()
-        key_sums(ks, st.k[1], sc, st.count[1])
+        key_sums(ks, st.k[1], st.koff[1], st.seq[1], sc, st.count[1])
         np.testing.assert_array_equal(ks, st.ksum[1])
     assert all(len(x) == 24 for x in _held(st, 0))   # other layers untouched
     logits = eng.step(IDS[24], st)                   # and decoding goes on

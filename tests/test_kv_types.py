@@ -197,11 +197,11 @@ def run_tracked(loaded, kv, ids, n_prompt, tol):
 
 
 # CI's short form: the ring, the Python-path policies that read keys (knorm, gvote), and compiled steps
-# that read keys (rkv) or only score (h2o), 148 steps at capacity 16, each (kernel, type) pair compiled once
-# (q4_0 on policy layers runs in the full form and in bench/results/kv_types_reference_matrix.md). RINGLLM_TEST_FULL=1: every policy x type, 1,000 steps at capacity 64
-# (each pair compiles the policy's kernels for its arrays, ~15 s on two cores).
+# that read keys (rkv, with q4_0 keys relative to offsets) or only score (h2o), 148 steps at capacity 16,
+# each (kernel, type) pair compiled once. RINGLLM_TEST_FULL=1: every policy x type, 1,000 steps at
+# capacity 64 (each pair compiles the policy's kernels for its arrays, ~15 s on two cores).
 PAIRS = ([(p, t) for p in POLICIES for t in TYPES] if FULL else
-         [("streaming", "q4_0"), ("h2o", "q8_0"), ("knorm", "f16"), ("gvote", "f16"), ("rkv", "q8_0")])
+         [("streaming", "q4_0"), ("h2o", "q8_0"), ("knorm", "f16"), ("gvote", "f16"), ("rkv", "q4_0")])
 
 
 @pytest.mark.slow
@@ -264,6 +264,86 @@ def test_store_holds_its_type_and_saves(tmp_path_factory):
     bad["kv"] = {**bad["kv"], "k_type": "q4_0"}
     with pytest.raises(ConfigError, match="k.0"):
         KVStore.restore(tiny.spec, bad)
+
+
+def test_key_offset_rule():
+    """kv_types.key_offset_of: the mean key, rounded to OFFSET_BITS significant bits."""
+    rng = np.random.default_rng(3)
+    keys = (rng.normal(size=(9, 64)) + rng.normal(scale=20, size=(1, 64))).astype(np.float32)
+    got = kv_types.key_offset_of(keys)
+    want = keys.astype(np.float64).mean(0)
+    assert got.dtype == np.float32 and got.shape == (64,)
+    assert np.all(np.abs(got - want) <= np.abs(want) * 2.0 ** -kv_types.OFFSET_BITS)
+    mant = np.frexp(got)[0] * 2 ** kv_types.OFFSET_BITS
+    np.testing.assert_array_equal(mant, np.round(mant))
+    with pytest.raises(ConfigError, match="key offset"):
+        kv_types.key_offset_of(keys[:0])
+
+
+def test_q4_0_policy_layers_hold_keys_relative_to_offsets(tmp_path_factory):
+    """A q4_0 store's policy layers choose their key offsets with their first token from OFFSET_FROM on
+    (the engine's and the reference's the same), hold k - c from there on (the first tokens: k), and
+    read k back (KVStore.key_values against the reference's rounding); the ring layers and every
+    other type hold none. The offsets survive fork, state()/restore() and convert_types; a stream fed
+    token by token gets them at token OFFSET_FROM; a state saved before offsets existed restores with
+    none (its rows hold the keys themselves) and decodes as before."""
+    from ringllm.runtime.kv_store import KVStore
+
+    tiny = _tiny("gemma3", tmp_path_factory)          # sliding-window (ring) layers beside policy layers
+    eng, ref = CPUEngine(tiny.spec, tiny.tensors), ReferenceEngine(tiny.spec, tiny.tensors)
+    ids = np.random.default_rng(9).permutation(256)[:40].tolist()
+    kv = KVConfig(capacity=24, policy="h2o", sinks=2, k_type="q4_0", v_type="q4_0")
+    st, rc = eng.new_store(kv), ref.new_cache(kv)
+    np.testing.assert_allclose(eng.logits(ids[:30], st), ref.forward(ids[:30], rc), rtol=0, atol=TYPE_TOL["q4_0"])
+    policy_layers = [il for il in range(tiny.spec.n_layer) if st.offsets_keys(il)]
+    assert policy_layers and len(policy_layers) < tiny.spec.n_layer
+    for il in range(tiny.spec.n_layer):
+        np.testing.assert_array_equal(st.koff[il], rc.key_offsets[il])
+        assert np.abs(st.koff[il]).max() > 0 if il in policy_layers else not st.koff[il].any()
+    for il in policy_layers:
+        for h in range(tiny.spec.n_head_kv):
+            order = np.argsort(st.seq[il][h, :int(st.count[il][h])])
+            np.testing.assert_allclose(st.key_values(il, h, order), rc.layers[il].k[h], rtol=0, atol=1e-3)
+    koff = [a.copy() for a in st.koff]
+    for other in (st.fork(), KVStore.restore(tiny.spec, st.state())):
+        for a, b in zip(other.koff, koff):
+            np.testing.assert_array_equal(a, b)
+    eng.prefill(ids[30:], st)                          # later writes keep the offsets
+    for a, b in zip(st.koff, koff):
+        np.testing.assert_array_equal(a, b)
+    f = st.convert_types("f32", "f32")                  # keys before RoPE until an engine re-lays them
+    assert not any(a.any() for a in f.koff)
+    for il in policy_layers:                           # the first tokens' rows hold their keys themselves
+        off = np.where((st.seq[il] >= kv_types.OFFSET_FROM)[..., None], st.koff[il][:, None], np.float32(0))
+        np.testing.assert_array_equal(f.k[il], kv_codec.decode(st.k[il], tiny.spec.head_dim) + off)
+    back = eng.adopt_store(eng.adopt_store(f).convert_types("q4_0", "q4_0"))
+    assert all(back.koff[il].any() for il in policy_layers)
+    np.testing.assert_allclose(eng.step(7, back), eng.step(7, st), rtol=0, atol=TYPE_TOL["q4_0"])
+    one, rc1 = eng.new_store(kv), ref.new_cache(kv)   # a stream fed token by token from its first token:
+    for i, t in enumerate(ids[:kv_types.OFFSET_FROM + 2]):     # the offsets come with token OFFSET_FROM
+        np.testing.assert_allclose(eng.step(t, one), ref.forward([t], rc1)[0], rtol=0, atol=TYPE_TOL["q4_0"])
+        for il in range(tiny.spec.n_layer):
+            np.testing.assert_array_equal(one.koff[il], rc1.key_offsets[il])
+            assert one.koff[il].any() == (i >= kv_types.OFFSET_FROM and il in policy_layers)
+    old = st.state()
+    old["arrays"] = {n: a for n, a in old["arrays"].items() if not n.startswith("koff.")}
+    legacy = KVStore.restore(tiny.spec, old)
+    assert not any(a.any() for a in legacy.koff)
+    for il in policy_layers:                           # its rows are read as the keys themselves
+        np.testing.assert_array_equal(legacy.key_values(il, 0, np.arange(2)),
+                                      kv_codec.decode(st.k[il][0, :2], tiny.spec.head_dim))
+
+
+def test_key_offsets_cut_the_error_of_offset_keys():
+    """Keys that share a large offset (as a real model's do before RoPE): rounded relative to the
+    offset of their first tokens, q4_0 keys lose a fraction of what they lose rounded as they are."""
+    rng = np.random.default_rng(4)
+    offset = rng.normal(scale=8.0, size=(1, 1, 64)) * (rng.random((1, 1, 64)) < 0.1)
+    keys = (rng.normal(size=(200, 2, 64)) + offset).astype(np.float32)
+    c = np.stack([kv_types.key_offset_of(keys[1:32, h]) for h in range(2)])
+    plain = np.abs(kv_codec.round_trip(keys, "q4_0") - keys).mean()
+    relative = np.abs(kv_codec.round_trip(keys - c, "q4_0") + c - keys).mean()
+    assert relative < 0.5 * plain
 
 
 def test_kshift_requantizes_and_stays_close(tmp_path_factory):

@@ -454,7 +454,8 @@ def check_attend_against_cpu(n_head: int, n_kv: int, hd: int, rotary_dim: int, P
     out = np.zeros((n_head, hd), np.float32)
     scores = np.zeros((n_head, P), np.float32)
     mass = np.zeros((n_kv, P), np.float32)
-    attend(out, q, k, v, pos, count, np.full(n_kv, q_pos, np.int64), table.cos, table.sin, rotary_dim, scale,
+    attend(out, q, k, np.zeros((n_kv, hd), np.float32), np.zeros((n_kv, P), np.int64), v, pos, count,
+           np.full(n_kv, q_pos, np.int64), table.cos, table.sin, rotary_dim, scale,
            np.float32(0.0), scores, np.zeros(hd, np.float32), np.zeros((n_head, hd), np.float32), mass)
     got, w = kernels.attend(q, k_rows, v_rows, pos, count, q_pos, rotary_dim, rope_base=10000.0, rope_scale=2.0,
                             path=path)

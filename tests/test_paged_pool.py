@@ -250,7 +250,8 @@ def test_paged_attention_matches_attend(positions, rotary_dim):
     pos = np.arange(n) if reindexed else np.array(held)
     k_l, v_l = np.ascontiguousarray(ks[held].transpose(1, 0, 2)), np.ascontiguousarray(vs[held].transpose(1, 0, 2))
     want = np.zeros((nh, hd), np.float32)
-    attend(want, q, k_l, v_l, np.tile(pos, (nkv, 1)), np.full(nkv, n), np.full(nkv, pos[-1]), table.cos, table.sin,
+    attend(want, q, k_l, np.zeros((nkv, hd), np.float32), np.zeros((nkv, n), np.int64), v_l, np.tile(pos, (nkv, 1)),
+           np.full(nkv, n), np.full(nkv, pos[-1]), table.cos, table.sin,
            rotary_dim, scale, np.float32(0.0), np.zeros((nh, n), np.float32), np.zeros(hd, np.float32), np.zeros((nh, hd), np.float32),
            np.zeros((0, 0), np.float32))
     for step in ("holes", "fill", "repack"):

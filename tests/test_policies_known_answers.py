@@ -194,7 +194,7 @@ def test_rkv_key_sum_stays_exact_over_a_long_stream(update):
 
     def check():
         again, inv = np.zeros_like(st.ksum[0]), st.score[0].copy()
-        key_sums(again, st.k[0], inv, st.count[0])
+        key_sums(again, st.k[0], st.koff[0], st.seq[0], inv, st.count[0])
         assert st.ksum[0].tolist() == again.tolist()
         for h in range(2):
             n = st.count[0][h]

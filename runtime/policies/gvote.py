@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.kv_codec import kv_row
+from ringllm.runtime.kv_codec import key_row
 from ringllm.runtime.policies.base import Policy, step_params
 from ringllm.runtime.policy_step import bind_layer_step
 from ringllm.runtime.policies.random_policy import splitmix64
@@ -76,8 +76,8 @@ def _nucleus_votes(qv, keys, n, scale, softcap, p, votes):
 
 
 @njit(cache=True, nogil=True, fastmath=False)
-def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, rotary_dim, scale, softcap, p, seed,
-           il, seq_new, p_now, p_future, z, krot, cs, sn):
+def _gvote(key, k_l, koff, seq_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, rotary_dim, scale, softcap,
+           p, seed, il, seq_new, p_now, p_future, z, krot, cs, sn):
     n_kv = k_l.shape[0]
     n_head, hd = q_now.shape
     group = n_head // n_kv
@@ -85,7 +85,7 @@ def _gvote(key, k_l, pos_l, count_l, qhist, n_rows, q_now, inv_freq, inv_scale, 
     for h in range(n_kv):                       # keys at their positions (as the store decodes them)
         for j in range(n):
             angles_at(cs, sn, pos_l[h, j], inv_freq, inv_scale)
-            rotate_with(krot[h, j], kv_row(k_l, h, j, krot[h, j]), cs, sn, rotary_dim)
+            rotate_with(krot[h, j], key_row(k_l, koff, seq_l, h, j, krot[h, j]), cs, sn, rotary_dim)
     votes = np.zeros(n, np.float64)
     scratch = np.zeros(n, np.float64)
     qf = np.zeros(hd, np.float32)
@@ -170,7 +170,8 @@ class GVote(Policy):
             self.krot = np.zeros(store.k[il].shape[:2] + (store.spec.head_dim,), np.float32)
         n_old = int(store.count[il][0])
         p_now = n_old if store.reindexed else seq
-        budget = _gvote(store.key, store.k[il], store.pos[il], store.count[il], store.extra[il], min(seq, kv.window), q,
+        budget = _gvote(store.key, store.k[il], store.koff[il], store.seq[il], store.pos[il], store.count[il],
+                        store.extra[il], min(seq, kv.window), q,
                         self.inv_freq[il], 1.0 / s.rope_scale[il], s.rotary_dim, float(s.attn_scale), float(s.attn_softcap),
                         kv.gvote_p, kv.seed, il, seq, p_now, p_now + kv.window // 2, self.z, self.krot, self.cs, self.sn)
         self.budget_sum[il] += budget

@@ -19,21 +19,22 @@ from numba import njit
 
 from ringllm.runtime.eviction import GRID_ABS
 from ringllm.runtime.key_sum import KEY_SUM_FIXED, key_sums
-from ringllm.runtime.kv_codec import kv_row
-from ringllm.runtime.kv_write import AUX, COUNT, K, KSUM, SCORE
+from ringllm.runtime.kv_codec import key_row
+from ringllm.runtime.kv_write import AUX, COUNT, K, KOFF, KSUM, SCORE, SEQ
 from ringllm.runtime.policies.base import Policy, step_params
 from ringllm.runtime.policies.snapkv import check_window, observe_head, record_window, window_totals
 from ringllm.runtime.policy_step import bind_layer_step, drops_ahead, pick_ahead
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
+def rkv_keys(key, k_l, koff, seq_l, tot_l, inv_l, count_l, ksum, lam, s):
     """key[h, j] = lam * I_j - (1 - lam) * R_j (module docstring); tot_l (n_kv, P) i64 the slots'
     window totals in fixed point (snapkv.record_window, kept by observe); inv_l (n_kv, P) f64 the
     slots' 1/|k_j| and ksum (n_kv, hd) i64 the sum of the held unit keys in units of 2^-40 (both kept
     by the store's write kernel, runtime/key_sum.py); s (hd,) f64 scratch. One pass over the keys
     (as the store decodes them). fastmath: the dot products vectorize (float64, reassociated; far
-    below the key grid)."""
+    below the key grid). koff (n_kv, hd) f32 and seq_l: the layer's key offsets and
+    sequence indices (kv_codec.key_row)."""
     hd = ksum.shape[1]
     buf = np.empty(hd, np.float32)
     for h in range(k_l.shape[0]):
@@ -45,7 +46,7 @@ def rkv_keys(key, k_l, tot_l, inv_l, count_l, ksum, lam, s):
             top = max(top, np.float64(tot_l[h, j]))
         top = 1.0 / top if top > 0 else 0.0
         for j in range(n):
-            kj = kv_row(k_l, h, j, buf)
+            kj = key_row(k_l, koff, seq_l, h, j, buf)
             dot = 0.0
             for d in range(hd):
                 dot += kj[d] * s[d]
@@ -58,7 +59,7 @@ def choose_next(lay, st, prm, by_rank, s, victims, pend, pend_drop):
     """The next write's victims (policy_step's contract): importance against redundancy (prm's lam)."""
     n_drop = drops_ahead(lay, st, pend_drop)
     if n_drop > 0:
-        rkv_keys(st[0], lay[K], lay[AUX], lay[SCORE], lay[COUNT], lay[KSUM], prm[3], s)
+        rkv_keys(st[0], lay[K], lay[KOFF], lay[SEQ], lay[AUX], lay[SCORE], lay[COUNT], lay[KSUM], prm[3], s)
         pick_ahead(lay, st, n_drop, victims, pend, pend_drop)
 
 
@@ -87,8 +88,8 @@ class RKV(Policy):
         return step_params(width=self.kv.window, lam=self.kv.rkv_lambda, s=self.s)
 
     def fill_raw_keys(self, store, il, q, seq):
-        rkv_keys(store.key, store.k[il], store.aux[il], store.score[il], store.count[il], store.ksum[il],
-                 self.kv.rkv_lambda, self.s[0])
+        rkv_keys(store.key, store.k[il], store.koff[il], store.seq[il], store.aux[il], store.score[il],
+                 store.count[il], store.ksum[il], self.kv.rkv_lambda, self.s[0])
 
     def observe(self, store, il, mass, seq):
         record_window(store.hist[il], store.aux[il], mass, store.count[il], seq % self.kv.window)
@@ -96,4 +97,5 @@ class RKV(Policy):
     def after_restore(self, store):
         for il in range(store.spec.n_layer):     # states saved before the window totals were kept in aux,
             window_totals(store.aux[il], store.hist[il], store.count[il])      # or before ksum: both rebuilt
-            key_sums(store.ksum[il], store.k[il], store.score[il], store.count[il])   # (equal to what was kept)
+            key_sums(store.ksum[il], store.k[il], store.koff[il], store.seq[il], store.score[il],   # (as was kept)
+                     store.count[il])
