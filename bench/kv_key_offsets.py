@@ -10,7 +10,8 @@ vector per layer and kv head, and adding c back when a key is read, removes that
 rounded. The variants, all with q4_0 values and keys (the values rounded as the store rounds them):
 
     stored       keys rotated by RoPE at their sequence index, then rounded (the engine's ring layers today)
-    fused        keys rounded before RoPE (the engine's policy layers today, and its "fused" layout)
+    fused        keys rounded before RoPE as the reference engine rounds them for the engine's policy
+                 layers: since the runtime's offsets (KVStore.koff) landed, relative to those
     fused-c      before RoPE, k - c rounded and c added back; c: the mean key of the text's first
                  --calibration tokens but its first (the attention sink), as a store would take it from
                  its first prompt
@@ -18,6 +19,11 @@ rounded. The variants, all with q4_0 values and keys (the values rounded as the 
     fused-c-random as fused-c, c taken from random token ids
     stored-c     rotated keys minus c rotated at the calibration tokens' positions (the offset in the
                  stored frame, where RoPE turns it with the position)
+    stored-outM  keys rotated by RoPE at their sequence index (as "stored"), but the M rotary pairs of
+                 largest mean energy in the calibration keys (per layer and kv head) held in float16
+                 and left out of the q4_0 blocks (zeros there): RoPE turns a pair within itself, so a
+                 pair's energy, and which pairs carry the offset, do not depend on the position
+    fused-outM   as stored-outM, on keys before RoPE
 
 Each runs the reference engine (runtime/reference.py, NumPy, an independent implementation of the
 model) over --tokens tokens of Pride and Prejudice in 64-token chunks through a --capacity store under
@@ -44,7 +50,7 @@ from ringllm.runtime.reference import ReferenceEngine, rope, round_kv_type  # no
 from ringllm.runtime.reference_rope import layer_freqs  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-VARIANTS = ("stored", "fused", "fused-c", "fused-c-other", "fused-c-random", "stored-c")
+VARIANTS = ("stored", "fused", "fused-c", "fused-c-other", "fused-c-random", "stored-c", "stored-out2", "stored-out4")
 
 
 def text(name: str) -> str:
@@ -69,6 +75,20 @@ def calibration_keys(eng: ReferenceEngine, ids) -> dict[int, np.ndarray]:
 def key_means(eng: ReferenceEngine, ids) -> dict[int, np.ndarray]:
     """{layer: (n_kv, hd) f32}: the mean key before RoPE of ids[1:]."""
     return {il: k.mean(0).astype(np.float32) for il, k in calibration_keys(eng, ids).items()}
+
+
+def outlier_channels(spec, eng: ReferenceEngine, ids, pairs: int) -> dict[int, np.ndarray]:
+    """{layer: (n_kv, head_dim) bool}: the channels of the `pairs` rotary pairs (i, i + rotary_dim/2)
+    with the largest mean energy k_i^2 + k_{i+half}^2 over the keys of ids[1:], per kv head."""
+    half, out = spec.rotary_dim // 2, {}
+    for il, k in calibration_keys(eng, ids).items():
+        energy = (k[..., :half] ** 2 + k[..., half:2 * half] ** 2).mean(0)         # (n_kv, half)
+        top = np.argsort(-energy, 1)[:, :pairs]
+        mask = np.zeros(k.shape[1:], bool)
+        np.put_along_axis(mask, top, True, 1)
+        np.put_along_axis(mask, top + half, True, 1)
+        out[il] = mask
+    return out
 
 
 def rotated_means(spec, eng: ReferenceEngine, ids) -> dict[int, np.ndarray]:
@@ -115,6 +135,8 @@ def main() -> None:
                "fused-c-other": key_means(eng, tok.encode(text("emma.txt")[20000:40000])[:n_cal]),
                "fused-c-random": key_means(eng, np.random.default_rng(0).integers(0, spec.n_vocab, n_cal))}
     offsets["stored-c"] = rotated_means(spec, eng, ids[:n_cal])
+    outliers = {v: outlier_channels(spec, eng, ids[:n_cal], int(v.split("-out")[1]))
+                for v in args.variants.split(",") if v.startswith(("stored-out", "fused-out"))}
 
     def centered(c):
         def rounded(il, k, v, seq):
@@ -127,6 +149,25 @@ def main() -> None:
             at = rope(k[:, None, :], np.array([seq]), spec.rotary_dim, base, scale)[:, 0]
             at = round_kv_type(at - c[il], "q4_0") + c[il]
             return rope(at[:, None, :], np.array([-seq]), spec.rotary_dim, base, scale)[:, 0], round_kv_type(v, "q4_0")
+        return rounded
+
+    def split_rounded(mask, at):
+        """at with the mask's channels rounded to float16 and the others through q4_0 blocks that
+        hold zeros in the mask's channels."""
+        return np.where(mask, at.astype(np.float16).astype(np.float32),
+                        round_kv_type(np.where(mask, 0.0, at).astype(np.float32), "q4_0"))
+
+    def stored_outliers(mask):
+        def rounded(il, k, v, seq):
+            base, scale = layer_freqs(spec, il), spec.rope_scale[il]
+            at = rope(k[:, None, :], np.array([seq]), spec.rotary_dim, base, scale)[:, 0]
+            kept = split_rounded(mask[il], at)
+            return rope(kept[:, None, :], np.array([-seq]), spec.rotary_dim, base, scale)[:, 0], round_kv_type(v, "q4_0")
+        return rounded
+
+    def fused_outliers(mask):
+        def rounded(il, k, v, seq):
+            return split_rounded(mask[il], k), round_kv_type(v, "q4_0")
         return rounded
 
     rows = []
@@ -145,6 +186,10 @@ def main() -> None:
                 ppl = perplexity(eng, ids, q4, "fused")
             elif variant == "stored-c":
                 ppl = perplexity(eng, ids, q4, "stored", stored_centered(offsets[variant]))
+            elif variant.startswith("stored-out"):
+                ppl = perplexity(eng, ids, q4, "stored", stored_outliers(outliers[variant]))
+            elif variant.startswith("fused-out"):
+                ppl = perplexity(eng, ids, q4, "fused", fused_outliers(outliers[variant]))
             else:
                 ppl = perplexity(eng, ids, q4, "fused", centered(offsets[variant]))
             rows.append({"policy": policy, "variant": variant, "ppl": ppl, "change": ppl / base - 1,
