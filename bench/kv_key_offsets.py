@@ -162,7 +162,8 @@ def main() -> None:
             base, scale = layer_freqs(spec, il), spec.rope_scale[il]
             at = rope(k[:, None, :], np.array([seq]), spec.rotary_dim, base, scale)[:, 0]
             kept = split_rounded(mask[il], at)
-            return rope(kept[:, None, :], np.array([-seq]), spec.rotary_dim, base, scale)[:, 0], round_kv_type(v, "q4_0")
+            back = rope(kept[:, None, :], np.array([-seq]), spec.rotary_dim, base, scale)[:, 0]
+            return back, round_kv_type(v, "q4_0")
         return rounded
 
     def fused_outliers(mask):
