@@ -72,16 +72,16 @@ def calibration_keys(eng: ReferenceEngine, ids) -> dict[int, np.ndarray]:
     return {il: np.stack(ks[1:]) for il, ks in keys.items()}
 
 
-def key_means(eng: ReferenceEngine, ids) -> dict[int, np.ndarray]:
-    """{layer: (n_kv, hd) f32}: the mean key before RoPE of ids[1:]."""
-    return {il: k.mean(0).astype(np.float32) for il, k in calibration_keys(eng, ids).items()}
+def key_means(keys: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """{layer: (n_kv, hd) f32}: the mean of calibration_keys' keys."""
+    return {il: k.mean(0).astype(np.float32) for il, k in keys.items()}
 
 
-def outlier_channels(spec, eng: ReferenceEngine, ids, pairs: int) -> dict[int, np.ndarray]:
+def outlier_channels(spec, keys: dict[int, np.ndarray], pairs: int) -> dict[int, np.ndarray]:
     """{layer: (n_kv, head_dim) bool}: the channels of the `pairs` rotary pairs (i, i + rotary_dim/2)
-    with the largest mean energy k_i^2 + k_{i+half}^2 over the keys of ids[1:], per kv head."""
+    with the largest mean energy k_i^2 + k_{i+half}^2 over calibration_keys' keys, per kv head."""
     half, out = spec.rotary_dim // 2, {}
-    for il, k in calibration_keys(eng, ids).items():
+    for il, k in keys.items():
         energy = (k[..., :half] ** 2 + k[..., half:2 * half] ** 2).mean(0)         # (n_kv, half)
         top = np.argsort(-energy, 1)[:, :pairs]
         mask = np.zeros(k.shape[1:], bool)
@@ -91,10 +91,10 @@ def outlier_channels(spec, eng: ReferenceEngine, ids, pairs: int) -> dict[int, n
     return out
 
 
-def rotated_means(spec, eng: ReferenceEngine, ids) -> dict[int, np.ndarray]:
-    """{layer: (n_kv, hd)}: the mean of the keys of ids[1:] rotated by RoPE at their positions."""
+def rotated_means(spec, keys: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """{layer: (n_kv, hd)}: the mean of calibration_keys' keys (tokens 1..) rotated by RoPE at their positions."""
     out = {}
-    for il, k in calibration_keys(eng, ids).items():
+    for il, k in keys.items():
         kk = k.transpose(1, 0, 2)                               # (n_kv, n - 1, hd)
         pos = np.broadcast_to(np.arange(1, kk.shape[1] + 1), kk.shape[:2])
         out[il] = rope(kk, pos, spec.rotary_dim, layer_freqs(spec, il), spec.rope_scale[il]).mean(1).astype(np.float32)
@@ -131,11 +131,13 @@ def main() -> None:
     eng = ReferenceEngine(spec, loaded.tensors)
     ids = tok.encode(text("prideprejudice.txt")[100000:200000])[:args.tokens + 1]
     n_cal = args.calibration
-    offsets = {"fused-c": key_means(eng, ids[:n_cal]),
-               "fused-c-other": key_means(eng, tok.encode(text("emma.txt")[20000:40000])[:n_cal]),
-               "fused-c-random": key_means(eng, np.random.default_rng(0).integers(0, spec.n_vocab, n_cal))}
-    offsets["stored-c"] = rotated_means(spec, eng, ids[:n_cal])
-    outliers = {v: outlier_channels(spec, eng, ids[:n_cal], int(v.split("-out")[1]))
+    cal = calibration_keys(eng, ids[:n_cal])
+    offsets = {"fused-c": key_means(cal),
+               "fused-c-other": key_means(calibration_keys(eng, tok.encode(text("emma.txt")[20000:40000])[:n_cal])),
+               "fused-c-random": key_means(calibration_keys(eng, np.random.default_rng(0).integers(0, spec.n_vocab,
+                                                                                                   n_cal))),
+               "stored-c": rotated_means(spec, cal)}
+    outliers = {v: outlier_channels(spec, cal, int(v.split("-out")[1]))
                 for v in args.variants.split(",") if v.startswith(("stored-out", "fused-out"))}
 
     def centered(c):
@@ -143,13 +145,18 @@ def main() -> None:
             return round_kv_type(k - c[il], "q4_0") + c[il], round_kv_type(v, "q4_0")
         return rounded
 
-    def stored_centered(c):
+    def in_stored_frame(round_key):
+        """rounded_kv whose key is rounded by round_key(il, key) in the stored frame (rotated by RoPE
+        at its sequence index), then rotated back (the reference cache takes keys before RoPE)."""
         def rounded(il, k, v, seq):
             base, scale = layer_freqs(spec, il), spec.rope_scale[il]
             at = rope(k[:, None, :], np.array([seq]), spec.rotary_dim, base, scale)[:, 0]
-            at = round_kv_type(at - c[il], "q4_0") + c[il]
+            at = round_key(il, at)
             return rope(at[:, None, :], np.array([-seq]), spec.rotary_dim, base, scale)[:, 0], round_kv_type(v, "q4_0")
         return rounded
+
+    def stored_centered(c):
+        return in_stored_frame(lambda il, at: round_kv_type(at - c[il], "q4_0") + c[il])
 
     def split_rounded(mask, at):
         """at with the mask's channels rounded to float16 and the others through q4_0 blocks that
@@ -158,13 +165,7 @@ def main() -> None:
                         round_kv_type(np.where(mask, 0.0, at).astype(np.float32), "q4_0"))
 
     def stored_outliers(mask):
-        def rounded(il, k, v, seq):
-            base, scale = layer_freqs(spec, il), spec.rope_scale[il]
-            at = rope(k[:, None, :], np.array([seq]), spec.rotary_dim, base, scale)[:, 0]
-            kept = split_rounded(mask[il], at)
-            back = rope(kept[:, None, :], np.array([-seq]), spec.rotary_dim, base, scale)[:, 0]
-            return back, round_kv_type(v, "q4_0")
-        return rounded
+        return in_stored_frame(lambda il, at: split_rounded(mask[il], at))
 
     def fused_outliers(mask):
         def rounded(il, k, v, seq):
