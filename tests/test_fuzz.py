@@ -3,7 +3,7 @@
 Three forms per target, all bounded for CI:
 - the committed corpus (seeds and every crasher found so far) replayed in-process;
 - hypothesis: structured inputs (a seed with bytes overwritten, cut or spliced), max_examples bounded;
-- atheris (coverage-guided libFuzzer) in a subprocess for RINGLLM_FUZZ_SECONDS (default 10) from the
+- atheris (coverage-guided libFuzzer) in a subprocess for RINGLLM_FUZZ_SECONDS (default 5) from the
   corpus. The long runs of docs/reliability.md are the same command with a larger -max_total_time.
 
 A finding is any exception other than a RingLLMError (for the server: a 5xx, or a 4xx without an
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from fuzz.targets import TARGETS, corpus_files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FUZZ_SECONDS = int(os.environ.get("RINGLLM_FUZZ_SECONDS", "10"))
+FUZZ_SECONDS = int(os.environ.get("RINGLLM_FUZZ_SECONDS", "5"))
 NEEDS_MODEL = {"session", "tokenizer", "server"}
 
 
