@@ -24,6 +24,11 @@ rounded. The variants, all with q4_0 values and keys (the values rounded as the 
                  and left out of the q4_0 blocks (zeros there): RoPE turns a pair within itself, so a
                  pair's energy, and which pairs carry the offset, do not depend on the position
     fused-outM   as stored-outM, on keys before RoPE
+    stored-eqA   keys rotated by RoPE at their sequence index (as "stored"), each rotary pair divided by
+                 s = (r / median r)^(A/100) before rounding and multiplied back after (r: the pair's RMS
+                 over the calibration keys, per layer and kv head); the same as a store holding k / s
+                 and the queries scaled by s: RoPE turns a pair within itself, so s commutes with it
+    stored-eqA-down  as stored-eqA with s at least 1 (only the pairs above the median scaled down)
 
 Each runs the reference engine (runtime/reference.py, NumPy, an independent implementation of the
 model) over --tokens tokens of Pride and Prejudice in 64-token chunks through a --capacity store under
@@ -88,6 +93,21 @@ def outlier_channels(spec, keys: dict[int, np.ndarray], pairs: int) -> dict[int,
         np.put_along_axis(mask, top, True, 1)
         np.put_along_axis(mask, top + half, True, 1)
         out[il] = mask
+    return out
+
+
+def pair_scales(spec, keys: dict[int, np.ndarray], alpha: float, down_only: bool) -> dict[int, np.ndarray]:
+    """{layer: (n_kv, head_dim) f32}: per channel, its rotary pair's (r / median r)^alpha, r the pair's RMS
+    over calibration_keys' keys (both channels of a pair get the same scale); at least 1 if down_only."""
+    half, out = spec.rotary_dim // 2, {}
+    for il, k in keys.items():
+        r = np.sqrt((k[..., :half] ** 2 + k[..., half:2 * half] ** 2).mean(0) / 2)       # (n_kv, half)
+        s = (r / np.median(r, 1, keepdims=True)) ** alpha
+        if down_only:
+            s = np.maximum(s, 1.0)
+        full = np.ones(k.shape[1:], np.float32)
+        full[:, :half], full[:, half:2 * half] = s, s
+        out[il] = full
     return out
 
 
@@ -164,6 +184,12 @@ def main() -> None:
         return np.where(mask, at.astype(np.float16).astype(np.float32),
                         round_kv_type(np.where(mask, 0.0, at).astype(np.float32), "q4_0"))
 
+    scales = {v: pair_scales(spec, cal, int(v.split("-eq")[1].split("-")[0]) / 100, v.endswith("-down"))
+              for v in args.variants.split(",") if v.startswith("stored-eq")}
+
+    def stored_equalized(s):
+        return in_stored_frame(lambda il, at: round_kv_type(at / s[il], "q4_0") * s[il])
+
     def stored_outliers(mask):
         return in_stored_frame(lambda il, at: split_rounded(mask[il], at))
 
@@ -188,6 +214,8 @@ def main() -> None:
                 ppl = perplexity(eng, ids, q4, "fused")
             elif variant == "stored-c":
                 ppl = perplexity(eng, ids, q4, "stored", stored_centered(offsets[variant]))
+            elif variant.startswith("stored-eq"):
+                ppl = perplexity(eng, ids, q4, "stored", stored_equalized(scales[variant]))
             elif variant.startswith("stored-out"):
                 ppl = perplexity(eng, ids, q4, "stored", stored_outliers(outliers[variant]))
             elif variant.startswith("fused-out"):

@@ -46,7 +46,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ringllm.runtime.kv_basis import decode_basis, decode_row_basis
-from ringllm.runtime.simd import prefetch, prefetch_keep, vbcast, vfma, vload, vstore, vsum8x8, vzero
+from ringllm.runtime.simd import prefetch, vbcast, vfma, vload, vstore, vsum8x8, vzero
 
 PREFETCH_AHEAD = 32          # keys between the rows hinted and the rows read
 
@@ -205,10 +205,3 @@ def prefetch_rows(flat, width, j, n):
     for c in range(j * width, (j + n) * width, step):
         prefetch(flat, c)
 
-
-@njit(cache=True, nogil=True, inline="always")
-def prefetch_rows_keep(flat, width, j, n):
-    """prefetch_rows into L2 (prefetch_keep), for rows read after the current work, not within it."""
-    step = 64 // flat.itemsize
-    for c in range(j * width, (j + n) * width, step):
-        prefetch_keep(flat, c)

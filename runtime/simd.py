@@ -32,7 +32,7 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "zadd", "zfold",
            "zld_i32", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast",
-           "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "prefetch_keep",
+           "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch",
            "vfma", "vfnma",
            "vadd", "vsub", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
            "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
@@ -412,15 +412,10 @@ def _prefetch_codegen(locality):
 
 @intrinsic
 def prefetch(typingctx, buf, off):
-    """Hint the cache line at byte offset off of buf (prefetchnta: weights are read once per token,
-    so they should not displace other data from L2/L3; measured equal to prefetcht0); never faults."""
-    return types.none(buf, off), _prefetch_codegen(0)
-
-
-@intrinsic
-def prefetch_keep(typingctx, buf, off):
-    """Hint the cache line at byte offset off of buf into L2 (prefetcht1), for data read a while later:
-    a non-temporal hint may let the line go before it is used; never faults."""
+    """Hint the cache line at byte offset off of buf into L2 (prefetcht1); never faults. The weights and
+    the KV rows are read once per token, but a non-temporal hint (prefetchnta) lets a line go before it
+    is read: on Intel it bypasses L2 and the hardware's L2 streamer, and reading the hinted rows ran
+    slower than with no hint at all (docs/many_rows.md, "On a 2-core Sapphire Rapids VM")."""
     return types.none(buf, off), _prefetch_codegen(2)
 
 

@@ -63,7 +63,7 @@ from ringllm.runtime.fast_exp import exp_f32
 from ringllm.runtime.kv_basis import from_value_basis, group_scores_row_basis, to_key_basis
 from ringllm.runtime.kv_row_math import accumulate_row
 from ringllm.runtime.kv_tile_math import (PREFETCH_AHEAD, axpy8, axpy8x2, dot8, dot8x2, head_rows, prefetch_rows,
-                                          prefetch_rows_keep, rows8_at, rows_tail_at)
+                                          rows8_at, rows_tail_at)
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import angles_at, rotate_with
 
@@ -183,7 +183,7 @@ def _scores_span(scores, qw, k_l, h, ja, jb, h0, group, misc, k_next, n_next, pf
             if n_next == 0 and j + PREFETCH_AHEAD + 8 <= pf_end:
                 prefetch_rows(flat, width, j + PREFETCH_AHEAD, 8)
             if j < n_next:
-                prefetch_rows_keep(flat_next, width, j, min(8, n_next - j))
+                prefetch_rows(flat_next, width, j, min(8, n_next - j))
             base = rows8_at(k_l, h, j, tile)
             g = 0
             while g + 2 <= group:
@@ -227,7 +227,7 @@ def _weighted_values(ow, scores, v_l, h, j0, j1, h0, group, misc, v_next, n_next
             if n_next == 0 and j + PREFETCH_AHEAD + 8 <= pf_end:
                 prefetch_rows(flat, width, j + PREFETCH_AHEAD, 8)
             if j < n_next:
-                prefetch_rows_keep(flat_next, width, j, min(8, n_next - j))
+                prefetch_rows(flat_next, width, j, min(8, n_next - j))
             base = rows8_at(v_l, h, j, tile)
             g = 0
             while g + 2 <= group:
