@@ -40,17 +40,23 @@ def smollm2_path() -> str:
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="session")
-def smollm2_cut_path(smollm2_path, tmp_path_factory) -> str:
-    """A tiny model with a real tokenizer and chat template: SmolLM2's first 2 of 30 layers, every
-    other tensor and key as they are (bench/truncated_gguf.py). Its answers are not SmolLM2's; it
-    serves the short soaks, which measure the runtime (memory, files, reloads), not the model."""
+def smollm2_first_layers(smollm2_path: str, n_layer: int, tmp_path_factory) -> str:
+    """A GGUF of SmolLM2's first n_layer of 30 layers, every other tensor and key as they are
+    (bench/truncated_gguf.py), written under a fresh temporary directory; returns its path."""
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from truncated_gguf import truncate
-    out = str(tmp_path_factory.mktemp("smollm2_cut") / "smollm2-2layers.gguf")
-    truncate(smollm2_path, 2, out)
+    out = str(tmp_path_factory.mktemp(f"smollm2_{n_layer}") / f"smollm2-{n_layer}layers.gguf")
+    truncate(smollm2_path, n_layer, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_cut_path(smollm2_path, tmp_path_factory) -> str:
+    """A tiny model with a real tokenizer and chat template: SmolLM2's first 2 of 30 layers
+    (smollm2_first_layers). Its answers are not SmolLM2's; it serves the short soaks, which measure
+    the runtime (memory, files, reloads), not the model."""
+    return smollm2_first_layers(smollm2_path, 2, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,6 @@ random checkpoints (all four architectures) and the real SmolLM2 at budget 64.
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
@@ -135,19 +132,14 @@ def test_tiny_staged_eviction(tiny, policy):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path, tmp_path_factory):
-    """SmolLM2, whole under RINGLLM_TEST_FULL=1; in CI's short form its first 8 of 30 layers
-    (bench/truncated_gguf.py: real weights, shapes, tokenizer and GQA; the NumPy reference's
-    per-token matvecs over all 30 layers were most of these tests' time)."""
-    from conftest import full_or_short
+    """SmolLM2, whole under RINGLLM_TEST_FULL=1; in CI's short form its first 8 of 30 layers (real
+    weights, shapes, tokenizer and GQA; the NumPy reference's per-token products over all 30 layers
+    were most of these tests' time)."""
+    from conftest import full_or_short, smollm2_first_layers
 
-    n_layer = full_or_short(None, 8)
-    if n_layer is None:
+    if full_or_short(True, False):
         return load_model(smollm2_path)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from truncated_gguf import truncate
-    out = str(tmp_path_factory.mktemp("smollm2_8") / "smollm2-8layers.gguf")
-    truncate(smollm2_path, n_layer, out)
-    return load_model(out)
+    return load_model(smollm2_first_layers(smollm2_path, 8, tmp_path_factory))
 
 
 SMOLLM2_POLICIES = POLICIES + ["h2o+staged"]
@@ -250,9 +242,9 @@ def test_victims_chosen_ahead_are_the_fresh_choice(tiny, policy):
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "scissorhands", "snapkv", "pyramidkv", "adakv", "rkv", "gvote"])
 def test_compiled_step_alike_at_one_and_two_threads(tiny, policy):
-    """A policy's compiled layer step (policy_step.bind_layer_step) runs a layer's kv heads on separate threads when Numba has more
-    than one and the layer more than one kv head (llama 2, gptneox 4; gemma3's single kv head runs on
-    the calling thread): every step's logits and every array of the store equal the one-thread run's,
+    """A policy's compiled layer step (policy_step.bind_layer_step) runs a layer's kv heads on separate
+    threads when Numba has more than one and the layer more than one kv head (llama 2, gptneox 4;
+    gemma3's single kv head runs on the calling thread): every step's logits and every array of the store equal the one-thread run's,
     bitwise, through a prefill and 30 evicting steps."""
     import numba
 

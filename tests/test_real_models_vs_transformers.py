@@ -27,9 +27,9 @@ N_TOKENS = 64
 @contextlib.contextmanager
 def _one_gguf_parse():
     """transformers parses the GGUF once for the config, once for the tokenizer and once for the
-    weights, each a fresh `gguf.GGUFReader` (8-17 s for Gemma 3's 262k-string vocabulary here); while
-    this is open, a second reader of the same file, unchanged, is the first one (read-only, so the same
-    fields and tensors). Dropped on exit: a parsed 262k vocabulary holds ~0.7 GB."""
+    weights, each a fresh `gguf.GGUFReader` (slow for Gemma 3's 262k-string vocabulary); while this
+    is open, a second reader of the same file, unchanged, is the first one (read-only, so the same
+    fields and tensors). Dropped on exit: a parsed vocabulary of that size holds most of a GB."""
     import gguf
 
     made, real = {}, gguf.GGUFReader
