@@ -244,8 +244,8 @@ def test_victims_chosen_ahead_are_the_fresh_choice(tiny, policy):
 def test_compiled_step_alike_at_one_and_two_threads(tiny, policy):
     """A policy's compiled layer step (policy_step.bind_layer_step) runs a layer's kv heads on separate
     threads when Numba has more than one and the layer more than one kv head (llama 2, gptneox 4;
-    gemma3's single kv head runs on the calling thread): every step's logits and every array of the store equal the one-thread run's,
-    bitwise, through a prefill and 30 evicting steps."""
+    gemma3's single kv head runs on the calling thread): every step's logits and every array of the
+    store equal the one-thread run's, bitwise, through a prefill and 30 evicting steps."""
     import numba
 
     if numba.config.NUMBA_NUM_THREADS < 2:
