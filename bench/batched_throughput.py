@@ -1,12 +1,15 @@
 """Batched decode throughput and memory: B concurrent streams of one model in one process.
 
-    python bench/batched_throughput.py [--batches 1,2,4,8] [--steps 2000] [--memory-steps 10000]
+    python bench/batched_throughput.py [--batches 1,2,4,8] [--steps 2000] [--rounds 1] [--memory-steps 10000]
                                        [--capacity 512] [--kv-type f32] [-t THREADS] [--name batched_throughput]
 
 Each stream has its own fixed store (streaming, 4 sinks, `capacity` tokens, K and V rows of `kv-type`), is prefilled with its
 own 128-token slice of the novel, then decodes greedily; all B advance together through
 CPUEngine.step_batch (the projections over the B rows at once). Reported per B: total and
-per-stream tokens/s over `steps` steps, the ratio to B = 1. Memory: the B = 8 run goes on for
+per-stream tokens/s over `steps` steps, the ratio to B = 1. With --rounds R > 1 the list of B runs R
+times over, each B after the other in every round (so a slow spell of the machine falls on all of
+them), and each figure is the median over the rounds, the ratio the median of each round's own
+ratio to that round's B = 1. Memory: the B = 8 run goes on for
 `memory-steps` steps per stream (every step evicting once the stores are full) with VmRSS sampled
 every 500 steps; the claim checked is RSS = weights + B x fixed KV, flat over the run (first vs
 last sample, and the peak VmHWM). llama.cpp is not run beside it: llama-cpp-python exposes no
@@ -69,6 +72,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=1, help="the batch list run this many times over; medians")
     ap.add_argument("--memory-steps", type=int, default=10000, help="steps per stream of the B = 8 memory run (0: skip)")
     ap.add_argument("--capacity", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
@@ -86,22 +90,33 @@ def main():
     eng = CPUEngine(model.spec, model.tensors, n_threads=args.threads, precision=args.precision)
     ids = model.tokenizer.encode(open(DATA, encoding="utf-8").read()[:80000])
     run(eng, ids, 2, 4, 16, args.kv_type)                     # compile every kernel before timing
-    rows = [run(eng, ids, int(b), args.steps, args.capacity, args.kv_type) for b in args.batches.split(",")]
-    for r in rows:
-        r["ratio_to_b1"] = r["total_tok_s"] / rows[0]["total_tok_s"]
-        print(f"B={r['B']}: {r['total_tok_s']:.1f} tok/s total, {r['per_stream_tok_s']:.1f} per stream", flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    rounds = []
+    for _ in range(max(1, args.rounds)):
+        got = [run(eng, ids, b, args.steps, args.capacity, args.kv_type) for b in batches]
+        for r in got:
+            r["ratio_to_b1"] = r["total_tok_s"] / got[0]["total_tok_s"]
+            print(f"B={r['B']}: {r['total_tok_s']:.1f} tok/s total, {r['per_stream_tok_s']:.1f} per stream", flush=True)
+        rounds.append(got)
+    rows = [dict(rs[0], **{k: float(np.median([r[k] for r in rs]))
+                           for k in ("total_tok_s", "per_stream_tok_s", "ratio_to_b1")},
+                 rounds=[{k: r[k] for k in ("total_tok_s", "ratio_to_b1")} for r in rs])
+            for rs in zip(*rounds)]
     mem = run(eng, ids, 8, args.memory_steps, args.capacity, args.kv_type) if args.memory_steps else None
     weights_mb = os.path.getsize(path) / 2 ** 20
     engine_mb = weight_bytes(eng) / 2 ** 20
     res = {"machine": machine(), "threads": args.threads, "capacity": args.capacity, "model": os.path.basename(path),
-           "precision": args.precision, "kv_type": args.kv_type,
+           "precision": args.precision, "kv_type": args.kv_type, "rounds": max(1, args.rounds),
            "weights_file_mb": weights_mb, "engine_weights_mb": engine_mb, "rows": rows, "memory_run": mem, "peak_rss_mb": proc_status_mb("VmHWM")}
     md = [f"# Batched decode: B concurrent streams of {res['model']}, capacity {args.capacity} each, "
           f"precision {args.precision}, KV {args.kv_type}\n",
           f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, {args.threads} threads. Command: "
-          f"`python bench/batched_throughput.py --batches {args.batches} --steps {args.steps} --memory-steps "
+          f"`python bench/batched_throughput.py --batches {args.batches} --steps {args.steps} --rounds {args.rounds} "
+          f"--memory-steps "
           f"{args.memory_steps} --capacity {args.capacity} --precision {args.precision} --kv-type {args.kv_type} "
           f"--name {args.name}`.\n",
+          *([f"Medians over {args.rounds} rounds (the B values in turn in each; vs B=1: the median of each round's "
+             "ratio); every round's total tok/s and ratio are in the JSON.\n"] if args.rounds > 1 else []),
           "| B | total tok/s | per stream tok/s | vs B=1 | KV per stream MB |", "|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['B']} | {r['total_tok_s']:.1f} | {r['per_stream_tok_s']:.1f} | {r['ratio_to_b1']:.2f}x | "
