@@ -112,8 +112,7 @@ def main():
           f"precision {args.precision}, KV {args.kv_type}\n",
           f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, {args.threads} threads. Command: "
           f"`python bench/batched_throughput.py --batches {args.batches} --steps {args.steps} --rounds {args.rounds} "
-          f"--memory-steps "
-          f"{args.memory_steps} --capacity {args.capacity} --precision {args.precision} --kv-type {args.kv_type} "
+          f"--memory-steps {args.memory_steps} --capacity {args.capacity} --precision {args.precision} --kv-type {args.kv_type} "
           f"--name {args.name}`.\n",
           *([f"Medians over {args.rounds} rounds (the B values in turn in each; vs B=1: the median of each round's "
              "ratio); every round's total tok/s and ratio are in the JSON.\n"] if args.rounds > 1 else []),

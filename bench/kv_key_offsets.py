@@ -82,13 +82,18 @@ def key_means(keys: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     return {il: k.mean(0).astype(np.float32) for il, k in keys.items()}
 
 
+def pair_energy(k: np.ndarray, half: int) -> np.ndarray:
+    """(n_kv, half): the mean energy k_i^2 + k_{i+half}^2 of each rotary pair (i, i + half) over the
+    keys k (n, n_kv, head_dim); RoPE turns a pair within its plane, so this does not depend on position."""
+    return (k[..., :half] ** 2 + k[..., half:2 * half] ** 2).mean(0)
+
+
 def outlier_channels(spec, keys: dict[int, np.ndarray], pairs: int) -> dict[int, np.ndarray]:
     """{layer: (n_kv, head_dim) bool}: the channels of the `pairs` rotary pairs (i, i + rotary_dim/2)
-    with the largest mean energy k_i^2 + k_{i+half}^2 over calibration_keys' keys, per kv head."""
+    with the largest pair_energy over calibration_keys' keys, per kv head."""
     half, out = spec.rotary_dim // 2, {}
     for il, k in keys.items():
-        energy = (k[..., :half] ** 2 + k[..., half:2 * half] ** 2).mean(0)         # (n_kv, half)
-        top = np.argsort(-energy, 1)[:, :pairs]
+        top = np.argsort(-pair_energy(k, half), 1)[:, :pairs]
         mask = np.zeros(k.shape[1:], bool)
         np.put_along_axis(mask, top, True, 1)
         np.put_along_axis(mask, top + half, True, 1)
@@ -101,7 +106,7 @@ def pair_scales(spec, keys: dict[int, np.ndarray], alpha: float, down_only: bool
     over calibration_keys' keys (both channels of a pair get the same scale); at least 1 if down_only."""
     half, out = spec.rotary_dim // 2, {}
     for il, k in keys.items():
-        r = np.sqrt((k[..., :half] ** 2 + k[..., half:2 * half] ** 2).mean(0) / 2)       # (n_kv, half)
+        r = np.sqrt(pair_energy(k, half) / 2)                                          # (n_kv, half)
         s = (r / np.median(r, 1, keepdims=True)) ** alpha
         if down_only:
             s = np.maximum(s, 1.0)
