@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ringllm.runtime import user_cache_dir
+from ringllm.runtime.user_cache import user_cache_dir
 from ringllm.runtime.atomic_file import atomic_open
 
 FORMAT = 1

@@ -1,17 +1,14 @@
 """ringllm.runtime: kernels, KV store, eviction policies, CPU and reference engines.
 
-Numba's OpenMP layer (libgomp) spins for GOMP_SPINCOUNT (default 300,000) iterations before a
-waiting thread sleeps. When another process wants one of the cores, the spinning thread holds it
-while the thread that has work waits for the scheduler, and a decode step's tail latency grows
-several-fold; a spin count of 1,000 avoids that at the same speed on an idle machine (figures in
-bench/results/long_stream.md). OMP_WAIT_POLICY=active keeps that count when libgomp "throttles":
-once a process holds more OpenMP threads than cores (two threads that each ran a parallel kernel,
-e.g. a server that warmed up on its main thread and decodes on a worker thread, each with its own
-thread team), libgomp's default cuts the spin to 100 iterations, every kernel's workers fall asleep
-between the ~150 parallel regions of a decode step, and decoding runs at half speed. With the
-policy active and the spin count set, the throttled count is the same 1,000 (threads still sleep
-after it: an idle process stays idle). Both are set before libgomp is loaded; values the user
-exported win.
+Numba's OpenMP layer (libgomp) keeps a thread that has finished its share of a parallel kernel
+spinning before it sleeps; how long (GOMP_SPINCOUNT) is chosen by runtime/omp_spin.py as a time,
+before libgomp is loaded. OMP_WAIT_POLICY=active keeps that count when libgomp "throttles": once a
+process holds more OpenMP threads than cores (two threads that each ran a parallel kernel, e.g. a
+server that warmed up on its main thread and decodes on a worker thread, each with its own thread
+team), libgomp's default cuts the spin to 100 iterations, every kernel's workers fall asleep between
+the parallel regions of a decode step, and decoding runs at half speed. With the policy active and
+the spin count set, the throttled count is the same (threads still sleep after it: an idle process
+stays idle). Values the user exported win.
 
 Numba's on-disk cache (cache=True) checks only the source file a kernel is defined in: a kernel
 that compiles in one from another file (a policy's layer step compiles in the store's write
@@ -27,14 +24,9 @@ import shutil
 import sys
 import tempfile
 
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 os.environ.setdefault("OMP_WAIT_POLICY", "active")
 
-
-def user_cache_dir(*parts: str) -> str:
-    """ringllm's directory under the user's cache ($XDG_CACHE_HOME, else ~/.cache), joined with parts."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ringllm", *parts)
+from ringllm.runtime.user_cache import user_cache_dir  # noqa: E402
 
 
 def _source_digest() -> str:
@@ -124,3 +116,7 @@ _import_numba_arraymath_without_blas()
 from ringllm.runtime import compile_clock  # noqa: E402  (after the cache directory is set)
 
 compile_clock.set_cache_dir(os.environ.get("NUMBA_CACHE_DIR"))
+
+from ringllm.runtime import omp_spin  # noqa: E402  (its kernel caches in the directory set above)
+
+omp_spin.choose_at_import()

@@ -26,6 +26,7 @@ import numba
 import numpy as np
 
 from ringllm.runtime import matvec as mv
+from ringllm.runtime import omp_spin
 from ringllm.runtime.chunk_attention import MIN_PAIRS, chunk_fits, chunk_pays, write_attend_chunk
 from ringllm.runtime.stream_attention import StreamArrays, streams_fit, write_attend_streams
 from ringllm.runtime.dequant import dequantize, dequantize_rows
@@ -123,6 +124,7 @@ class CPUEngine:
         if n_batch < 1:
             raise ConfigError(f"n_batch must be >= 1, got {n_batch}")
         self.spec, self.n_threads, self.n_batch = spec, n_threads, n_batch
+        omp_spin.calibrate()               # before the packing kernels start libgomp (runtime/omp_spin.py)
         self.tensors = tensors            # the checkpoint's tensors as loaded (a press reads W_q: runtime/compress.py)
         self.mats = self._pack_matrices(tensors)
         self.vecs = {name: dequantize(t.data, t.qtype, t.shape) for name, t in tensors.items() if len(t.shape) == 1}

@@ -32,7 +32,7 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "zadd", "zfold",
            "zld_i32", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast",
-           "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch",
+           "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "cpu_pause",
            "vfma", "vfnma",
            "vadd", "vsub", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
            "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
@@ -417,6 +417,15 @@ def prefetch(typingctx, buf, off):
     is read: on Intel it bypasses L2 and the hardware's L2 streamer, and reading the hinted rows ran
     slower than with no hint at all (docs/many_rows.md, "On a 2-core Sapphire Rapids VM")."""
     return types.none(buf, off), _prefetch_codegen(2)
+
+
+@intrinsic
+def cpu_pause(typingctx):
+    """x86's `pause` (the spin-wait hint libgomp's waiting threads issue between polls); x86-64 only."""
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.sse2.pause", ir.VoidType(), [])
+        return context.get_dummy_value()
+    return types.none(), codegen
 
 
 @intrinsic

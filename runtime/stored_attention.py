@@ -79,7 +79,7 @@ MAX_UNITS = 8
 # A decode step's attention runs on the threads from this many occupied slots (all kv heads) on: from
 # the first. A short layer's attention is only a few microseconds of work per thread, but run on the
 # calling thread alone it leaves the other threads idle for longer than the OpenMP spin count
-# (runtime/__init__.py: GOMP_SPINCOUNT=1000, ~30 us), they fall asleep, and the next product (the
+# (runtime/omp_spin.py: SPIN_SECONDS), they fall asleep, and the next product (the
 # attention's output projection) pays for waking them, every layer of every token.
 PARALLEL_MIN_SLOTS = 0
 _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32

@@ -95,6 +95,38 @@ def test_cold_run_reports_compile_time_apart_then_warm_run_compiles_nothing(tmp_
     assert tm["compile_s"] == 0.0 and tm["prompt_s"] > 0 and tm["gen_tokens"] == 3
 
 
+BATCHED_STEP = r"""
+import json
+from ringllm.models.bundled import default_model_path
+from ringllm.models.loader import load_model
+from ringllm.runtime.compile_clock import CompileSpan
+from ringllm.runtime.engine import CPUEngine
+from ringllm.runtime.kv_config import KVConfig
+
+model = load_model(default_model_path())
+eng = CPUEngine(model.spec, model.tensors, n_threads=1)
+stores = [eng.new_store(KVConfig(capacity=16, policy="streaming", sinks=2)) for _ in range(2)]
+for st in stores:
+    eng.prefill([1, 2, 3], st)
+with CompileSpan() as span:
+    eng.step_batch([4, 5], stores)
+print(json.dumps(span.signatures))
+"""
+
+
+def test_a_batched_step_compiles_nothing_in_a_later_process():
+    """step_batch hands the streams' arrays to its kernel in typed lists, made by cached kernels: a
+    later process's batched step compiles nothing (a numba.typed.List built from Python compiles
+    Numba's own, uncached, list helpers in every process). On the suite's kernel cache: the first
+    process compiles what the cache lacks."""
+    counts = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", BATCHED_STEP], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        counts.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert counts[1] == 0, counts
+
+
 @pytest.mark.slow
 def test_warmup_command_fills_the_cache_a_policy_run_loads(tmp_path):
     """`ringllm warmup --policy streaming` compiles the shared kernels and the ring policy's paths;
