@@ -39,7 +39,7 @@ from common import machine, write_results  # noqa: E402
 DATA = os.path.join(os.path.dirname(__file__), "data", "prideprejudice.txt")
 
 CHILD = r"""
-import json, sys, time, numpy as np
+import json, os, sys, time, numpy as np
 from ringllm.models.bundled import default_model_path
 from ringllm.models.loader import load_model
 from ringllm.runtime.engine import CPUEngine
@@ -76,9 +76,8 @@ def batched(eng, B, n):
 exact = CPUEngine(model.spec, model.tensors, n_threads=threads)
 q8 = CPUEngine(model.spec, model.tensors, n_threads=threads, precision="q8")
 decode(exact, 8), decode(q8, 8), batched(q8, 8, 2)           # kernels loaded before timing
-import os
-out = {"gomp_spincount": int(os.environ["GOMP_SPINCOUNT"]), "exact_tok_s": steps / decode(exact, steps).sum(), "q8_tok_s": steps / decode(q8, steps).sum(),
-       "q8_b8_tok_s": batched(q8, 8, steps // 4)}
+out = {"gomp_spincount": int(os.environ["GOMP_SPINCOUNT"]), "exact_tok_s": steps / decode(exact, steps).sum(),
+       "q8_tok_s": steps / decode(q8, steps).sum(), "q8_b8_tok_s": batched(q8, 8, steps // 4)}
 print("READY", flush=True)
 sys.stdin.readline()                                         # the parent has started the busy process
 lat = decode(exact, busy_steps, start=4000)
