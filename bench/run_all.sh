@@ -8,3 +8,4 @@ python bench/rope_strategies.py --repeats 3
 python bench/long_stream.py -n 20000 --capacity 512
 python bench/streaming_ppl.py -n 20000
 python bench/perplexity_chunked.py --chunks 40
+python bench/spin_count.py --rounds 2
