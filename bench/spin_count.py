@@ -19,7 +19,7 @@ SmolLM2 with `-t` threads:
 llama.cpp (llama-cpp-python, same GGUF, same threads, its own thread pool and waiting) runs the
 same exact-decode protocol in a fresh process of its own each round, for reference (no q8 or batched
 figures: its greedy decode through llama-cpp-python's eval). Also the time of one `pause` on this
-CPU (the unit of the spin), timed by a compiled loop.
+CPU (the unit of the spin), timed as the runtime's calibration times it (omp_spin.pause_ns).
 Rounds alternate the spin counts (`--rounds`), each figure is the median over them.
 Writes bench/results/<name>.{json,md}.
 """
@@ -35,6 +35,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, write_results  # noqa: E402
+
+from ringllm.runtime.omp_spin import pause_ns  # noqa: E402  (the calibration's own timing)
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "prideprejudice.txt")
 
@@ -121,38 +123,6 @@ out.update(busy_p50_ms=1e3 * float(np.median(lat)), busy_p99_ms=1e3 * float(np.p
 print(json.dumps(out))
 """
 
-PAUSE = r"""
-import time
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
-
-
-@intrinsic
-def pause(typingctx):
-    def codegen(context, builder, sig, args):
-        fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
-        builder.call(fn, [])
-        return context.get_dummy_value()
-    return types.none(), codegen
-
-
-@njit(cache=False)
-def spin(n):
-    for _ in range(n):
-        pause()
-
-
-spin(10)
-best = 1e9
-for _ in range(3):
-    t0 = time.perf_counter()
-    spin(2_000_000)
-    best = min(best, time.perf_counter() - t0)
-print(best / 2_000_000 * 1e9)
-"""
-
-
 def one(spin: str, threads: int, steps: int, busy_steps: int) -> dict:
     """A fresh process with GOMP_SPINCOUNT=spin ("auto": unset): its idle figures, then its latency
     beside a busy process."""
@@ -178,11 +148,6 @@ def one(spin: str, threads: int, steps: int, busy_steps: int) -> dict:
     if child.returncode != 0:
         raise RuntimeError(f"child (spin {spin}) exited with {child.returncode}")
     return json.loads(out.strip().splitlines()[-1])
-
-
-def pause_ns() -> float:
-    res = subprocess.run([sys.executable, "-c", PAUSE], capture_output=True, text=True, check=True)
-    return float(res.stdout.strip().splitlines()[-1])
 
 
 FIELDS = (("exact_tok_s", "exact decode tok/s"), ("q8_tok_s", "q8 decode tok/s"), ("q8_b8_tok_s", "q8 B = 8 tok/s"),
@@ -211,7 +176,7 @@ def main():
     med = {s: {k: statistics.median(run[k] for run in runs[s]) for k, _ in FIELDS if k in runs[s][0]} for s in spins}
     cmd = "python bench/spin_count.py " + " ".join(sys.argv[1:])
     m = machine()
-    md = [f"# OpenMP spin count (GOMP_SPINCOUNT): idle decode speed and latency beside a busy process", "",
+    md = ["# OpenMP spin count (GOMP_SPINCOUNT): idle decode speed and latency beside a busy process", "",
           f"`{cmd}` on {m['cpu']}, {args.threads} threads, bundled SmolLM2, capacity 512; medians of "
           f"{args.rounds} alternated rounds, each spin count in a fresh process. One `pause` takes {ns:.1f} ns "
           f"here, so a spin of N iterations lasts about N x {ns:.1f} ns.", "",

@@ -90,10 +90,13 @@ def _choose(count: int) -> None:
 def choose_at_import() -> None:
     """GOMP_SPINCOUNT for this process, before libgomp is loaded: from this CPU's record, else the
     default; left alone when the user set it."""
+    global _calibrated
     if _user_set():
         return
     ns = _records().get(cpu_key()) if X86 else None
-    _choose(spin_count_for(ns * 1e-9) if isinstance(ns, (int, float)) else DEFAULT_SPIN_COUNT)
+    recorded = isinstance(ns, (int, float))
+    _calibrated = recorded              # calibrate() has nothing left to do (nor to read again)
+    _choose(spin_count_for(ns * 1e-9) if recorded else DEFAULT_SPIN_COUNT)
 
 
 @njit(cache=True, nogil=True, fastmath=False)

@@ -17,7 +17,7 @@ Numba takes the B stores' arrays as typed lists (StreamArrays), built once per l
 stores and reused while the batch keeps them (a server's batch changes only when a request joins or
 leaves). The lists are made and filled by cached kernels (_list_of, _push): a numba.typed.List made
 and appended to from Python compiles Numba's own list helpers, which are not cached, again in every
-process (about 0.6 s before a process's first batched step).
+process, before its first batched step.
 
 When it applies (streams_fit, per layer): every store's layer is a ring in the "stored" RoPE layout,
 updated in place, with no rollback journal and no hooks that watch the attention (mass_hook,
