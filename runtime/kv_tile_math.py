@@ -2,11 +2,11 @@
 head_dim a multiple of 8: the inner loops of stored_attention's units.
 
     head_rows(arr, h, tile) -> rows;  rows8_at(arr, h, j, tile) -> base
-        rows j .. j + 7 of head h of a store array as float32, in the array's basis (kv_basis.py: the
-        values, or a q4_0 row's coefficients before its rotation back): rows[base + r * hd + d] is
-        element d of row j + r. f32 stores are read in place (rows is head h's rows, flat, taken once
-        per span); the other types are decoded into tile (8 hd,) f32 (kv_basis.decode_row_basis;
-        rows is tile, base 0).
+        rows j .. j + 7 of head h of a store array, in the array's basis (kv_basis.py: the values, or a
+        q4_0 row's coefficients before its rotation back): rows[base + r * hd + d] is element d of
+        row j + r. f32 and f16 stores are read in place (rows is head h's rows, flat, taken once per
+        span; an f16 row is widened as it is loaded, simd.vload_kv, exactly); the other types are
+        decoded into tile (8 hd,) f32 (kv_basis.decode_row_basis; rows is tile, base 0).
     dot8(scores_row, j, qg, rows, base, hd)
         scores_row[j + r] = qg[:hd] . row r, r < 8
     axpy8(o, w_row, j, rows, base, hd)
@@ -46,23 +46,24 @@ from numba import njit, types
 from numba.extending import overload
 
 from ringllm.runtime.kv_basis import decode_basis, decode_row_basis
-from ringllm.runtime.simd import prefetch, vbcast, vfma, vload, vstore, vsum8x8, vzero
+from ringllm.runtime.simd import prefetch, vbcast, vfma, vload, vload_kv, vstore, vsum8x8, vzero
 
 PREFETCH_AHEAD = 32          # keys between the rows hinted and the rows read
+_IN_PLACE = (np.dtype(np.float32), np.dtype(np.uint16))      # store dtypes the kernels read in place (f32, f16)
 
 
 def head_rows(arr, h, tile):
-    """The float32 buffer rows8_at's offsets index: head h's rows themselves, flat, for an f32 store
+    """The buffer rows8_at's offsets index: head h's rows themselves, flat, for an f32 or f16 store
     array (read in place); else tile, which rows8_at decodes into. Taken once per span of slots, not
     per eight rows: a reshape builds a new array header each time, inside the hottest loop."""
-    return arr[h].reshape(-1) if arr.dtype == np.float32 else tile
+    return arr[h].reshape(-1) if arr.dtype in _IN_PLACE else tile
 
 
 def rows8_at(arr, h, j, tile):
     """Offset into head_rows(arr, h, tile) of rows j .. j + 7 of head h as float32 in the array's basis:
-    j hd for f32 (nothing done), else 0 after decoding the eight rows into tile (kv_basis)."""
+    j hd for f32 and f16 (nothing done), else 0 after decoding the eight rows into tile (kv_basis)."""
     hd = tile.shape[0] // 8
-    if arr.dtype == np.float32:
+    if arr.dtype in _IN_PLACE:
         return j * hd
     for r in range(8):
         tile[r * hd:(r + 1) * hd] = decode_basis(arr[h, j + r], hd)
@@ -82,7 +83,7 @@ def rows_tail_at(arr, h, j, n, tile):
 
 @overload(head_rows, inline="always")
 def _ov_head_rows(arr, h, tile):
-    if arr.dtype == types.float32:
+    if arr.dtype in (types.float32, types.uint16):
         def impl_f32(arr, h, tile):
             return arr[h].reshape(-1)
         return impl_f32
@@ -94,7 +95,7 @@ def _ov_head_rows(arr, h, tile):
 
 @overload(rows8_at, inline="always")
 def _ov_rows8_at(arr, h, j, tile):
-    if arr.dtype == types.float32:
+    if arr.dtype in (types.float32, types.uint16):
         def impl_f32(arr, h, j, tile):
             return j * arr.shape[2]
         return impl_f32
@@ -113,14 +114,14 @@ def dot8(scores_row, j, qg, rows, base, hd):
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
     for d in range(0, hd, 8):
         qd = vload(qg, d)
-        a0 = vfma(qd, vload(rows, base + d), a0)
-        a1 = vfma(qd, vload(rows, base + hd + d), a1)
-        a2 = vfma(qd, vload(rows, base + 2 * hd + d), a2)
-        a3 = vfma(qd, vload(rows, base + 3 * hd + d), a3)
-        a4 = vfma(qd, vload(rows, base + 4 * hd + d), a4)
-        a5 = vfma(qd, vload(rows, base + 5 * hd + d), a5)
-        a6 = vfma(qd, vload(rows, base + 6 * hd + d), a6)
-        a7 = vfma(qd, vload(rows, base + 7 * hd + d), a7)
+        a0 = vfma(qd, vload_kv(rows, base + d), a0)
+        a1 = vfma(qd, vload_kv(rows, base + hd + d), a1)
+        a2 = vfma(qd, vload_kv(rows, base + 2 * hd + d), a2)
+        a3 = vfma(qd, vload_kv(rows, base + 3 * hd + d), a3)
+        a4 = vfma(qd, vload_kv(rows, base + 4 * hd + d), a4)
+        a5 = vfma(qd, vload_kv(rows, base + 5 * hd + d), a5)
+        a6 = vfma(qd, vload_kv(rows, base + 6 * hd + d), a6)
+        a7 = vfma(qd, vload_kv(rows, base + 7 * hd + d), a7)
     vstore(scores_row, j, vsum8x8(a0, a1, a2, a3, a4, a5, a6, a7))
 
 
@@ -132,21 +133,21 @@ def dot8x2(sa, sb, j, qa, qb, rows, base, hd):
     b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vzero()
     for d in range(0, hd, 8):
         qd, qe = vload(qa, d), vload(qb, d)
-        r = vload(rows, base + d)
+        r = vload_kv(rows, base + d)
         a0, b0 = vfma(qd, r, a0), vfma(qe, r, b0)
-        r = vload(rows, base + hd + d)
+        r = vload_kv(rows, base + hd + d)
         a1, b1 = vfma(qd, r, a1), vfma(qe, r, b1)
-        r = vload(rows, base + 2 * hd + d)
+        r = vload_kv(rows, base + 2 * hd + d)
         a2, b2 = vfma(qd, r, a2), vfma(qe, r, b2)
-        r = vload(rows, base + 3 * hd + d)
+        r = vload_kv(rows, base + 3 * hd + d)
         a3, b3 = vfma(qd, r, a3), vfma(qe, r, b3)
-        r = vload(rows, base + 4 * hd + d)
+        r = vload_kv(rows, base + 4 * hd + d)
         a4, b4 = vfma(qd, r, a4), vfma(qe, r, b4)
-        r = vload(rows, base + 5 * hd + d)
+        r = vload_kv(rows, base + 5 * hd + d)
         a5, b5 = vfma(qd, r, a5), vfma(qe, r, b5)
-        r = vload(rows, base + 6 * hd + d)
+        r = vload_kv(rows, base + 6 * hd + d)
         a6, b6 = vfma(qd, r, a6), vfma(qe, r, b6)
-        r = vload(rows, base + 7 * hd + d)
+        r = vload_kv(rows, base + 7 * hd + d)
         a7, b7 = vfma(qd, r, a7), vfma(qe, r, b7)
     vstore(sa, j, vsum8x8(a0, a1, a2, a3, a4, a5, a6, a7))
     vstore(sb, j, vsum8x8(b0, b1, b2, b3, b4, b5, b6, b7))
@@ -158,14 +159,14 @@ def axpy8(o, w_row, j, rows, base, hd):
     w0, w1, w2, w3 = vbcast(w_row, j), vbcast(w_row, j + 1), vbcast(w_row, j + 2), vbcast(w_row, j + 3)
     w4, w5, w6, w7 = vbcast(w_row, j + 4), vbcast(w_row, j + 5), vbcast(w_row, j + 6), vbcast(w_row, j + 7)
     for d in range(0, hd, 8):
-        acc = vfma(w0, vload(rows, base + d), vload(o, d))
-        acc = vfma(w1, vload(rows, base + hd + d), acc)
-        acc = vfma(w2, vload(rows, base + 2 * hd + d), acc)
-        acc = vfma(w3, vload(rows, base + 3 * hd + d), acc)
-        acc = vfma(w4, vload(rows, base + 4 * hd + d), acc)
-        acc = vfma(w5, vload(rows, base + 5 * hd + d), acc)
-        acc = vfma(w6, vload(rows, base + 6 * hd + d), acc)
-        vstore(o, d, vfma(w7, vload(rows, base + 7 * hd + d), acc))
+        acc = vfma(w0, vload_kv(rows, base + d), vload(o, d))
+        acc = vfma(w1, vload_kv(rows, base + hd + d), acc)
+        acc = vfma(w2, vload_kv(rows, base + 2 * hd + d), acc)
+        acc = vfma(w3, vload_kv(rows, base + 3 * hd + d), acc)
+        acc = vfma(w4, vload_kv(rows, base + 4 * hd + d), acc)
+        acc = vfma(w5, vload_kv(rows, base + 5 * hd + d), acc)
+        acc = vfma(w6, vload_kv(rows, base + 6 * hd + d), acc)
+        vstore(o, d, vfma(w7, vload_kv(rows, base + 7 * hd + d), acc))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -177,21 +178,21 @@ def axpy8x2(oa, ob, wa, wb, j, rows, base, hd):
     b0, b1, b2, b3 = vbcast(wb, j), vbcast(wb, j + 1), vbcast(wb, j + 2), vbcast(wb, j + 3)
     b4, b5, b6, b7 = vbcast(wb, j + 4), vbcast(wb, j + 5), vbcast(wb, j + 6), vbcast(wb, j + 7)
     for d in range(0, hd, 8):
-        r = vload(rows, base + d)
+        r = vload_kv(rows, base + d)
         acc, bcc = vfma(a0, r, vload(oa, d)), vfma(b0, r, vload(ob, d))
-        r = vload(rows, base + hd + d)
+        r = vload_kv(rows, base + hd + d)
         acc, bcc = vfma(a1, r, acc), vfma(b1, r, bcc)
-        r = vload(rows, base + 2 * hd + d)
+        r = vload_kv(rows, base + 2 * hd + d)
         acc, bcc = vfma(a2, r, acc), vfma(b2, r, bcc)
-        r = vload(rows, base + 3 * hd + d)
+        r = vload_kv(rows, base + 3 * hd + d)
         acc, bcc = vfma(a3, r, acc), vfma(b3, r, bcc)
-        r = vload(rows, base + 4 * hd + d)
+        r = vload_kv(rows, base + 4 * hd + d)
         acc, bcc = vfma(a4, r, acc), vfma(b4, r, bcc)
-        r = vload(rows, base + 5 * hd + d)
+        r = vload_kv(rows, base + 5 * hd + d)
         acc, bcc = vfma(a5, r, acc), vfma(b5, r, bcc)
-        r = vload(rows, base + 6 * hd + d)
+        r = vload_kv(rows, base + 6 * hd + d)
         acc, bcc = vfma(a6, r, acc), vfma(b6, r, bcc)
-        r = vload(rows, base + 7 * hd + d)
+        r = vload_kv(rows, base + 7 * hd + d)
         vstore(oa, d, vfma(a7, r, acc))
         vstore(ob, d, vfma(b7, r, bcc))
 

@@ -32,7 +32,7 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "zadd", "zfold",
            "zld_i32", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast",
-           "vload", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "cpu_pause",
+           "vload", "vload_kv", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "cpu_pause",
            "vfma", "vfnma",
            "vadd", "vsub", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
            "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
@@ -214,6 +214,22 @@ def vload(typingctx, arr, idx):
     """f32x8 from arr[idx:idx + 8] (float32 1-D array)."""
     def codegen(context, builder, sig, args):
         return _load_ir(context, builder, sig, args, _VF)
+    return f32x8(arr, idx), codegen
+
+
+@intrinsic
+def vload_kv(typingctx, arr, idx):
+    """f32x8 from arr[idx:idx + 8] of a float32 1-D array, or of a uint16 1-D array of IEEE binary16
+    bit patterns (an f16 KV store's rows: vcvtph2ps, exact, so the lanes are the decoded values)."""
+    if not isinstance(arr, types.Array) or arr.dtype not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if sig.args[0].dtype == types.float32:
+            return _load_ir(context, builder, sig, args, _VF)
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        vh = ir.VectorType(ir.HalfType(), 8)
+        return builder.fpext(builder.load(builder.bitcast(p, vh.as_pointer()), align=2), _VF)
     return f32x8(arr, idx), codegen
 
 
