@@ -157,6 +157,9 @@ _BYTE_TO_CHAR = byte_alphabet()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
+# a character outside the byte alphabet (one search per token: a vocabulary of 10^5 at load)
+_OUTSIDE_BYTE_ALPHABET = re.compile("[^" + "".join(re.escape(c) for c in sorted(_CHAR_TO_BYTE)) + "]")
+
 # str.translate table: each byte-alphabet character -> the character of its byte (U+0000..U+00FF, so
 # latin-1 encodes it to that byte); each other character below U+0100 -> one latin-1 cannot encode
 _TO_LATIN1 = {**{i: "\U0010FFFF" for i in range(256)}, **{ord(c): chr(b) for c, b in _CHAR_TO_BYTE.items()}}
@@ -390,11 +393,11 @@ class Tokenizer:
                                  "(byte-level BPE) vocabulary needs its merges")
         alphabet = set(_BYTE_TO_CHAR.values())
         vocab: dict[str, int] = {}
+        outside = _OUTSIDE_BYTE_ALPHABET.search
         for i, t in enumerate(tokens):
             # Tokens written as plain text rather than in the byte alphabet (some added tokens)
             # are respelled, so the BPE model and the byte-level decoder agree on them.
-            key = t if set(t) <= alphabet else "".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8"))
-            vocab[key] = i
+            vocab["".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8")) if outside(t) else t] = i
         merges = []
         for k, m in enumerate(_as_list(merges_raw)):
             parts = m.split(" ")

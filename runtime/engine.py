@@ -28,7 +28,6 @@ import numpy as np
 from ringllm.runtime import matvec as mv
 from ringllm.runtime import omp_spin
 from ringllm.runtime.chunk_attention import MIN_PAIRS, chunk_fits, chunk_pays, write_attend_chunk
-from ringllm.runtime.stream_attention import StreamArrays, streams_fit, write_attend_streams
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.host_memory import release_array_pages, release_row_pages
@@ -43,6 +42,13 @@ from ringllm.runtime.ops import (ACT_CODES, act_inplace, add_bias, gated_act, ga
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.rope import STRATEGIES, AttendScratch, layer_ropes
 from ringllm.runtime.rope_kernels import REBASE_LIMIT
+
+def _streams():
+    """runtime.stream_attention, imported by the first batched step of B > 1 sequences: its kernels and
+    typed-list helpers are a share of every process's import, and only step_batch uses them."""
+    from ringllm.runtime import stream_attention
+    return stream_attention
+
 
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -385,10 +391,11 @@ class CPUEngine:
             self._embed(b, part)
             segments = [(st, st.n_seen, r, 1) for r, st in enumerate(group)]
             if B > 1:                       # every sequence's write and attention in one parallel call per layer
+                sa = _streams()
                 if self._streams is None or not self._streams.matches(group):
-                    self._streams = StreamArrays(group, self.spec.n_layer)
+                    self._streams = sa.StreamArrays(group, self.spec.n_layer)
                 self._stream_seqs = np.array([st.n_seen for st in group], np.int64)
-                self._streams_fit = streams_fit(self._streams)
+                self._streams_fit = sa.streams_fit(self._streams)
             self._streams_on = B > 1
             for il in range(self.spec.n_layer):
                 self._layer(il, b, segments)
@@ -535,8 +542,8 @@ class CPUEngine:
         scale, attn_cap = np.float32(s.attn_scale), np.float32(s.attn_softcap)
         kk = b.k.reshape(T, nkv, hd)
         if self._streams_on and self._streams_fit[il]:
-            write_attend_streams(self._streams, il, rope, b.att.reshape(T, nh, hd), b.q.reshape(T, nh, hd), kk, v3,
-                                 self._stream_seqs, scale, attn_cap)
+            _streams().write_attend_streams(self._streams, il, rope, b.att.reshape(T, nh, hd), b.q.reshape(T, nh, hd),
+                                            kk, v3, self._stream_seqs, scale, attn_cap)
             segments = ()
         for store, seq0, t0, n in segments:
             if getattr(store, "paged", False):   # paged KV pool (runtime/paged_store.py): writes and attends itself
