@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import ringllm.runtime.engine as engine_module
+import ringllm.runtime.stream_attention as stream_module
 from ringllm.models.loader import load_model
 from ringllm.runtime.engine import CPUEngine
 
@@ -23,12 +23,12 @@ def smollm2(smollm2_path):
 @pytest.fixture
 def stream_calls(monkeypatch):
     calls = []
-    real = engine_module.write_attend_streams
+    real = stream_module.write_attend_streams
 
     def counting(arrays, il, *rest):
         calls.append(il)
         return real(arrays, il, *rest)
-    monkeypatch.setattr(engine_module, "write_attend_streams", counting)
+    monkeypatch.setattr(stream_module, "write_attend_streams", counting)      # the engine looks it up per call
     return calls
 
 
