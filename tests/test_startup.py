@@ -127,6 +127,32 @@ def test_a_batched_step_compiles_nothing_in_a_later_process():
     assert counts[1] == 0, counts
 
 
+# modules a run imports only where it uses them (docs/startup.md): the q8 mode's kernels, the batched
+# step's attention, and Jinja with the chat-template sandbox
+LAZY_MODULES = ("ringllm.runtime.quant_tiles_q8", "ringllm.runtime.quant_tiles_q8_wide",
+                "ringllm.runtime.stream_attention", "ringllm.chat_sandbox", "jinja2")
+LAZY_IMPORTS = r"""
+import json, sys
+from ringllm.llm import LLM
+
+lazy = %r
+llm = LLM(n_threads=1, progress=False)
+list(llm.generate(llm.tokenizer.encode("Hello"), max_tokens=1))
+plain = sorted(m for m in lazy if m in sys.modules)
+llm.render_chat([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+print(json.dumps({"plain": plain, "chat": sorted(m for m in lazy if m in sys.modules)}))
+""" % (LAZY_MODULES,)
+
+
+def test_a_plain_generation_imports_no_q8_batched_or_template_modules():
+    """A one-token generation in exact precision imports none of LAZY_MODULES; rendering a chat then
+    imports Jinja and the sandbox (and nothing else of them). On the suite's kernel cache."""
+    r = subprocess.run([sys.executable, "-c", LAZY_IMPORTS], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen == {"plain": [], "chat": ["jinja2", "ringllm.chat_sandbox"]}, seen
+
+
 @pytest.mark.slow
 def test_warmup_command_fills_the_cache_a_policy_run_loads(tmp_path):
     """`ringllm warmup --policy streaming` compiles the shared kernels and the ring policy's paths;
