@@ -391,7 +391,6 @@ class Tokenizer:
         if merges_raw is None:
             raise ModelFileError(path, "metadata key 'tokenizer.ggml.merges' is missing: a gpt2 "
                                  "(byte-level BPE) vocabulary needs its merges")
-        alphabet = set(_BYTE_TO_CHAR.values())
         vocab: dict[str, int] = {}
         outside = _OUTSIDE_BYTE_ALPHABET.search
         for i, t in enumerate(tokens):
@@ -428,7 +427,7 @@ class Tokenizer:
         # A CONTROL token spelled outside the byte alphabet cannot be a real byte-level token
         # (a mislabel in the file): it stays out of the added tokens, as transformers does.
         cls._added_tokens(backend, tokens, types,
-                          lambda t, ty: set(t) <= alphabet if ty == TOKEN_CONTROL else t in vocab, named)
+                          lambda t, ty: not outside(t) if ty == TOKEN_CONTROL else t in vocab, named)
         return backend, False
 
     @classmethod
