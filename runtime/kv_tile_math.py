@@ -49,7 +49,9 @@ from ringllm.runtime.kv_basis import decode_basis, decode_row_basis
 from ringllm.runtime.simd import prefetch, vbcast, vfma, vload, vload_kv, vstore, vsum8x8, vzero
 
 PREFETCH_AHEAD = 32          # keys between the rows hinted and the rows read
-_IN_PLACE = (np.dtype(np.float32), np.dtype(np.uint16))      # store dtypes the kernels read in place (f32, f16)
+# store dtypes the kernels read in place (f32, f16), as NumPy and as Numba types
+_IN_PLACE = (np.dtype(np.float32), np.dtype(np.uint16))
+_IN_PLACE_NB = (types.float32, types.uint16)
 
 
 def head_rows(arr, h, tile):
@@ -83,7 +85,7 @@ def rows_tail_at(arr, h, j, n, tile):
 
 @overload(head_rows, inline="always")
 def _ov_head_rows(arr, h, tile):
-    if arr.dtype in (types.float32, types.uint16):
+    if arr.dtype in _IN_PLACE_NB:
         def impl_f32(arr, h, tile):
             return arr[h].reshape(-1)
         return impl_f32
@@ -95,7 +97,7 @@ def _ov_head_rows(arr, h, tile):
 
 @overload(rows8_at, inline="always")
 def _ov_rows8_at(arr, h, j, tile):
-    if arr.dtype in (types.float32, types.uint16):
+    if arr.dtype in _IN_PLACE_NB:
         def impl_f32(arr, h, j, tile):
             return j * arr.shape[2]
         return impl_f32
