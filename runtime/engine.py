@@ -43,6 +43,7 @@ from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.rope import STRATEGIES, AttendScratch, layer_ropes
 from ringllm.runtime.rope_kernels import REBASE_LIMIT
 
+
 def _streams():
     """runtime.stream_attention, imported by the first batched step of B > 1 sequences: its kernels and
     typed-list helpers are a share of every process's import, and only step_batch uses them."""
