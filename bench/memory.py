@@ -4,23 +4,29 @@ For each model, each runtime runs in a fresh process (`python -c CHILD`) that re
 (VmRSS, split into RssAnon and RssFile) from /proc/self/status at three points, and its peak (VmHWM):
 
 - import: `import ringllm` / `from llama_cpp import Llama`;
-- load: ringllm.LLM(model, kv=KVConfig(capacity=CONTEXT), n_threads=T) / Llama(model, n_ctx=CONTEXT, n_threads=T);
+- load: ringllm.LLM(model, kv=KVConfig(capacity=CONTEXT, k_type=KV, v_type=KV), n_threads=T) /
+  Llama(model, n_ctx=CONTEXT, n_threads=T, type_k=KV, type_v=KV);
 - generation: after TOKENS generated tokens (greedy, end-of-sequence ignored, so both make the same count).
+
+Both hold their KV cache in the same type, --kv-type: f16 by default, llama.cpp's default cache type.
 
 ringllm's resident memory after the generation is then split by part, from the pages each part's
 arrays have resident (mincore; a page shared by two parts counts for the first): packed weight
 buffers, f32 vectors (norm weights, biases), the KV store's arrays, the engine's scratch buffers
-(run buffers, logits_buf, attention and matvec scratch, RoPE tables); the tokenizer and the GGUF
-metadata it is built from are measured in a separate process (RSS growth while each is built, heap
-trimmed before and after); the rest is Python, NumPy, Numba and LLVM (libraries, loaded kernels).
+(run buffers, logits_buf, attention and matvec scratch, RoPE tables), and the pages of llvmlite's
+shared library (LLVM) still resident (smaps; runtime/compiler_pages.py drops its clean ones once the
+kernels are loaded); the tokenizer is measured in a separate process (the RSS it adds, built from the
+GGUF metadata which is then dropped, as loading does; heap trimmed before and after); the rest is
+Python, NumPy, Numba and the other libraries.
 
 A ringllm process is run once unmeasured first, so that the measured one loads its kernels from the
 cache instead of compiling them (compiling holds LLVM's memory). Memory figures do not depend on the
 machine's load, so this benchmark can run beside timings.
 
-    python bench/memory.py [--models smollm2,gemma3] [--threads 2] [--context 512] [--tokens 64]
+    python bench/memory.py [--models smollm2,gemma3] [--threads 2] [--context 512] [--tokens 64] [--kv-type f16]
+                           [--name memory]
 
-Writes bench/results/memory.{json,md}.
+Writes bench/results/<name>.{json,md}.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from common import machine, write_results  # noqa: E402
 
 PROMPT = "The capital of France is"
 TARGET = 1.3        # issue #24: ringllm's RSS at most 1.3x llama.cpp's
+GGML_TYPE = {"f32": 0, "f16": 1}        # llama.cpp's type_k / type_v for each --kv-type
 
 # Shared by both children: /proc/self/status fields in MiB.
 STATUS = r"""
@@ -50,10 +57,11 @@ def status():
 
 RINGLLM_CHILD = STATUS + r"""
 path, threads, context, tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+kv_type = sys.argv[6]
 stages = {}
 import ringllm
 stages["import"] = status()
-llm = ringllm.LLM(path, kv=ringllm.KVConfig(capacity=context), n_threads=threads)
+llm = ringllm.LLM(path, kv=ringllm.KVConfig(capacity=context, k_type=kv_type, v_type=kv_type), n_threads=threads)
 stages["load"] = status()
 done = llm.complete(prompt, max_tokens=tokens, ignore_eos=True)
 stages["generation"] = status()
@@ -115,11 +123,20 @@ scratch += [a for pm in mats if pm.q8_acts is not None for a in pm.q8_acts.bufs]
 scratch += [eng.logits_buf] + list(arrays_of(eng.buf)) + list(arrays_of(eng.sc)) + list(arrays_of(eng.layer_ropes))
 scratch += [a for a in vars(eng).values() if isinstance(a, np.ndarray)]
 parts["engine scratch"] = resident(scratch)
+from ringllm.runtime.compiler_pages import llvm_library_path
+llvm_kb, mapped = 0, False
+for line in open("/proc/self/smaps"):
+    head = line.split(None, 5)
+    if len(head) >= 5 and "-" in head[0] and len(head[1]) == 4:
+        mapped = len(head) == 6 and head[5].strip() == llvm_library_path()
+    elif mapped and line.startswith("Rss:"):
+        llvm_kb += int(line.split()[1])
+parts["LLVM library (llvmlite)"] = llvm_kb / 1024
 alloc = {"packed weights": sum(pm.buf.nbytes for pm in mats) / 2**20, "logits_buf": eng.logits_buf.nbytes / 2**20}
 print(json.dumps({"stages": stages, "parts": parts, "allocated": alloc, "tokens": len(done.tokens)}))
 """
 
-# the tokenizer and its GGUF metadata, each measured as the RSS it adds (heap trimmed around it)
+# the tokenizer, measured as the RSS it adds once built and the file's metadata dropped (heap trimmed around it)
 TOKENIZER_CHILD = STATUS + r"""
 import ctypes, gc
 path = sys.argv[1]
@@ -134,8 +151,9 @@ r0 = settled()
 metadata = GGUFFile(path).metadata
 r1 = settled()
 tok = Tokenizer.from_gguf(metadata, path)
+del metadata                   # as loading does: the model keeps its tokenizer, not the file's vocabulary
 r2 = settled()
-print(json.dumps({"GGUF metadata": r1 - r0, "tokenizer": r2 - r1}))
+print(json.dumps({"tokenizer": r2 - r0, "metadata_while_loading": r1 - r0}))
 """
 
 LLAMA_CPP_CHILD = STATUS + r"""
@@ -143,7 +161,9 @@ path, threads, context, tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.
 stages = {}
 from llama_cpp import Llama
 stages["import"] = status()
-llm = Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+kv_type = int(sys.argv[6])
+llm = Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads, type_k=kv_type,
+            type_v=kv_type, verbose=False)
 stages["load"] = status()
 n = 0
 for _ in llm.generate(llm.tokenize(prompt.encode()), temp=0.0):     # generate() does not stop at EOS
@@ -169,21 +189,21 @@ def _child(code: str, *args) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def run_model(path: str, threads: int, context: int, tokens: int) -> dict:
+def run_model(path: str, threads: int, context: int, tokens: int, kv_type: str) -> dict:
     """ringllm (after one unmeasured run that fills the kernel cache), its tokenizer, then llama.cpp."""
     args = (path, threads, context, tokens, PROMPT)
-    _child(RINGLLM_CHILD, *args)
-    out = {"ringllm": _child(RINGLLM_CHILD, *args), "tokenizer": _child(TOKENIZER_CHILD, path)}
+    _child(RINGLLM_CHILD, *args, kv_type)
+    out = {"ringllm": _child(RINGLLM_CHILD, *args, kv_type), "tokenizer": _child(TOKENIZER_CHILD, path)}
     try:
         import llama_cpp  # noqa: F401
-        out["llama_cpp"] = _child(LLAMA_CPP_CHILD, *args)
+        out["llama_cpp"] = _child(LLAMA_CPP_CHILD, *args, GGML_TYPE[kv_type])
     except ImportError:
         out["llama_cpp"] = None
     r = out["ringllm"]
     rss = r["stages"]["generation"]["VmRSS"]
     parts = dict(r["parts"])
-    parts.update(out["tokenizer"])
-    parts["rest (Python, NumPy, Numba, LLVM)"] = rss - sum(parts.values())
+    parts["tokenizer"] = out["tokenizer"]["tokenizer"]
+    parts["rest (Python, NumPy, Numba, other libraries)"] = rss - sum(parts.values())
     out["breakdown"] = parts
     return out
 
@@ -210,26 +230,33 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--kv-type", choices=tuple(GGML_TYPE), default="f16",
+                    help="both runtimes' KV cache type (f16: llama.cpp's default)")
+    ap.add_argument("--name", default="memory", help="results file name under bench/results")
     args = ap.parse_args()
     paths = _model_paths(args.models.split(","))
     results = {}
     for name, path in paths.items():
-        results[name] = run_model(path, args.threads, args.context, args.tokens)
+        results[name] = run_model(path, args.threads, args.context, args.tokens, args.kv_type)
         print(name, json.dumps(results[name]["breakdown"]), file=sys.stderr, flush=True)
     payload = {"machine": machine(), "command": f"python bench/memory.py --models {args.models} --threads "
-               f"{args.threads} --context {args.context} --tokens {args.tokens}", "threads": args.threads,
+               f"{args.threads} --context {args.context} --tokens {args.tokens} --kv-type {args.kv_type} "
+               f"--name {args.name}",
+               "threads": args.threads, "kv_type": args.kv_type,
                "context": args.context, "tokens": args.tokens, "prompt": PROMPT, "models": paths,
                "target_ratio": TARGET, "results": results}
     md = ["# Memory: the whole process's RSS, beside llama.cpp\n",
           f"`{payload['command']}` on {payload['machine']['cpu']}, {payload['machine']['cores']} cores. Each "
-          f"runtime in a fresh process: ringllm `LLM(model, kv=KVConfig(capacity={args.context}))`, llama-cpp-python "
-          f"`Llama(model, n_ctx={args.context})`, {args.threads} threads, {args.tokens} generated tokens. MiB, "
+          f"runtime in a fresh process: ringllm `LLM(model, kv=KVConfig(capacity={args.context}, k_type="
+          f"{args.kv_type!r}, v_type={args.kv_type!r}))`, llama-cpp-python `Llama(model, n_ctx={args.context}, "
+          f"type_k={GGML_TYPE[args.kv_type]}, type_v={GGML_TYPE[args.kv_type]})` (KV {args.kv_type} both), "
+          f"{args.threads} threads, {args.tokens} generated tokens. MiB, "
           f"from /proc/self/status; the target is ringllm <= {TARGET}x llama.cpp.\n",
           "| model | figure | ringllm (MiB) | llama.cpp (MiB) | ringllm / llama.cpp |", "|---|---|---|---|---|"]
     for name, res in results.items():
         md += _table(name, res)
-    md += ["\nringllm's RSS after the generation, by part (MiB; resident pages, the tokenizer and GGUF metadata "
-           "as the RSS they add when built alone):\n", "| model | part | MiB | share |", "|---|---|---|---|"]
+    md += ["\nringllm's RSS after the generation, by part (MiB; resident pages, the tokenizer as the RSS it adds "
+           "when built alone):\n", "| model | part | MiB | share |", "|---|---|---|---|"]
     for name, res in results.items():
         total = res["ringllm"]["stages"]["generation"]["VmRSS"]
         for part, mib in res["breakdown"].items():
@@ -237,7 +264,7 @@ def main():
         md.append(f"| {name} | **total RSS** | {total:.1f} | 100% |")
     text = "\n".join(md) + "\n"
     print(text)
-    write_results("memory", payload, text)
+    write_results(args.name, payload, text)
 
 
 if __name__ == "__main__":

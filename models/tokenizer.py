@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ringllm.models.merges_cache import cached_merges
+from ringllm.models.piece_table import PieceTable
 from ringllm.runtime.errors import ConfigError, ModelFileError, UnsupportedModelError
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerWarning", "PRE_TOKENIZER_REGEXES", "SUPPORTED_GGUF_MODELS"]
@@ -253,7 +254,7 @@ class StreamDecoder:
 class Tokenizer:
     """Text <-> token ids for one model. Build with `from_gguf`, `from_hf_dir` or `load`."""
 
-    def __init__(self, backend, *, n_vocab: int, pieces: list[str], piece_kind: str,
+    def __init__(self, backend, *, n_vocab: int, pieces: Sequence[str], piece_kind: str,
                  bos_id: int | None, eos_id: int | None, eos_ids: Iterable[int],
                  unk_id: int | None = None, pad_id: int | None = None,
                  add_bos: bool = False, add_eos: bool = False, strip_prefix_space: bool = False,
@@ -261,7 +262,7 @@ class Tokenizer:
                  source: str = ""):
         self._backend = backend
         self._n_vocab = int(n_vocab)
-        self._pieces = pieces          # vocabulary strings by id, as the source spells them
+        self._pieces = PieceTable(pieces)    # vocabulary strings by id, as the source spells them
         self._piece_kind = piece_kind  # "byte_level" | "spm" | "backend": how a piece maps to bytes
         self._bos_id = bos_id
         self._eos_id = eos_id

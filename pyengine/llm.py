@@ -48,7 +48,7 @@ from ringllm.decoder import Decoder, check_max_tokens
 from ringllm.generation import Chunk, Completion, Generation, Record, Timings
 from ringllm.models.bundled import default_model_path
 from ringllm.models.loader import load_model
-from ringllm.runtime import compile_clock, compile_share
+from ringllm.runtime import compile_clock, compile_share, compiler_pages
 from ringllm.runtime.compile_clock import CompileSpan
 from ringllm.runtime.errors import ConfigError, RingLLMError
 from ringllm.runtime.host_memory import release_file_pages, trim_heap
@@ -147,7 +147,7 @@ class LLM:
                     {t.qtype for t in self.model.tensors.values() if len(t.shape) == 2}, kv))
             self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch, precision)
             if self._engine is not None:    # the engine holds its own copy of the weights: the file's pages go
-                release_file_pages(t.data for t in self.model.tensors.values())
+                release_file_pages(t.stored for t in self.model.tensors.values())
                 trim_heap()                  # and so does the heap memory the repacking's temporaries were freed into
             if backend == "cpu":             # a cold start: what to compile while the helper has the attention
                 for job in self._engine.warm_ahead():
@@ -165,6 +165,7 @@ class LLM:
             raise
         finally:
             bar.close()
+        compiler_pages.release()         # the repacking's kernels are loaded: LLVM's code pages can go
         self.chat_template = chat_template if chat_template is not None else self.tokenizer.chat_template
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -233,6 +234,7 @@ class LLM:
         finally:
             self._owner = None
             self._lock.release()
+            compiler_pages.release()     # the kernels these calls loaded are in: LLVM's code pages can go
 
     def next_seed(self) -> int:
         """A seed drawn from the LLM's seeded generator (thread-safe): what a call made without

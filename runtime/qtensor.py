@@ -39,14 +39,53 @@ class QTensor:
 
     def take_rows(self, rows: np.ndarray | slice, name: str | None = None) -> "QTensor":
         """A new QTensor made of some rows (row permutation or slice; blocks run along rows, so any
-        row selection stays valid for every quantized type)."""
-        data = self.data[rows]
-        n = data.shape[0]
-        shape = (n, self.n_cols) if len(self.shape) > 1 else (n * self.n_cols,)
+        row selection stays valid for every quantized type). A slice is a view of this tensor's data;
+        an index array gives a GatheredRows, which gathers the rows each time its data is read."""
         if len(self.shape) == 1:
             raise ValueError("take_rows needs a matrix")
-        return QTensor(name or self.name, self.qtype, shape, data)
+        if isinstance(rows, slice):
+            data = self.data[rows]
+            return QTensor(name or self.name, self.qtype, (data.shape[0], self.n_cols), data)
+        return GatheredRows(self, rows, name)
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+    @property
+    def stored(self) -> np.ndarray:
+        """The array this tensor's bytes are read from (data; a GatheredRows' source's): what to release
+        once the weights are packed, without gathering them again."""
+        return self.data
+
+
+class GatheredRows(QTensor):
+    """Rows of another QTensor in a given order (a permutation of a checkpoint's rows, such as the
+    rotate-half order of q/k weights), gathered from the source each time `data` is read rather than
+    held: the engine packs the weights once into buffers of its own, and a gathered copy kept beside
+    them would be resident memory nothing reads again. Readers that come later (a press reading W_q, a
+    layer draft packing its own copy) gather again. Equal in every field to the QTensor the gather
+    would make."""
+
+    def __init__(self, source: QTensor, rows, name: str | None = None):
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if rows.size and (rows.min() < -source.n_rows or rows.max() >= source.n_rows):
+            raise IndexError(f"rows out of range for {source.name} with {source.n_rows} rows")
+        object.__setattr__(self, "name", name or source.name)
+        object.__setattr__(self, "qtype", source.qtype)
+        object.__setattr__(self, "shape", (int(rows.size), source.n_cols))
+        object.__setattr__(self, "_source", source)
+        object.__setattr__(self, "_rows", rows)
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._source.data[self._rows]
+
+    @property
+    def nbytes(self) -> int:
+        stored = self._source.stored
+        return int(self._rows.size * stored.shape[1] * stored.itemsize)
+
+    @property
+    def stored(self) -> np.ndarray:
+        return self._source.stored

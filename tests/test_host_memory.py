@@ -166,3 +166,34 @@ def test_loading_a_session_holds_one_store_not_the_file_temporaries_as_well(smol
     grown = _anon_rss_mb() - before
     assert grown <= store_mb * 1.25 + 4, (grown, store_mb)
     assert loaded.n_fed == session.n_fed
+
+
+def test_each_weight_is_held_once_the_rotate_half_qk_rows_are_gathered_when_read(smollm2_path):
+    """A llama GGUF's q/k rows are reordered into the rotate-half order (models/common.unpermute_rope_qk)
+    as GatheredRows: the same bytes as the gathered copy, read from the file each time, so every matrix
+    the loaded model keeps is a view of the file's mapping and the engine's packed buffers are the only
+    copy in memory."""
+    from ringllm.models.common import rope_interleaved_to_half_rows
+    from ringllm.models.gguf_file import GGUFFile
+    from ringllm.models.loader import load_model
+    from ringllm.runtime.qtensor import GatheredRows
+
+    def maps_the_file(a) -> bool:
+        while a is not None:
+            if isinstance(a, mmap.mmap):
+                return True
+            a = getattr(a, "base", None)
+        return False
+
+    model, raw = load_model(smollm2_path), GGUFFile(smollm2_path).tensors
+    spec = model.spec
+    for part, heads in (("attn_q", spec.n_head), ("attn_k", spec.n_head_kv)):
+        t = model.tensors[f"blk.3.{part}.weight"]
+        assert isinstance(t, GatheredRows)
+        rows = rope_interleaved_to_half_rows(heads, spec.head_dim)
+        expected = raw[f"blk.3.{part}.weight"].data[rows]
+        np.testing.assert_array_equal(t.data, expected)
+        assert t.shape == (rows.size, spec.n_embd) and t.nbytes == expected.nbytes
+    for name, t in model.tensors.items():
+        if len(t.shape) == 2:
+            assert maps_the_file(t.stored), name

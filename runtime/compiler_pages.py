@@ -1,0 +1,99 @@
+"""LLVM's code pages: out of the resident set once the kernels a run needs are loaded.
+
+Numba compiles and loads kernels through llvmlite, whose shared library holds all of LLVM: about
+150 MB of code and read-only data, mapped from the file. Loading kernels from the cache touches a
+good part of it (linking object code, resolving symbols), some 65 MB on x86-64, and those pages stay
+in the process's resident set (RSS) after the last kernel is loaded, although running a kernel never
+reads them: a compiled kernel is machine code in memory of its own, called from Numba's dispatcher.
+
+`release()` drops this process's resident pages of those mappings with MADV_DONTNEED. Only mappings
+that are private, not writable and hold no page of their own (smaps' Anonymous: 0) qualify: their
+pages are the file's bytes, so dropping them loses nothing, and the next time LLVM runs (a new
+signature to compile or load) they fault back in from the page cache, which keeps them until the
+kernel needs the memory. The relocated read-only data (RELRO) and the writable data are left alone.
+Unmapped, the pages are also easier for the kernel to reclaim: Linux shields mapped executable
+pages from reclaim, not cached ones.
+
+Numba's compiler lock is taken for every compile and every kernel loaded from the cache
+("numba:compiler_lock" events); `release()` does its work only when the lock was taken since its
+last call, so callers may call it after every batch of engine calls (LLM.engine_lock does) at the
+cost of one comparison. The qualifying mappings are found once (one read of /proc/self/smaps) and
+remembered: a mapping that is not writable cannot gain pages of its own later. Linux only; elsewhere
+`release()` does nothing and returns 0.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+from numba.core import event
+
+__all__ = ["release", "llvm_library_path"]
+
+_MADV_DONTNEED = 4
+_state = {"uses": 0, "released_at": 0, "ranges": None}
+_lock = threading.Lock()
+
+
+class _Listener(event.Listener):
+    """Counts the compiler lock's uses (a compile or a cache load each)."""
+
+    def on_start(self, ev):
+        pass
+
+    def on_end(self, ev):
+        _state["uses"] += 1
+
+
+def llvm_library_path() -> str | None:
+    """The path of the llvmlite shared library this process loaded (None if it has none loaded)."""
+    try:
+        from llvmlite.binding import ffi
+        name = ffi.lib._name
+    except (ImportError, AttributeError, OSError):
+        return None
+    return os.path.realpath(name) if name else None
+
+
+def _clean_ranges(path: str) -> list[tuple[int, int]]:
+    """[start, end) of this process's mappings of `path` that are private, not writable and hold no
+    anonymous (copied-on-write) page, from /proc/self/smaps."""
+    ranges, current = [], None
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split(None, 5)
+            if len(head) >= 5 and "-" in head[0] and len(head[1]) == 4:     # a mapping's header line
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                mapped = head[5].strip() if len(head) == 6 else ""
+                perms = head[1]
+                current = [lo, hi] if (mapped == path and "w" not in perms and perms[3] == "p") else None
+            elif current is not None and line.startswith("Anonymous:"):
+                if int(line.split()[1]) == 0:
+                    ranges.append((current[0], current[1]))
+                current = None
+    return ranges
+
+
+def release() -> int:
+    """Drop LLVM's clean file pages from this process's resident set if Numba's compiler was used since
+    the last call; returns the bytes of mappings advised (0 when nothing was to do)."""
+    if _state["uses"] == _state["released_at"]:
+        return 0
+    with _lock:
+        _state["released_at"] = _state["uses"]
+        if _state["ranges"] is None:
+            path = llvm_library_path()
+            try:
+                _state["ranges"] = _clean_ranges(path) if path else []
+            except OSError:             # no /proc (not Linux): nothing to release
+                _state["ranges"] = []
+        ranges = _state["ranges"]
+        if not ranges:
+            return 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return sum(hi - lo for lo, hi in ranges if libc.madvise(lo, hi - lo, _MADV_DONTNEED) == 0)
+
+
+event.register("numba:compiler_lock", _Listener())

@@ -1,0 +1,67 @@
+"""LLVM's code pages leave the resident set once the kernels are loaded (runtime/compiler_pages.py):
+only the clean mappings of llvmlite's library are dropped, LLVM compiles again after the release (its
+pages fault back in), and a generation through ringllm.LLM ends with them released. Linux only."""
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+from numba import njit
+
+import ringllm
+from ringllm.runtime import compiler_pages
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_DONTNEED"),
+                                reason="needs Linux's /proc/self/smaps and madvise")
+
+
+def _llvm_mappings() -> list[tuple[int, str, int, int]]:
+    """(start, perms, Rss kB, Anonymous kB) of each of this process's mappings of llvmlite's library."""
+    path, out, current = compiler_pages.llvm_library_path(), [], None
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split(None, 5)
+            if len(head) >= 5 and "-" in head[0] and len(head[1]) == 4:
+                current = None
+                if len(head) == 6 and head[5].strip() == path:
+                    current = [int(head[0].split("-")[0], 16), head[1], 0, 0]
+                    out.append(current)
+            elif current is not None and line.startswith("Rss:"):
+                current[2] = int(line.split()[1])
+            elif current is not None and line.startswith("Anonymous:"):
+                current[3] = int(line.split()[1])
+    return [tuple(m) for m in out]
+
+
+def _clean_rss_kb() -> int:
+    return sum(rss for _, perms, rss, anon in _llvm_mappings() if "w" not in perms and anon == 0)
+
+
+def test_release_drops_the_clean_library_pages_and_leaves_the_others():
+    twice_plus_one = njit(cache=False)(lambda x: 2 * x + 1)
+    assert twice_plus_one(3) == 7                   # a compile: LLVM's code runs and its pages come in
+    before = {start: (perms, rss, anon) for start, perms, rss, anon in _llvm_mappings()}
+    assert _clean_rss_kb() > 1024
+    assert compiler_pages.release() > 0
+    assert _clean_rss_kb() < 256                    # nothing runs LLVM between the release and this read
+    for start, perms, rss, anon in _llvm_mappings():
+        if "w" in perms or anon:                    # relocated or writable data: its own pages, kept
+            assert (perms, rss, anon) == before[start]
+    assert compiler_pages.release() == 0            # nothing compiled or loaded since: nothing to do
+
+
+def test_llvm_compiles_after_the_release_and_compiled_kernels_still_run():
+    square = njit(cache=False)(lambda x: x * x)
+    assert square(5) == 25
+    compiler_pages.release()
+    cube = njit(cache=False)(lambda x: x * x * x)   # LLVM runs again from pages faulted back in
+    assert cube(3) == 27 and square(6) == 36
+    assert compiler_pages.release() > 0
+
+
+def test_a_generation_ends_with_llvm_pages_released(smollm2_path):
+    llm = ringllm.LLM(smollm2_path, n_threads=1, progress=False)
+    out = llm.complete("The capital of France is", max_tokens=3, temperature=0.0)
+    assert out.text
+    assert _clean_rss_kb() < 256
