@@ -392,12 +392,15 @@ class Tokenizer:
         if merges_raw is None:
             raise ModelFileError(path, "metadata key 'tokenizer.ggml.merges' is missing: a gpt2 "
                                  "(byte-level BPE) vocabulary needs its merges")
-        vocab: dict[str, int] = {}
         outside = _OUTSIDE_BYTE_ALPHABET.search
-        for i, t in enumerate(tokens):
-            # Tokens written as plain text rather than in the byte alphabet (some added tokens)
-            # are respelled, so the BPE model and the byte-level decoder agree on them.
-            vocab["".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8")) if outside(t) else t] = i
+        if outside("".join(tokens)) is None:        # every token in the byte alphabet: one search
+            vocab: dict[str, int] = dict(zip(tokens, range(len(tokens))))
+        else:
+            vocab = {}
+            for i, t in enumerate(tokens):
+                # Tokens written as plain text rather than in the byte alphabet (some added tokens)
+                # are respelled, so the BPE model and the byte-level decoder agree on them.
+                vocab["".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8")) if outside(t) else t] = i
         merges = []
         for k, m in enumerate(_as_list(merges_raw)):
             parts = m.split(" ")
