@@ -10,14 +10,12 @@ For each model, each runtime runs in a fresh process (`python -c CHILD`) that re
 
 Both hold their KV cache in the same type, --kv-type: f16 by default, llama.cpp's default cache type.
 
-ringllm's resident memory after the generation is then split by part, from the pages each part's
-arrays have resident (mincore; a page shared by two parts counts for the first): packed weight
-buffers, f32 vectors (norm weights, biases), the KV store's arrays, the engine's scratch buffers
-(run buffers, logits_buf, attention and matvec scratch, RoPE tables), and the pages of llvmlite's
-shared library (LLVM) still resident (smaps; runtime/compiler_pages.py drops its clean ones once the
-kernels are loaded); the tokenizer is measured in a separate process (the RSS it adds, built from the
-GGUF metadata which is then dropped, as loading does; heap trimmed before and after); the rest is
-Python, NumPy, Numba and the other libraries.
+ringllm's resident memory after the generation is then split by part (ringllm.memory_report, what
+`ringllm bench --memory` prints: the pages each part's arrays have resident, a page shared by two
+parts counted for the first; packed weights, f32 vectors, the KV store, engine scratch, and the pages
+of llvmlite's shared library still resident), except the tokenizer, measured here in a separate
+process (the RSS it adds, built from the GGUF metadata which is then dropped, as loading does; heap
+trimmed before and after); the rest is Python, NumPy, Numba and the other libraries.
 
 A ringllm process is run once unmeasured first, so that the measured one loads its kernels from the
 cache instead of compiling them (compiling holds LLVM's memory). Memory figures do not depend on the
@@ -66,72 +64,11 @@ stages["load"] = status()
 done = llm.complete(prompt, max_tokens=tokens, ignore_eos=True)
 stages["generation"] = status()
 
-import ctypes, mmap
-import numpy as np
-libc = ctypes.CDLL(None)
-libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-PAGE = mmap.PAGESIZE
-claimed = set()
-
-def arrays_of(obj, depth=4, seen=None):
-    # every ndarray reachable from obj through attributes, dicts, lists and tuples (depth-limited)
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth < 0:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, np.ndarray):
-        yield obj
-        return
-    if isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, (list, tuple)):
-        items = list(obj)
-    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
-        names = list(getattr(obj, "__dict__", {})) + [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ())]
-        items = [getattr(obj, n, None) for n in names]
-    else:
-        return
-    for it in items:
-        yield from arrays_of(it, depth - 1, seen)
-
-def resident(arrays):
-    # MiB of the pages under `arrays` resident now and not claimed by a part measured before
-    total = 0
-    for a in arrays:
-        if a.nbytes == 0:
-            continue
-        lo = a.ctypes.data // PAGE * PAGE
-        n = -(-(a.ctypes.data + a.nbytes - lo) // PAGE)
-        vec = (ctypes.c_ubyte * n)()
-        if libc.mincore(lo, n * PAGE, vec) != 0:
-            continue
-        for i in range(n):
-            page = lo // PAGE + i
-            if vec[i] & 1 and page not in claimed:
-                claimed.add(page)
-                total += PAGE
-    return total / 2**20
-
+from ringllm.memory_report import report
 eng = llm.engine
 mats = list(eng.mats.values())
-parts = {}
-parts["packed weights"] = resident(pm.buf for pm in mats)
-parts["f32 vectors"] = resident(eng.vecs.values())
-parts["KV store"] = resident(arrays_of(getattr(llm, "_store", None)))   # the store of the last generation
-scratch = [pm.scratch for pm in mats] + [pm.rows_scratch for pm in mats]
-scratch += [a for pm in mats if pm.q8_acts is not None for a in pm.q8_acts.bufs]
-scratch += [eng.logits_buf] + list(arrays_of(eng.buf)) + list(arrays_of(eng.sc)) + list(arrays_of(eng.layer_ropes))
-scratch += [a for a in vars(eng).values() if isinstance(a, np.ndarray)]
-parts["engine scratch"] = resident(scratch)
-from ringllm.runtime.compiler_pages import llvm_library_path
-llvm_kb, mapped = 0, False
-for line in open("/proc/self/smaps"):
-    head = line.split(None, 5)
-    if len(head) >= 5 and "-" in head[0] and len(head[1]) == 4:
-        mapped = len(head) == 6 and head[5].strip() == llvm_library_path()
-    elif mapped and line.startswith("Rss:"):
-        llvm_kb += int(line.split()[1])
-parts["LLVM library (llvmlite)"] = llvm_kb / 1024
+parts = report(llm)["parts"]
+parts.pop("vocabulary table")        # counted in the tokenizer, measured apart (TOKENIZER_CHILD)
 alloc = {"packed weights": sum(pm.buf.nbytes for pm in mats) / 2**20, "logits_buf": eng.logits_buf.nbytes / 2**20}
 print(json.dumps({"stages": stages, "parts": parts, "allocated": alloc, "tokens": len(done.tokens)}))
 """

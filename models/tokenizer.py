@@ -672,6 +672,10 @@ class Tokenizer:
             self._token_ids = ids
         return self._token_ids.get(text)
 
+    def vocabulary_table(self) -> PieceTable:
+        """The vocabulary's strings by id, as this tokenizer holds them (what id_to_token reads)."""
+        return self._pieces
+
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary entry of `token_id`, as the model file spells it."""
         self._check_ids([token_id])

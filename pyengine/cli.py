@@ -412,6 +412,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.kv_compress is not None:
         raise ConfigError("bench times plain prefill and decode; prompt compression's cost is measured by "
                           "bench/compression_speed.py")
+    if args.memory:
+        return _bench_memory(args)
     model = _load(args, tokenizer=False)
     if args.engine == "cuda":
         eng = make_engine("cuda", model.spec, model.tensors, args.threads, min(512, args.pp), args.precision)
@@ -457,6 +459,47 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"{os.path.basename(model.path)} ({args.engine}, {args.precision}, {result['threads']} threads): "
               f"tg{args.tg} {result['tg_tok_s']} tok/s ({result['decode_gb_s']} GB/s of weights), "
               f"pp{args.pp} {result['pp_tok_s']} tok/s; medians of {args.repeats}")
+    return 0
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    """bench --memory: an LLM as `generate` makes it, a prompt of --pp random token ids and --tg generated
+    tokens, then the process's RSS and the part each component holds (ringllm.memory_report)."""
+    import numpy as np
+
+    from ringllm.memory_report import report, status_mib
+
+    if args.engine != "cpu":
+        raise ConfigError("bench --memory measures the cpu engine's buffers; --engine cuda holds its weights "
+                          "in GPU memory")
+    before = status_mib()
+    if args.kv_policy == "full" and args.kv_capacity is None:
+        args.kv_capacity = args.pp + args.tg + 8
+    from ringllm.llm import LLM
+    llm = LLM(args.model, kv=_kv_config(args), n_threads=args.threads, progress=not args.no_progress,
+              precision=args.precision)
+    loaded = status_mib()
+    rng = np.random.default_rng(0)
+    n_vocab = llm.spec.n_vocab
+    prompt = rng.integers(min(100, n_vocab - 1), min(5000, n_vocab), args.pp).tolist()
+    llm.complete(prompt, max_tokens=args.tg, ignore_eos=True)
+    rep = report(llm)
+    result = {"model": llm.model_path, "threads": args.threads or os.cpu_count(), "pp_tokens": args.pp,
+              "tg_tokens": args.tg, "kv": llm.kv.to_dict(), "rss_mib_before_load": round(before["VmRSS"], 1),
+              "rss_mib_after_load": round(loaded["VmRSS"], 1),
+              "status_mib": {k: round(v, 1) for k, v in rep["status"].items()},
+              "parts_mib": {k: round(v, 1) for k, v in rep["parts"].items()}, "rest_mib": round(rep["rest"], 1)}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    st = rep["status"]
+    print(f"{os.path.basename(llm.model_path)}: RSS {st['VmRSS']:.0f} MiB after {args.pp} prompt and {args.tg} "
+          f"generated tokens (anonymous {st['RssAnon']:.0f}, file {st['RssFile']:.0f}; peak {st['VmHWM']:.0f}); "
+          f"{before['VmRSS']:.0f} MiB before loading, {loaded['VmRSS']:.0f} after; KV {llm.kv.policy}, capacity "
+          f"{llm.kv.capacity}, {llm.kv.k_type}/{llm.kv.v_type}")
+    for part, mib in [*rep["parts"].items(), ("rest", rep["rest"])]:
+        print(f"  {part:<24} {mib:7.1f} MiB {100 * mib / st['VmRSS']:3.0f}%")
+    print("  (rest: Python, NumPy, Numba's registries and kernels, the tokenizers library, other libraries)")
     return 0
 
 
@@ -653,6 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tg", type=int, default=128, help="tokens decoded per run")
     b.add_argument("--pp", type=int, default=512, help="prompt tokens prefilled per run")
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--memory", action="store_true",
+                   help="instead of speeds: the process's RSS after --pp prompt and --tg generated tokens, and "
+                        "the part each component holds (Linux)")
     b.set_defaults(func=_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -160,6 +160,34 @@ def test_bench_json():
     assert r.returncode == 0 and "tok/s" in r.stdout
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="the memory report reads /proc (Linux)")
+def test_bench_memory_reports_rss_by_part(smollm2_path):
+    """The parts and the rest add up to the RSS; the packed weights are the engine's buffers, all resident
+    after a generation; the KV store holds the pp + tg tokens' rows (f16: 2 bytes a value, 30 layers x 3 kv
+    heads x 64 x K and V, its pages rounded up per head); LLVM's clean pages are released."""
+    from ringllm.runtime.engine import CPUEngine
+
+    r = run("bench", "--memory", "--pp", "24", "--tg", "8", "--json", "--cache-type-k", "f16", "--cache-type-v",
+            "f16", *T1)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    parts, status = out["parts_mib"], out["status_mib"]
+    assert abs(sum(parts.values()) + out["rest_mib"] - status["VmRSS"]) < 0.5
+    from ringllm.models.loader import load_model
+    model = load_model(smollm2_path)
+    eng = CPUEngine(model.spec, model.tensors, n_threads=1)
+    packed = sum({id(pm.buf): pm.buf.nbytes for pm in eng.mats.values()}.values()) / 2 ** 20
+    assert packed - 0.5 <= parts["packed weights"] <= packed + 0.5
+    rows = (24 + 8) * 30 * 3 * 64 * 2 * 2 / 2 ** 20
+    assert rows <= parts["KV store"] <= rows + 1.5
+    assert parts["LLVM library (llvmlite)"] < 8 and 0 < parts["vocabulary table"] < 2
+    assert out["kv"]["k_type"] == "f16" and out["rss_mib_before_load"] < out["rss_mib_after_load"]
+    r = run("bench", "--memory", "--engine", "cuda", *T1)
+    assert r.returncode != 0 and "bench --memory measures the cpu engine" in r.stderr
+    r = run("bench", "--memory", "--pp", "8", "--tg", "2", *T1)
+    assert r.returncode == 0 and "packed weights" in r.stdout and "RSS" in r.stdout
+
+
 def test_chat_through_stdin_with_save_reset_load(tmp_path):
     session = tmp_path / "chat.session"
     script = "\n".join(["What is 2+2?", f"/save {session}", "And 3+3?", "/reset", "/stats", f"/load {session}",
