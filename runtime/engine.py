@@ -26,7 +26,7 @@ import numba
 import numpy as np
 
 from ringllm.runtime import matvec as mv
-from ringllm.runtime import omp_spin
+from ringllm.runtime import compiler_pages, omp_spin
 from ringllm.runtime.chunk_attention import MIN_PAIRS, chunk_fits, chunk_pays, write_attend_chunk
 from ringllm.runtime.dequant import dequantize, dequantize_rows
 from ringllm.runtime.errors import ConfigError
@@ -185,7 +185,9 @@ class CPUEngine:
         workers = self.n_threads or os.cpu_count() or 1
 
         def pack(t):      # (packing drops each packed chunk's file pages: packing.pack_in_chunks)
-            return mv.pack(t, self.precision)
+            packed = mv.pack(t, self.precision)
+            compiler_pages.release()     # the first pack of a type loaded its kernel: LLVM's pages go now,
+            return packed                # not after the last matrix (the load's peak holds them otherwise)
         if workers == 1:
             packed = {name: pack(t) for name, t in mats.items()}
         else:
