@@ -19,6 +19,7 @@ The cache therefore lives in a directory named by a hash of every source file of
 directory): any change to the kernels starts a fresh cache, and the three newest directories are kept.
 """
 import hashlib
+import importlib
 import os
 import shutil
 import sys
@@ -94,24 +95,30 @@ def _set_numba_cache_dir() -> None:
 _set_numba_cache_dir()
 
 
-def _import_numba_arraymath_without_blas() -> None:
-    """numba.np.arraymath, which Numba imports on its first compile or cache load, probes for a BLAS
-    at import by importing scipy.linalg (OpenBLAS: 0.2-0.5 s and tens of MB of every process that
-    loads a kernel). No ringllm kernel calls BLAS; the probe's only use is np.correlate/np.convolve
-    picking BLAS over a plain loop, and a user's own np.dot still imports it when compiled. So the
-    module is imported here with scipy.linalg unimportable for that one import, unless the process
-    has already imported scipy.linalg (then the probe costs nothing and finds it)."""
-    if "scipy.linalg" in sys.modules or "numba.np.arraymath" in sys.modules:
+def _import_without(name: str, blocked: str) -> None:
+    """Import Numba's module `name` with module `blocked` unimportable for that one import (the import
+    machinery's "halted" marker, None in sys.modules: ImportError), unless the process has imported
+    either already. Two of the modules Numba imports on its first compile or cache load import an
+    optional dependency no ringllm kernel uses, at a cost every process that loads a kernel pays:
+
+    - numba.np.arraymath probes for a BLAS by importing scipy.linalg (OpenBLAS: 0.2-0.5 s and tens of
+      MB). Its only use is np.correlate/np.convolve picking BLAS over a plain loop; a user's own np.dot
+      still imports it when compiled.
+    - numba.core.typing.cffi_utils builds a cffi.FFI() when cffi is installed (ringllm's CUDA backend
+      installs it): cffi's C parser, pycparser, about 30 ms and 2 MiB. It lets Numba kernels call cffi
+      functions, which no ringllm kernel does; a process that imports cffi before ringllm keeps it."""
+    if blocked in sys.modules or name in sys.modules:
         return
-    sys.modules["scipy.linalg"] = None          # the import machinery's "halted" marker: ImportError
+    sys.modules[blocked] = None
     try:
-        import numba.np.arraymath  # noqa: F401
+        importlib.import_module(name)
     finally:
-        if sys.modules.get("scipy.linalg", 0) is None:
-            del sys.modules["scipy.linalg"]
+        if sys.modules.get(blocked, 0) is None:
+            del sys.modules[blocked]
 
 
-_import_numba_arraymath_without_blas()
+_import_without("numba.np.arraymath", "scipy.linalg")
+_import_without("numba.core.typing.cffi_utils", "cffi")
 
 from ringllm.runtime import compile_clock  # noqa: E402  (after the cache directory is set)
 
