@@ -18,8 +18,9 @@ Numba's compiler lock is taken for every compile and every kernel loaded from th
 ("numba:compiler_lock" events); `release()` does its work only when the lock was taken since its
 last call, so callers may call it after every batch of engine calls (LLM.engine_lock does) at the
 cost of one comparison. The qualifying mappings are found once (one read of /proc/self/smaps) and
-remembered: a mapping that is not writable cannot gain pages of its own later. Linux only; elsewhere
-`release()` does nothing and returns 0.
+remembered: a mapping that is not writable cannot gain pages of its own later; each release checks
+them against /proc/self/maps (no page walk) and advises only those that still map the library, still
+not writable. Linux only; elsewhere `release()` does nothing and returns 0.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import threading
 
 from numba.core import event
 
-__all__ = ["release", "llvm_library_path"]
+__all__ = ["release", "llvm_library_path", "read_only_mappings"]
 
 _MADV_DONTNEED = 4
 _state = {"uses": 0, "released_at": 0, "ranges": None}
@@ -75,20 +76,38 @@ def _clean_ranges(path: str) -> list[tuple[int, int]]:
     return ranges
 
 
+def read_only_mappings(path: str) -> set[tuple[int, int]]:
+    """[start, end) of this process's private, not writable mappings of `path` now (/proc/self/maps:
+    no page walk, unlike smaps)."""
+    out = set()
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            head = line.split(None, 5)
+            if len(head) == 6 and head[5].strip() == path and "w" not in head[1] and head[1][3] == "p":
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                out.add((lo, hi))
+    return out
+
+
 def release() -> int:
     """Drop LLVM's clean file pages from this process's resident set if Numba's compiler was used since
-    the last call; returns the bytes of mappings advised (0 when nothing was to do)."""
+    the last call; returns the bytes of mappings advised (0 when nothing was to do). The remembered
+    mappings are checked against /proc/self/maps first: only those still mapping the library, still
+    not writable, are advised."""
     if _state["uses"] == _state["released_at"]:
         return 0
     with _lock:
         _state["released_at"] = _state["uses"]
-        if _state["ranges"] is None:
-            path = llvm_library_path()
-            try:
+        path = llvm_library_path()
+        try:
+            if _state["ranges"] is None:
                 _state["ranges"] = _clean_ranges(path) if path else []
-            except OSError:             # no /proc (not Linux): nothing to release
-                _state["ranges"] = []
-        ranges = _state["ranges"]
+            ranges = _state["ranges"]
+            if ranges:
+                now = read_only_mappings(path)
+                ranges = [r for r in ranges if r in now]
+        except OSError:                 # no /proc (not Linux): nothing to release
+            _state["ranges"] = ranges = []
         if not ranges:
             return 0
         libc = ctypes.CDLL(None, use_errno=True)

@@ -65,3 +65,24 @@ def test_a_generation_ends_with_llvm_pages_released(smollm2_path):
     out = llm.complete("The capital of France is", max_tokens=3, temperature=0.0)
     assert out.text
     assert _clean_rss_kb() < 256
+
+
+def test_only_the_librarys_read_only_mappings_qualify_at_each_release():
+    """release() advises a remembered range only while /proc/self/maps still shows it as a private, not
+    writable mapping of the library (read_only_mappings): never another file's mapping, an anonymous
+    one (MADV_DONTNEED would zero its data) or the library's writable data."""
+    path = compiler_pages.llvm_library_path()
+    now = compiler_pages.read_only_mappings(path)
+    perms_at = {start: perms for start, perms, *_ in _llvm_mappings()}
+    assert now and all(lo in perms_at and "w" not in perms_at[lo] for lo, _ in now)
+    m = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.write(b"x" * (1 << 20))
+    import ctypes
+    buf = ctypes.c_char.from_buffer(m)
+    lo = ctypes.addressof(buf)
+    assert not any(a <= lo < b for a, b in now)
+    del buf
+    njit(cache=False)(lambda x: x - 1)(2)
+    assert compiler_pages.release() > 0
+    m.seek(0)
+    assert m.read(1 << 20) == b"x" * (1 << 20)
