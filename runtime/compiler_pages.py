@@ -18,33 +18,40 @@ Numba's compiler lock is taken for every compile and every kernel loaded from th
 ("numba:compiler_lock" events); `release()` does its work only when the lock was taken since its
 last call, so callers may call it after every batch of engine calls (LLM.engine_lock does) at the
 cost of one comparison. The qualifying mappings are found once (one read of /proc/self/smaps) and
-remembered: a mapping that is not writable cannot gain pages of its own later; each release checks
-them against /proc/self/maps (no page walk) and advises only those that still map the library, still
-not writable. Linux only; elsewhere `release()` does nothing and returns 0.
+remembered; each release checks them again before it advises them: against /proc/self/maps (still a
+private, not writable mapping of the library) and /proc/self/pagemap (no page copied on write since,
+as an mprotect to writable and back, or a debugger's breakpoint, would make one), read for those
+ranges only. Linux only; elsewhere `release()` does nothing and returns 0.
 """
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 
+import numpy as np
 from numba.core import event
 
 __all__ = ["release", "llvm_library_path", "read_only_mappings"]
 
 _MADV_DONTNEED = 4
+_PRESENT, _FILE_OR_SHARED = np.uint64(1 << 63), np.uint64(1 << 61)     # /proc/self/pagemap entry bits
 _state = {"uses": 0, "released_at": 0, "ranges": None}
 _lock = threading.Lock()
+_count_lock = threading.Lock()
 
 
 class _Listener(event.Listener):
-    """Counts the compiler lock's uses (a compile or a cache load each)."""
+    """Counts the compiler lock's uses (a compile or a cache load each). Numba signals the end after it
+    has let the lock go, so two threads can end at once: the count takes a lock of its own."""
 
     def on_start(self, ev):
         pass
 
     def on_end(self, ev):
-        _state["uses"] += 1
+        with _count_lock:
+            _state["uses"] += 1
 
 
 def llvm_library_path() -> str | None:
@@ -89,25 +96,42 @@ def read_only_mappings(path: str) -> set[tuple[int, int]]:
     return out
 
 
+def _holds_own_page(lo: int, hi: int) -> bool:
+    """Whether any page of [lo, hi) is resident and private to this process (copied on write: not the
+    file's bytes), from /proc/self/pagemap's flags (which need no privilege). A read-only mapping can
+    gain one after the first smaps read: an mprotect to writable and back, a debugger's breakpoint."""
+    page = mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(lo // page * 8)
+        entries = np.frombuffer(fh.read((hi - lo) // page * 8), np.uint64)
+    return bool(np.any((entries & _PRESENT != 0) & (entries & _FILE_OR_SHARED == 0)))
+
+
+def _advisable(path: str) -> list[tuple[int, int]]:
+    """The remembered ranges (found once, from smaps) that are still private, not writable mappings of
+    `path` (/proc/self/maps) and hold no page of their own (pagemap)."""
+    if _state["ranges"] is None:
+        _state["ranges"] = _clean_ranges(path)
+    now = read_only_mappings(path)
+    return [(lo, hi) for lo, hi in _state["ranges"] if (lo, hi) in now and not _holds_own_page(lo, hi)]
+
+
 def release() -> int:
     """Drop LLVM's clean file pages from this process's resident set if Numba's compiler was used since
-    the last call; returns the bytes of mappings advised (0 when nothing was to do). The remembered
-    mappings are checked against /proc/self/maps first: only those still mapping the library, still
-    not writable, are advised."""
+    the last call; returns the bytes of mappings advised (0 when nothing was to do). Each release checks
+    the remembered mappings first (_advisable): a range that no longer maps the library read-only, or
+    that holds a page of its own, is left alone."""
     if _state["uses"] == _state["released_at"]:
         return 0
     with _lock:
         _state["released_at"] = _state["uses"]
         path = llvm_library_path()
+        if path is None:
+            return 0
         try:
-            if _state["ranges"] is None:
-                _state["ranges"] = _clean_ranges(path) if path else []
-            ranges = _state["ranges"]
-            if ranges:
-                now = read_only_mappings(path)
-                ranges = [r for r in ranges if r in now]
-        except OSError:                 # no /proc (not Linux): nothing to release
-            _state["ranges"] = ranges = []
+            ranges = _advisable(path)
+        except OSError:                 # no /proc (not Linux), or a read that failed: nothing this time
+            return 0
         if not ranges:
             return 0
         libc = ctypes.CDLL(None, use_errno=True)

@@ -68,7 +68,12 @@ class GatheredRows(QTensor):
     would make."""
 
     def __init__(self, source: QTensor, rows, name: str | None = None):
-        rows = np.asarray(rows, np.int64).reshape(-1)
+        rows = np.asarray(rows)
+        if rows.dtype == np.bool_:
+            if rows.shape != (source.n_rows,):
+                raise IndexError(f"a row mask for {source.name} needs {source.n_rows} entries, got {rows.shape}")
+            rows = np.flatnonzero(rows)
+        rows = rows.astype(np.int64).reshape(-1)
         if rows.size and (rows.min() < -source.n_rows or rows.max() >= source.n_rows):
             raise IndexError(f"rows out of range for {source.name} with {source.n_rows} rows")
         object.__setattr__(self, "name", name or source.name)

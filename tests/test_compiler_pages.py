@@ -86,3 +86,43 @@ def test_only_the_librarys_read_only_mappings_qualify_at_each_release():
     assert compiler_pages.release() > 0
     m.seek(0)
     assert m.read(1 << 20) == b"x" * (1 << 20)
+
+
+def test_a_page_copied_on_write_since_keeps_its_range_out_of_the_release():
+    """A library page made writable, written and made read-only again is the process's own copy (not the
+    file's bytes) although the mapping reads r--p again: the release leaves its range alone, so the copy
+    stays (here the page's own byte written back: the library's contents do not change)."""
+    import ctypes
+
+    njit(cache=False)(lambda x: x + 3)(1)
+    compiler_pages.release()
+    clean = {start for start, perms, rss, anon in _llvm_mappings() if perms == "r--p" and anon == 0}
+    # the library's first mapping (its ELF header and read-only data): the code after it is r-xp, so
+    # after the mprotects below it is still the same single mapping
+    lo, hi = min(r for r in compiler_pages.read_only_mappings(compiler_pages.llvm_library_path()) if r[0] in clean)
+    addr = lo
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    assert libc.mprotect(lo, hi - lo, mmap.PROT_READ | mmap.PROT_WRITE) == 0     # the whole mapping: it stays
+    byte = ctypes.c_ubyte.from_address(addr)                                    # one mapping, r--p again below
+    byte.value = byte.value                                     # a write: the page is copied
+    assert libc.mprotect(lo, hi - lo, mmap.PROT_READ) == 0
+    assert (lo, hi) in compiler_pages.read_only_mappings(compiler_pages.llvm_library_path())
+    njit(cache=False)(lambda x: x + 4)(1)
+    compiler_pages.release()
+    assert _anon_at(addr) >= page // 1024                     # the copied page is still this process's own
+
+
+def _anon_at(address: int) -> int:
+    """smaps' Anonymous kB of the mapping that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split(None, 5)
+            if len(head) >= 5 and "-" in head[0] and len(head[1]) == 4:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("Anonymous:"):
+                return int(line.split()[1])
+    return 0

@@ -197,3 +197,19 @@ def test_each_weight_is_held_once_the_rotate_half_qk_rows_are_gathered_when_read
     for name, t in model.tensors.items():
         if len(t.shape) == 2:
             assert maps_the_file(t.stored), name
+
+
+def test_gathered_rows_take_index_arrays_and_row_masks_as_numpy_indexing_does():
+    from ringllm.runtime.qtensor import QTensor
+    from ringllm.runtime.quant_types import GGMLType
+
+    data = np.arange(4 * 34, dtype=np.uint8).reshape(4, 34)          # four Q8_0 rows of 32 values
+    t = QTensor("w", GGMLType.Q8_0, (4, 32), data)
+    for rows in ([3, 1], np.array([True, False, True, False]), [-1]):
+        g = t.take_rows(rows)
+        np.testing.assert_array_equal(g.data, data[rows])
+        assert g.shape == (len(data[rows]), 32) and g.nbytes == data[rows].nbytes
+    with pytest.raises(IndexError):
+        t.take_rows([4])
+    with pytest.raises(IndexError):
+        t.take_rows(np.array([True, False]))
