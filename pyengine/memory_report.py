@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from ringllm.runtime.compiler_pages import llvm_library_path
+from ringllm.runtime.compiler_pages import library_mappings, llvm_library_path
 from ringllm.runtime.errors import ConfigError
 
 __all__ = ["report", "status_mib"]
@@ -31,7 +31,10 @@ _MIB = 2 ** 20
 
 
 def status_mib() -> dict[str, float]:
-    """The process's resident-set figures from /proc/self/status, MiB."""
+    """The process's resident-set figures from /proc/self/status, MiB; a ConfigError where there is no
+    /proc (not Linux: the report's other sources, smaps and mincore, are Linux's too)."""
+    if not os.path.exists("/proc/self/status"):
+        raise ConfigError("the memory report reads /proc/self/status, /proc/self/smaps and mincore: Linux only")
     out = {}
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -90,25 +93,9 @@ class _Pages:
         return total / _MIB
 
 
-def _library_mib(path: str | None) -> float:
-    """Resident MiB of this process's mappings of the shared library at `path` (/proc/self/smaps)."""
-    if path is None:
-        return 0.0
-    kb, inside = 0, False
-    with open("/proc/self/smaps") as fh:
-        for line in fh:
-            head = line.split(None, 5)
-            if len(head) >= 5 and "-" in head[0] and len(head[1]) == 4:
-                inside = len(head) == 6 and head[5].strip() == path
-            elif inside and line.startswith("Rss:"):
-                kb += int(line.split()[1])
-    return kb / 1024
-
-
 def report(llm) -> dict:
     """{"status": ..., "parts": ..., "rest": ...} for `llm` (a ringllm.LLM on the cpu backend), MiB."""
-    if not os.path.exists("/proc/self/smaps"):
-        raise ConfigError("the memory report reads /proc/self/smaps and mincore: Linux only")
+    status_mib()                        # Linux only: the check before any other read
     eng = llm.engine
     if eng is None or not hasattr(eng, "mats"):
         raise ConfigError("the memory report measures the cpu engine's buffers; this LLM has none")
@@ -123,6 +110,8 @@ def report(llm) -> dict:
     scratch += list(_arrays_of(eng.layer_ropes)) + [a for a in vars(eng).values() if isinstance(a, np.ndarray)]
     parts["engine scratch"] = pages.mib(scratch)
     parts["vocabulary table"] = llm.tokenizer.vocabulary_table().nbytes / _MIB
-    parts["LLVM library (llvmlite)"] = _library_mib(llvm_library_path())
+    path = llvm_library_path()
+    llvm_kb = sum(rss for _, _, _, rss, _ in library_mappings(path)) if path else 0
+    parts["LLVM library (llvmlite)"] = llvm_kb / 1024
     status = status_mib()
     return {"status": status, "parts": parts, "rest": status["VmRSS"] - sum(parts.values())}

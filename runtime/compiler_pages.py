@@ -33,7 +33,7 @@ import threading
 import numpy as np
 from numba.core import event
 
-__all__ = ["release", "llvm_library_path", "read_only_mappings"]
+__all__ = ["release", "library_mappings", "llvm_library_path", "read_only_mappings"]
 
 _MADV_DONTNEED = 4
 _PRESENT, _FILE_OR_SHARED = np.uint64(1 << 63), np.uint64(1 << 61)     # /proc/self/pagemap entry bits
@@ -64,23 +64,31 @@ def llvm_library_path() -> str | None:
     return os.path.realpath(name) if name else None
 
 
-def _clean_ranges(path: str) -> list[tuple[int, int]]:
-    """[start, end) of this process's mappings of `path` that are private, not writable and hold no
-    anonymous (copied-on-write) page, from /proc/self/smaps."""
-    ranges, current = [], None
+def library_mappings(path: str) -> list[tuple[int, int, str, int, int]]:
+    """(start, end, perms, Rss kB, Anonymous kB) of each of this process's mappings of the file at
+    `path`, from /proc/self/smaps (which walks every mapping's pages: a few ms)."""
+    out, current = [], None
     with open("/proc/self/smaps") as fh:
         for line in fh:
             head = line.split(None, 5)
             if len(head) >= 5 and "-" in head[0] and len(head[1]) == 4:     # a mapping's header line
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                mapped = head[5].strip() if len(head) == 6 else ""
-                perms = head[1]
-                current = [lo, hi] if (mapped == path and "w" not in perms and perms[3] == "p") else None
-            elif current is not None and line.startswith("Anonymous:"):
-                if int(line.split()[1]) == 0:
-                    ranges.append((current[0], current[1]))
                 current = None
-    return ranges
+                if len(head) == 6 and head[5].strip() == path:
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    current = [lo, hi, head[1], 0, 0]
+                    out.append(current)
+            elif current is not None and line.startswith("Rss:"):
+                current[3] = int(line.split()[1])
+            elif current is not None and line.startswith("Anonymous:"):
+                current[4] = int(line.split()[1])
+    return [tuple(m) for m in out]
+
+
+def _clean_ranges(path: str) -> list[tuple[int, int]]:
+    """[start, end) of this process's mappings of `path` that are private, not writable and hold no
+    anonymous (copied-on-write) page."""
+    return [(lo, hi) for lo, hi, perms, _, anon in library_mappings(path)
+            if "w" not in perms and perms[3] == "p" and anon == 0]
 
 
 def read_only_mappings(path: str) -> set[tuple[int, int]]:
