@@ -18,20 +18,8 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not ha
 
 def _llvm_mappings() -> list[tuple[int, str, int, int]]:
     """(start, perms, Rss kB, Anonymous kB) of each of this process's mappings of llvmlite's library."""
-    path, out, current = compiler_pages.llvm_library_path(), [], None
-    with open("/proc/self/smaps") as fh:
-        for line in fh:
-            head = line.split(None, 5)
-            if len(head) >= 5 and "-" in head[0] and len(head[1]) == 4:
-                current = None
-                if len(head) == 6 and head[5].strip() == path:
-                    current = [int(head[0].split("-")[0], 16), head[1], 0, 0]
-                    out.append(current)
-            elif current is not None and line.startswith("Rss:"):
-                current[2] = int(line.split()[1])
-            elif current is not None and line.startswith("Anonymous:"):
-                current[3] = int(line.split()[1])
-    return [tuple(m) for m in out]
+    return [(lo, perms, rss, anon) for lo, _, perms, rss, anon in
+            compiler_pages.library_mappings(compiler_pages.llvm_library_path())]
 
 
 def _clean_rss_kb() -> int:
