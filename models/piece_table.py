@@ -1,11 +1,12 @@
 """PieceTable: a vocabulary's strings by token id, held as one UTF-8 buffer and an array of ends.
 
 A tokenizer keeps its vocabulary as the model file spells it (Tokenizer.id_to_token, token_to_id,
-the byte table a constraint engine matches against). As a list of Python strings that costs about
-80 bytes a token: 20 MiB for Gemma's 262,144 tokens, resident for the life of the process though it
-is read a few times. The same strings as one buffer of their UTF-8 bytes and the offset where each
-ends take about 13 bytes a token; each read decodes its piece again (microseconds), and the
-tokenizers library keeps its own copy for encoding and decoding in any case.
+the byte table a constraint engine matches against). As a list of Python strings each token costs
+an object header and a list slot beside its characters, resident for the life of the process though
+the list is read a few times. The same strings as one buffer of their UTF-8 bytes and the offset
+where each ends cost the bytes and one integer a token; each read decodes its piece again, and the
+tokenizers library keeps its own copy for encoding and decoding in any case (docs/footprint.md has
+the sizes).
 
 A PieceTable is a read-only Sequence[str]: len, indexing (negative indices, slices), iteration and
 equality with a list of the same strings.

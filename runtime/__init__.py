@@ -105,7 +105,7 @@ def _import_without(name: str, blocked: str) -> None:
       MB). Its only use is np.correlate/np.convolve picking BLAS over a plain loop; a user's own np.dot
       still imports it when compiled.
     - numba.core.typing.cffi_utils builds a cffi.FFI() when cffi is installed (ringllm's CUDA backend
-      installs it): cffi's C parser, pycparser, about 30 ms and 2 MiB. It lets Numba kernels call cffi
+      installs it), which imports cffi's C parser, pycparser. It lets Numba kernels call cffi
       functions, which no ringllm kernel does; a process that imports cffi before ringllm keeps it."""
     if blocked in sys.modules or name in sys.modules:
         return

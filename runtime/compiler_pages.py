@@ -1,10 +1,11 @@
 """LLVM's code pages: out of the resident set once the kernels a run needs are loaded.
 
-Numba compiles and loads kernels through llvmlite, whose shared library holds all of LLVM: about
-150 MB of code and read-only data, mapped from the file. Loading kernels from the cache touches a
-good part of it (linking object code, resolving symbols), some 65 MB on x86-64, and those pages stay
-in the process's resident set (RSS) after the last kernel is loaded, although running a kernel never
-reads them: a compiled kernel is machine code in memory of its own, called from Numba's dispatcher.
+Numba compiles and loads kernels through llvmlite, whose shared library holds all of LLVM's code
+and read-only data, mapped from the file. Loading kernels from the cache touches a good part of it
+(initialising the code generator, linking object code, resolving symbols), and those pages stay in
+the process's resident set (RSS) after the last kernel is loaded, although running a kernel never
+reads them: a compiled kernel is machine code in memory of its own, called from Numba's dispatcher
+(docs/footprint.md has the sizes).
 
 `release()` drops this process's resident pages of those mappings with MADV_DONTNEED. Only mappings
 that are private, not writable and hold no page of their own (smaps' Anonymous: 0) qualify: their
