@@ -413,7 +413,10 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError("bench times plain prefill and decode; prompt compression's cost is measured by "
                           "bench/compression_speed.py")
     if args.memory:
+        if args.repeats is not None:
+            raise ConfigError("bench --memory measures one run; --repeats is for the speed figures")
         return _bench_memory(args)
+    args.repeats = 3 if args.repeats is None else args.repeats
     model = _load(args, tokenizer=False)
     if args.engine == "cuda":
         eng = make_engine("cuda", model.spec, model.tensors, args.threads, min(512, args.pp), args.precision)
@@ -695,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(b)
     b.add_argument("--tg", type=int, default=128, help="tokens decoded per run")
     b.add_argument("--pp", type=int, default=512, help="prompt tokens prefilled per run")
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--repeats", type=int, default=None, help="runs of each speed figure, medians (default 3)")
     b.add_argument("--memory", action="store_true",
                    help="instead of speeds: the process's RSS after --pp prompt and --tg generated tokens, and "
                         "the part each component holds (Linux)")

@@ -184,6 +184,8 @@ def test_bench_memory_reports_rss_by_part(smollm2_path):
     assert out["kv"]["k_type"] == "f16" and out["rss_mib_before_load"] < out["rss_mib_after_load"]
     r = run("bench", "--memory", "--engine", "cuda", *T1)
     assert r.returncode != 0 and "bench --memory measures the cpu engine" in r.stderr
+    r = run("bench", "--memory", "--repeats", "2", *T1)
+    assert r.returncode != 0 and "--repeats is for the speed figures" in r.stderr
     r = run("bench", "--memory", "--pp", "8", "--tg", "2", *T1)
     assert r.returncode == 0 and "packed weights" in r.stdout and "RSS" in r.stdout
 
