@@ -24,6 +24,9 @@ rounded. The variants, all with q4_0 values and keys (the values rounded as the 
                  and left out of the q4_0 blocks (zeros there): RoPE turns a pair within itself, so a
                  pair's energy, and which pairs carry the offset, do not depend on the position
     fused-outM   as stored-outM, on keys before RoPE
+    stored-rowN  keys rotated by RoPE at their sequence index (as "stored"), each row's N channels of
+                 largest magnitude held in float16 and left out of its q4_0 blocks (zeros there): chosen
+                 per row, so nothing is calibrated and a row names its own channels
     stored-eqA   keys rotated by RoPE at their sequence index (as "stored"), each rotary pair divided by
                  s = (r / median r)^(A/100) before rounding and multiplied back after (r: the pair's RMS
                  over the calibration keys, per layer and kv head); the same as a store holding k / s
@@ -198,6 +201,14 @@ def main() -> None:
     def stored_outliers(mask):
         return in_stored_frame(lambda il, at: split_rounded(mask[il], at))
 
+    def row_outliers(n):
+        def round_key(il, at):
+            top = np.argsort(-np.abs(at), axis=-1, kind="stable")[..., :n]
+            mask = np.zeros(at.shape, bool)
+            np.put_along_axis(mask, top, True, -1)
+            return split_rounded(mask, at)
+        return in_stored_frame(round_key)
+
     def fused_outliers(mask):
         def rounded(il, k, v, seq):
             return split_rounded(mask[il], k), round_kv_type(v, "q4_0")
@@ -223,6 +234,8 @@ def main() -> None:
                 ppl = perplexity(eng, ids, q4, "stored", stored_equalized(scales[variant]))
             elif variant.startswith("stored-out"):
                 ppl = perplexity(eng, ids, q4, "stored", stored_outliers(outliers[variant]))
+            elif variant.startswith("stored-row"):
+                ppl = perplexity(eng, ids, q4, "stored", row_outliers(int(variant.split("-row")[1])))
             elif variant.startswith("fused-out"):
                 ppl = perplexity(eng, ids, q4, "fused", fused_outliers(outliers[variant]))
             else:

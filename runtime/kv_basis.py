@@ -2,8 +2,10 @@
 themselves for f32, f16 and q8_0; for q4_0 the blocks' coefficients before the rotation back.
 
 A q4_0 row holds per block of 32 the quantized rotation of its values (kv_types): x = s * H z with
-z = (q - 8) d / 32, H the symmetric Walsh-Hadamard matrix and s the fixed signs. A score and a
-weighted sum of values need no row rotated back:
+z = (q - 8) d / 32, H the symmetric Walsh-Hadamard matrix and s the fixed signs, plus its outliers,
+each a value u at a channel c, which the basis holds as u s_c H[:, c] / 32 added to c's block
+(OUTLIER_BASIS), so z is the whole row's coefficients. A score and a weighted sum of values need no
+row rotated back:
 
     q . x = q . (s * H z) = (H (s * q)) . z          sum_j e_j x_j = s * H (sum_j e_j z_j)
 
@@ -30,16 +32,20 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from ringllm.runtime.kv_codec import block_scale, decode, decode_row, hadamard32_vectors, q4_0_block_integers
+from ringllm.runtime.kv_codec import (block_scale, decode, decode_row, hadamard32_vectors, q4_0_block_integers,
+                                     q4_0_outlier, q4_0_outliers_at)
 from ringllm.runtime.kv_row_math import group_scores, group_scores_row
-from ringllm.runtime.kv_types import Q4_0_SIGNS, QBLOCK
+from ringllm.runtime.kv_types import Q4_0_OUTLIERS, Q4_0_SIGNS, QBLOCK
 from ringllm.runtime.numba_flags import FASTMATH
-from ringllm.runtime.simd import vload, vmul, vsplat, vstore
+from ringllm.runtime.simd import vadd, vload, vmul, vsplat, vstore
 
 _Q4_BYTES = QBLOCK // 2 + 2      # block_q4_0: f16 scale, 16 bytes of nibbles
 _H32 = np.ones((1, 1), np.float32)   # H of kv_types (Sylvester's recursion; symmetric), for the NumPy functions
 while _H32.shape[0] < QBLOCK:
     _H32 = np.block([[_H32, _H32], [_H32, -_H32]])
+# row l: the coefficients of a unit value at channel l of a block, s_l H[l, :] / 32 (exact in float32):
+# s * H (s_l H[:, l] / 32) = e_l, so an outlier u at channel l adds u times this row to its block's
+OUTLIER_BASIS = np.ascontiguousarray(_H32 * Q4_0_SIGNS[:, None] / np.float32(QBLOCK), np.float32).reshape(-1)
 
 
 def decode_basis(a: np.ndarray, head_dim: int) -> np.ndarray:
@@ -47,11 +53,20 @@ def decode_basis(a: np.ndarray, head_dim: int) -> np.ndarray:
     a = np.ascontiguousarray(a)
     if a.dtype != np.uint8:
         return decode(a, head_dim)
-    blocks = a.reshape(-1, _Q4_BYTES)
+    flat = a.reshape(-1, a.shape[-1])
+    nb = head_dim // QBLOCK
+    blocks = flat[:, :nb * _Q4_BYTES].reshape(-1, _Q4_BYTES)
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32) * np.float32(1.0 / QBLOCK)
     nib = blocks[:, 2:].astype(np.int32)
     q = np.concatenate([nib & 15, nib >> 4], axis=1).astype(np.float32) - np.float32(8.0)
-    return (q * d).reshape(a.shape[:-1] + (head_dim,))
+    z = (q * d).reshape(-1, head_dim)
+    u = flat[:, nb * _Q4_BYTES:nb * _Q4_BYTES + 2 * Q4_0_OUTLIERS].copy().view(np.float16).astype(np.float32)
+    chans = flat[:, nb * _Q4_BYTES + 2 * Q4_0_OUTLIERS:].astype(np.int64)
+    table, rows = OUTLIER_BASIS.reshape(QBLOCK, QBLOCK), np.arange(z.shape[0])[:, None]
+    for i in range(Q4_0_OUTLIERS):                 # one channel a row per pass: no index repeats in a pass
+        c = chans[:, i]
+        z[rows, (c // QBLOCK * QBLOCK)[:, None] + np.arange(QBLOCK)] += u[:, i, None] * table[c % QBLOCK]
+    return z.reshape(a.shape[:-1] + (head_dim,))
 
 
 def _signed_hadamard_np(v: np.ndarray, signs_first: bool) -> np.ndarray:
@@ -62,6 +77,11 @@ def _signed_hadamard_np(v: np.ndarray, signs_first: bool) -> np.ndarray:
     if not signs_first:
         blocks = blocks * Q4_0_SIGNS
     return blocks.reshape(v.shape)
+
+
+def rotate_back(z: np.ndarray) -> np.ndarray:
+    """Coefficients z (..., hd) float32 -> the values s * H z they stand for, per block of 32 (NumPy)."""
+    return _signed_hadamard_np(np.ascontiguousarray(z, np.float32), False)
 
 
 def decode_row_basis(dst, row):
@@ -96,8 +116,10 @@ def group_scores_row_basis(scores, qw, k_l, h, j, h0, group, buf):
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _coefficients_q4_0(dst, row):
-    # z = (q - 8) d / 32 per block: _dec_q4_0 without the rotation
-    for b in range(row.shape[0] // _Q4_BYTES):
+    # z = (q - 8) d / 32 per block: _dec_q4_0 without the rotation; then each outlier u at channel c
+    # adds u OUTLIER_BASIS[c % 32] to its block (a product, then a sum: NumPy's decode_basis's order)
+    ou = q4_0_outliers_at(row)
+    for b in range(ou // _Q4_BYTES):
         o = b * _Q4_BYTES
         a0, a1, a2, a3 = q4_0_block_integers(row, o)
         d = vsplat(block_scale(row, o) * np.float32(1.0 / QBLOCK))
@@ -106,6 +128,12 @@ def _coefficients_q4_0(dst, row):
         vstore(dst, x0 + 8, vmul(a1, d))
         vstore(dst, x0 + 16, vmul(a2, d))
         vstore(dst, x0 + 24, vmul(a3, d))
+    for i in range(Q4_0_OUTLIERS):
+        c, v = q4_0_outlier(row, ou, i)
+        u = vsplat(v)
+        x0, t0 = c // QBLOCK * QBLOCK, c % QBLOCK * QBLOCK
+        for k in range(0, QBLOCK, 8):
+            vstore(dst, x0 + k, vadd(vload(dst, x0 + k), vmul(u, vload(OUTLIER_BASIS, t0 + k))))
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)

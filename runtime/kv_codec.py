@@ -21,7 +21,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ringllm.runtime.kv_types import OFFSET_FROM, Q4_0_SIGNS, QBLOCK, STORE_DTYPE, check_kv_type, row_width, type_of
+from ringllm.runtime.kv_types import (OFFSET_FROM, Q4_0_OUTLIERS, Q4_0_SIGNS, QBLOCK, STORE_DTYPE, check_kv_type,
+                                     row_width, type_of)
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.simd import (andf, ld_i8, ld_u8i, srlf, vadd, vbfly1, vbfly2, vbfly4, vload, vmul, vsplat,
                                  vstore, vsub)
@@ -146,15 +147,68 @@ def hadamard32(y):
                 y[k], y[k + h] = a + b, a - b
 
 
+F16_MAX = np.float32(65504.0)          # the largest finite float16
+
+
+@njit(cache=True, nogil=True, fastmath=False)
+def q4_0_outliers_at(row):
+    """Offset into a q4_0 row of its outliers (kv_types): Q4_0_OUTLIERS f16 values (two bytes each,
+    little endian) at this offset, then their channels, one byte each."""
+    return row.shape[0] - 3 * Q4_0_OUTLIERS
+
+
+@njit(cache=True, nogil=True, fastmath=False)
+def _choose_outliers(src, hd, chans):
+    # chans[:Q4_0_OUTLIERS] = the channels of the largest |src[:hd]|, largest first, the first of equal
+    # ones, NaN last (NumPy's stable argsort of -|x|)
+    for i in range(Q4_0_OUTLIERS):
+        best, top = -1, np.float32(-1.0)
+        for c in range(hd):
+            a = abs(src[c])
+            if a > top:
+                taken = False
+                for m in range(i):
+                    taken = taken or chans[m] == c
+                if not taken:
+                    best, top = c, a
+        if best < 0:                   # only NaN left: the first channel not taken
+            for c in range(hd):
+                taken = False
+                for m in range(i):
+                    taken = taken or chans[m] == c
+                if not taken and best < 0:
+                    best = c
+        chans[i] = best
+
+
 @njit(cache=True, nogil=True, fastmath=False)
 def _enc_q4_0(row, src):
-    # each block rotated (kv_types: y = H (s * x)), then llama.cpp's q4_0 quantizer on y
+    # the row's outliers u taken out and stored as f16 with their channels, then each block of the rest
+    # rotated (kv_types: y = H (s * r)) and put through llama.cpp's q4_0 quantizer
     half = QBLOCK // 2
     y = np.empty(QBLOCK, np.float32)
-    for b in range(row.shape[0] // (half + 2)):
+    ou = q4_0_outliers_at(row)
+    hd = ou // (half + 2) * QBLOCK
+    rest = np.empty(hd, np.float32)
+    for i in range(hd):
+        rest[i] = src[i]
+    chans = np.empty(Q4_0_OUTLIERS, np.int64)
+    _choose_outliers(src, hd, chans)
+    for i in range(Q4_0_OUTLIERS):
+        c = chans[i]
+        v = src[c]
+        if v > F16_MAX:                # held as f16's largest, the rest in the blocks (NaN kept)
+            v = F16_MAX
+        elif v < -F16_MAX:
+            v = -F16_MAX
+        bits = f32_to_f16_bits(v)
+        rest[c] = src[c] - f16_bits_to_f32(bits)
+        row[ou + 2 * i], row[ou + 2 * i + 1] = np.uint8(bits & np.uint16(0xFF)), np.uint8(bits >> np.uint16(8))
+        row[ou + 2 * Q4_0_OUTLIERS + i] = np.uint8(c)
+    for b in range(hd // QBLOCK):
         x0 = b * QBLOCK
         for i in range(QBLOCK):
-            y[i] = src[x0 + i] * Q4_0_SIGNS[i]
+            y[i] = rest[x0 + i] * Q4_0_SIGNS[i]
         hadamard32(y)
         amax = np.float32(0.0)
         m = np.float32(0.0)
@@ -195,13 +249,21 @@ def hadamard32_vectors(a0, a1, a2, a3):
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
+def q4_0_outlier(row, ou, i):
+    """(channel, value as float32) of outlier i of a q4_0 row whose outliers start at ou."""
+    bits = np.uint16(row[ou + 2 * i]) | (np.uint16(row[ou + 2 * i + 1]) << np.uint16(8))
+    return np.int64(row[ou + 2 * Q4_0_OUTLIERS + i]), f16_bits_to_f32(bits)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)
 def _dec_q4_0(dst, row):
-    # x = s * H (q - 8) * (d / 32) (kv_types): every step exact on these integers, so the values are
-    # those of any order of H's sums (the reference engine's), to the sign of a zero
+    # r = s * H (q - 8) * (d / 32) (kv_types): every step exact on these integers, so the values are
+    # those of any order of H's sums (the reference engine's), to the sign of a zero; then x = r + u
     half = QBLOCK // 2
     s0, s1 = vload(Q4_0_SIGNS, 0), vload(Q4_0_SIGNS, 8)
     s2, s3 = vload(Q4_0_SIGNS, 16), vload(Q4_0_SIGNS, 24)
-    for b in range(row.shape[0] // (half + 2)):
+    ou = q4_0_outliers_at(row)
+    for b in range(ou // (half + 2)):
         o = b * (half + 2)
         a0, a1, a2, a3 = q4_0_block_integers(row, o)
         a0, a1, a2, a3 = hadamard32_vectors(a0, a1, a2, a3)
@@ -211,6 +273,9 @@ def _dec_q4_0(dst, row):
         vstore(dst, x0 + 8, vmul(a1, vmul(d, s1)))
         vstore(dst, x0 + 16, vmul(a2, vmul(d, s2)))
         vstore(dst, x0 + 24, vmul(a3, vmul(d, s3)))
+    for i in range(Q4_0_OUTLIERS):
+        c, u = q4_0_outlier(row, ou, i)
+        dst[c] += u
 
 
 # the encoders are not inlined into their callers' IR: a caller compiled with fastmath would let LLVM

@@ -62,11 +62,13 @@ import numpy as np
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.eviction import GRID_GIVEN, GRID_NONE, keep_after
 from ringllm.runtime.key_sum import key_sums
+from ringllm.runtime.kv_basis import rotate_back
 from ringllm.runtime.kv_codec import decode, encode, round_trip
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
 from ringllm.runtime.host_memory import lazy_zeros_group, small_pages
-from ringllm.runtime.kv_types import OFFSET_FROM, Q4_0_ROWS, STORE_DTYPE, key_offset_of, row_width
+from ringllm.runtime.kv_types import (OFFSET_FROM, Q4_0_ROWS, QBLOCK, STORE_DTYPE, key_offset_of, q4_0_blocks_width,
+                                     row_width)
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
@@ -763,9 +765,15 @@ class KVStore:
         if set(arrays) != set(fresh):
             raise ConfigError(f"KV store state has arrays {sorted(set(arrays) ^ set(fresh))[:4]} that do not match "
                               "this model/config")
-        if state.get("q4_0_rows") != Q4_0_ROWS:    # saved when q4_0 rows held the values unrotated
-            arrays = {n: (_rotate_legacy_q4_0(a, spec.head_dim) if n.split(".")[0] in ("k", "v") and
-                          np.asarray(a).dtype == STORE_DTYPE["q4_0"] and np.asarray(a).shape == fresh[n].shape else a)
+        form = state.get("q4_0_rows")
+        if form != Q4_0_ROWS:           # saved when q4_0 rows held no outliers (or not even the rotation)
+            if form not in (None, "hadamard"):
+                raise ConfigError(f"KV store state: q4_0 rows of the form {form!r}; this version reads "
+                                  f"{Q4_0_ROWS!r}, 'hadamard' and the unrotated rows before them")
+            old_width = q4_0_blocks_width(spec.head_dim)
+            arrays = {n: (_legacy_q4_0(a, spec.head_dim, form) if n.split(".")[0] in ("k", "v") and
+                          np.asarray(a).dtype == STORE_DTYPE["q4_0"] and
+                          np.asarray(a).shape == fresh[n].shape[:-1] + (old_width,) else a)
                       for n, a in arrays.items()}
         for name, ref in fresh.items():
             a = np.asarray(arrays[name])
@@ -809,12 +817,14 @@ class KVStore:
                     raise ConfigError(f"KV store state: layer {il} head {h} positions are not the sequence indices")
 
 
-def _rotate_legacy_q4_0(rows: np.ndarray, head_dim: int) -> np.ndarray:
-    """q4_0 store rows (..., width) of the form before the rotation (llama.cpp's block_q4_0 of the values
-    themselves) -> the same values in today's form (kv_types: each block rotated, then quantized). The
-    values are decoded with gguf's dequantizer and encoded once more, so they round a second time."""
+def _legacy_q4_0(rows: np.ndarray, head_dim: int, form: str | None) -> np.ndarray:
+    """q4_0 store rows (..., width) of an earlier form -> the same values in today's (kv_types): `form`
+    None, llama.cpp's block_q4_0 of the values themselves; "hadamard", of each block's rotation, with
+    no outliers apart. The values are decoded (gguf's dequantizer, then the rotation back) and encoded
+    once more, so they round a second time."""
     from gguf import GGMLQuantizationType, quants
 
     rows = np.ascontiguousarray(rows)
-    values = quants.dequantize(rows.reshape(-1, rows.shape[-1]), GGMLQuantizationType.Q4_0)
-    return encode(np.asarray(values, np.float32).reshape(rows.shape[:-1] + (head_dim,)), "q4_0")
+    blocks = np.asarray(quants.dequantize(rows.reshape(-1, rows.shape[-1]), GGMLQuantizationType.Q4_0), np.float32)
+    values = blocks if form is None else rotate_back(blocks / np.float32(QBLOCK))
+    return encode(values.reshape(rows.shape[:-1] + (head_dim,)), "q4_0")

@@ -7,10 +7,13 @@ A store row holds one token's key or value of one kv head: head_dim values, enco
     f16    uint16        IEEE half bit patterns (round to nearest even)     2
     q8_0   int8          llama.cpp's block_q8_0 per 32 values: f16 scale d  34/32
                          (2 bytes, little endian) then 32 int8 q; x = d q
-    q4_0   uint8         llama.cpp's block_q4_0 per 32 values: f16 scale d  18/32
-                         then 16 bytes; byte i holds q_i (low nibble) and
+    q4_0   uint8         llama.cpp's block_q4_0 per 32 values: f16 scale d  18/32, plus
+                         then 16 bytes; byte i holds q_i (low nibble) and   12 per row
                          q_{i+16} (high nibble); of the block's rotation
-                         y = H (s * x), so x = s * H (d (q - 8)) / 32
+                         y = H (s * r), so r = s * H (d (q - 8)) / 32; then
+                         the row's Q4_0_OUTLIERS largest values u as f16
+                         (2 bytes each) and their channels (1 byte each):
+                         x = r + u, r the row with u taken out
 
 q4_0 rotates each block before quantizing it. H is the 32 x 32 Walsh-Hadamard matrix (Sylvester's
 order, entries +-1, H H = 32 I) and s the fixed signs Q4_0_SIGNS. A key's few large channels (a
@@ -21,7 +24,18 @@ largest channel (QuaRot, Ashkboos et al. 2024, rotates activations and the KV ca
 keep H's all-ones row from collecting a block's common offset into one coefficient. Dividing by 32
 and the signs are exact, and H's sums of integers times one scale are exact in float32, so a row
 decodes to the same values whatever the order of the sums (the same bits but for the sign of a
-zero). Bytes per row are unchanged.
+zero). The blocks' bytes are llama.cpp's.
+
+Outliers apart. Rotated or not, a row whose energy sits in a few channels (a key's offset channels;
+after RoPE they turn within their rotary pair, so a fixed choice of channels misses them at some
+positions) gives every block a scale that follows those channels, and the rest of the row keeps
+few levels. So each q4_0 row first takes out its Q4_0_OUTLIERS values of largest magnitude (the
+first of equal ones; NaN last), chosen per row: it stores them as f16, u_i = f16(x[c_i]), with their
+channels c_i, and quantizes the rest r = x - u (zero at those channels but for f16's rounding of
+them). A row names its own channels, so nothing is calibrated or kept beside the rows, and every
+reader decodes x = r + u. The attention's basis reads (kv_basis) add u to the coefficients as
+u_i s_c H[:, c] / 32 for its block. Twelve bytes a row (head_dim 64: 36 -> 48 bytes), 256
+channels at most (one byte names one).
 
 Key offsets (q4_0 keys of policy layers). A pre-RoPE key of a model like SmolLM2 is mostly an
 offset that changes little from token to token; rotated, it still sets every block's scale, and
@@ -55,7 +69,9 @@ STORE_DTYPE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.uint16), "q8_0": 
 QBLOCK = 32                                   # values per q8_0 / q4_0 block (one f16 scale each)
 # s of the q4_0 rotation: -1 where bit i of 0x9E3779B9 (the golden ratio's 32 bits) is set
 Q4_0_SIGNS = np.array([-1.0 if (0x9E3779B9 >> i) & 1 else 1.0 for i in range(QBLOCK)], np.float32)
-Q4_0_ROWS = "hadamard"                        # KVStore.state()'s name for this q4_0 row form
+Q4_0_OUTLIERS = 4                             # values a q4_0 row holds apart in f16 (its largest)
+Q4_0_ROWS = "hadamard+outliers4"              # KVStore.state()'s name for this q4_0 row form
+Q4_0_MAX_HEAD_DIM = 256                       # a q4_0 row names an outlier's channel in one byte
 _BLOCK_BYTES = {"q8_0": 2 + QBLOCK, "q4_0": 2 + QBLOCK // 2}
 OFFSET_BITS = 5                               # significant bits a key offset keeps (key_offset_of)
 OFFSET_FROM = 1                               # the first token whose row holds its key relative to the offset
@@ -84,13 +100,24 @@ def check_kv_type(name: str, what: str, head_dim: int | None = None) -> None:
     if head_dim is not None and name in _BLOCK_BYTES and head_dim % QBLOCK:
         raise ConfigError(f"{what} {name!r} quantizes blocks of {QBLOCK} values along head_dim; this model's "
                           f"head_dim is {head_dim}: use f32 or f16")
+    if head_dim is not None and name == "q4_0" and head_dim > Q4_0_MAX_HEAD_DIM:
+        raise ConfigError(f"{what} 'q4_0' names its outliers' channels in one byte, at most {Q4_0_MAX_HEAD_DIM}; "
+                          f"this model's head_dim is {head_dim}: use f32, f16 or q8_0")
 
 
 def row_width(name: str, head_dim: int) -> int:
     """Elements of a store row of type `name` holding head_dim values."""
+    if name == "q4_0":
+        return q4_0_blocks_width(head_dim) + 3 * Q4_0_OUTLIERS
     if name in _BLOCK_BYTES:
         return head_dim // QBLOCK * _BLOCK_BYTES[name]
     return head_dim
+
+
+def q4_0_blocks_width(head_dim: int) -> int:
+    """Bytes of a q4_0 row's blocks (its outliers follow them: Q4_0_OUTLIERS f16 values, then as many
+    one-byte channels)."""
+    return head_dim // QBLOCK * _BLOCK_BYTES["q4_0"]
 
 
 def row_bytes(name: str, head_dim: int) -> int:

@@ -66,8 +66,9 @@ def hadamard_blocks(x: np.ndarray) -> np.ndarray:
 
 def round_kv_type(x: np.ndarray, kv_type: str) -> np.ndarray:
     """x (..., hd) float32 as a KV store of type kv_type holds it: gguf's NumPy quantize and dequantize
-    (f16: NumPy's half conversion), independent of ringllm.runtime.kv_codec. q4_0 quantizes each
-    block's rotation y = H (s x) and returns s H y' / 32 (kv_types.py: the signs s are the format's)."""
+    (f16: NumPy's half conversion), independent of ringllm.runtime.kv_codec. q4_0 takes the row's
+    outliers u apart in f16 (q4_0_outliers), quantizes each block's rotation y = H (s r) of the rest
+    r = x - u and returns s H y' / 32 + u (kv_types.py: the signs s and the outliers are the format's)."""
     from gguf import GGMLQuantizationType, quants
 
     from ringllm.runtime.kv_types import Q4_0_SIGNS
@@ -78,10 +79,28 @@ def round_kv_type(x: np.ndarray, kv_type: str) -> np.ndarray:
     qt = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[kv_type]
     if kv_type == "q8_0":
         return np.ascontiguousarray(quants.dequantize(quants.quantize(x, qt), qt), dtype=np.float32).reshape(x.shape)
+    chans, u = q4_0_outliers(x)
+    rest = x.copy()
+    np.put_along_axis(rest, chans, np.take_along_axis(x, chans, -1) - u, -1)
     signs = np.tile(Q4_0_SIGNS, x.shape[-1] // 32)
-    y = hadamard_blocks(x * signs)
+    y = hadamard_blocks(rest * signs)
     y = np.asarray(quants.dequantize(quants.quantize(y, qt), qt), dtype=np.float32).reshape(x.shape)
-    return hadamard_blocks(y) / np.float32(32) * signs
+    r = hadamard_blocks(y) / np.float32(32) * signs
+    for i in range(chans.shape[-1]):           # x = r + u, one outlier at a time (the decoder's order)
+        c = chans[..., i:i + 1]
+        np.put_along_axis(r, c, np.take_along_axis(r, c, -1) + u[..., i:i + 1], -1)
+    return r
+
+
+def q4_0_outliers(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The outliers a q4_0 row holds apart (kv_types): of x (..., hd) float32, the channels of the
+    Q4_0_OUTLIERS largest magnitudes, largest first, the first of equal ones, NaN last (..., N) int64,
+    and their values clipped to float16's range and rounded to it (..., N) float32."""
+    from ringllm.runtime.kv_types import Q4_0_OUTLIERS
+
+    chans = np.argsort(-np.abs(x), axis=-1, kind="stable")[..., :Q4_0_OUTLIERS]
+    top = np.clip(np.take_along_axis(x, chans, -1), -65504.0, 65504.0)      # f16's largest finite value
+    return chans, top.astype(np.float16).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------
