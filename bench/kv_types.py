@@ -49,7 +49,8 @@ def _load(name: str):
 def bytes_per_token(spec) -> dict:
     from ringllm.runtime.kv_types import row_bytes
 
-    return {t: spec.n_layer * spec.n_head_kv * 2 * row_bytes(t, spec.head_dim) for t in TYPES}
+    hd = spec.head_dim                  # a key row and a value row (a q4_0 key row also holds its outliers)
+    return {t: spec.n_layer * spec.n_head_kv * (row_bytes(t, hd, key=True) + row_bytes(t, hd)) for t in TYPES}
 
 
 def filled_store(eng, kv_type: str, capacity: int, seed: int = 0, policy: str = "streaming"):

@@ -175,7 +175,7 @@ def transplant(store: KVStore, keep: list, kv: KVConfig, engine, layer_capacity:
             seq = store.seq[il][h, slots]
             pos = np.arange(n, dtype=np.int64) if dst.reindexed else seq
             rows = laid_out_keys(store, il, h, slots, mode, pos)
-            dst.k[il][h, :n] = rows if rows.dtype == dst.k[il].dtype else encode(rows, dst.kv.k_type)
+            dst.k[il][h, :n] = rows if rows.dtype == dst.k[il].dtype else encode(rows, dst.kv.k_type, key=True)
             dst.v[il][h, :n] = store.v[il][h, slots]
             dst.seq[il][h, :n] = seq
             dst.rank[il][h, :n] = np.arange(n)

@@ -646,8 +646,8 @@ class CPUEngine:
                                 (sc.out, q_t, table.cos, table.sin, scale, attn_cap, sc.scores, self.qvar, self.qvar_have,
                                  sc.krot, sc.qrot, sc.qpos, mass, self.offs))
             if inserts:          # the policy's per-token state of the new slot (reads neither attention nor out),
-                k_pre = kk[t] if not store.kv.quantized_keys else round_trip(kk[t], store.kv.k_type)   # from the
-                policy.on_insert(store, il, k_pre + store.key_offset_rows(il, seq), q_t)    # key as held
+                k_pre = kk[t] if not store.kv.quantized_keys else round_trip(kk[t], store.kv.k_type, key=True)
+                policy.on_insert(store, il, k_pre + store.key_offset_rows(il, seq), q_t)    # from the key as held
             policy.observe(store, il, mass, seq)
             if hook is not None:
                 hook(il, mass, store)

@@ -35,9 +35,9 @@ from numba.extending import overload
 from ringllm.runtime.kv_codec import (block_scale, decode, decode_row, hadamard32_vectors, q4_0_block_integers,
                                      q4_0_outlier, q4_0_outliers_at)
 from ringllm.runtime.kv_row_math import group_scores, group_scores_row
-from ringllm.runtime.kv_types import Q4_0_OUTLIERS, Q4_0_SIGNS, QBLOCK
+from ringllm.runtime.kv_types import Q4_0_SIGNS, QBLOCK
 from ringllm.runtime.numba_flags import FASTMATH
-from ringllm.runtime.simd import vadd, vload, vmul, vsplat, vstore
+from ringllm.runtime.simd import vload, vmul, vsplat, vstore, zadd, zload, zmul, zsplat, zstore
 
 _Q4_BYTES = QBLOCK // 2 + 2      # block_q4_0: f16 scale, 16 bytes of nibbles
 _H32 = np.ones((1, 1), np.float32)   # H of kv_types (Sylvester's recursion; symmetric), for the NumPy functions
@@ -60,10 +60,11 @@ def decode_basis(a: np.ndarray, head_dim: int) -> np.ndarray:
     nib = blocks[:, 2:].astype(np.int32)
     q = np.concatenate([nib & 15, nib >> 4], axis=1).astype(np.float32) - np.float32(8.0)
     z = (q * d).reshape(-1, head_dim)
-    u = flat[:, nb * _Q4_BYTES:nb * _Q4_BYTES + 2 * Q4_0_OUTLIERS].copy().view(np.float16).astype(np.float32)
-    chans = flat[:, nb * _Q4_BYTES + 2 * Q4_0_OUTLIERS:].astype(np.int64)
+    n = (flat.shape[1] - nb * _Q4_BYTES) // 3                   # a key row's outliers; a value row has none
+    u = flat[:, nb * _Q4_BYTES:nb * _Q4_BYTES + 2 * n].copy().view(np.float16).astype(np.float32)
+    chans = flat[:, nb * _Q4_BYTES + 2 * n:].astype(np.int64)
     table, rows = OUTLIER_BASIS.reshape(QBLOCK, QBLOCK), np.arange(z.shape[0])[:, None]
-    for i in range(Q4_0_OUTLIERS):                 # one channel a row per pass: no index repeats in a pass
+    for i in range(n):                 # one channel a row per pass: no index repeats in a pass
         c = chans[:, i]
         z[rows, (c // QBLOCK * QBLOCK)[:, None] + np.arange(QBLOCK)] += u[:, i, None] * table[c % QBLOCK]
     return z.reshape(a.shape[:-1] + (head_dim,))
@@ -128,12 +129,12 @@ def _coefficients_q4_0(dst, row):
         vstore(dst, x0 + 8, vmul(a1, d))
         vstore(dst, x0 + 16, vmul(a2, d))
         vstore(dst, x0 + 24, vmul(a3, d))
-    for i in range(Q4_0_OUTLIERS):
+    for i in range((row.shape[0] - ou) // 3):         # a key row's outliers (a value row has none)
         c, v = q4_0_outlier(row, ou, i)
-        u = vsplat(v)
+        u = zsplat(v)
         x0, t0 = c // QBLOCK * QBLOCK, c % QBLOCK * QBLOCK
-        for k in range(0, QBLOCK, 8):
-            vstore(dst, x0 + k, vadd(vload(dst, x0 + k), vmul(u, vload(OUTLIER_BASIS, t0 + k))))
+        zstore(dst, x0, zadd(zload(dst, x0), zmul(u, zload(OUTLIER_BASIS, t0))))
+        zstore(dst, x0 + 16, zadd(zload(dst, x0 + 16), zmul(u, zload(OUTLIER_BASIS, t0 + 16))))
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=FASTMATH)

@@ -153,8 +153,11 @@ F16_MAX = np.float32(65504.0)          # the largest finite float16
 @njit(cache=True, nogil=True, fastmath=False)
 def q4_0_outliers_at(row):
     """Offset into a q4_0 row of its outliers (kv_types): Q4_0_OUTLIERS f16 values (two bytes each,
-    little endian) at this offset, then their channels, one byte each."""
-    return row.shape[0] - 3 * Q4_0_OUTLIERS
+    little endian) at this offset, then their channels, one byte each; a key's row holds them, a
+    value's row (whole blocks only: its width a multiple of a block's 18 bytes) none, and the offset
+    is its width. The outliers a row holds: (row.shape[0] - offset) // 3."""
+    w = row.shape[0]
+    return w - 3 * Q4_0_OUTLIERS if w % (QBLOCK // 2 + 2) else w
 
 
 @njit(cache=True, nogil=True, fastmath=False)
@@ -193,8 +196,9 @@ def _enc_q4_0(row, src):
     for i in range(hd):
         rest[i] = src[i]
     chans = np.empty(Q4_0_OUTLIERS, np.int64)
-    _choose_outliers(src, hd, chans)
-    for i in range(Q4_0_OUTLIERS):
+    if ou < row.shape[0]:
+        _choose_outliers(src, hd, chans)
+    for i in range((row.shape[0] - ou) // 3):
         c = chans[i]
         v = src[c]
         if v > F16_MAX:                # held as f16's largest, the rest in the blocks (NaN kept)
@@ -273,7 +277,7 @@ def _dec_q4_0(dst, row):
         vstore(dst, x0 + 8, vmul(a1, vmul(d, s1)))
         vstore(dst, x0 + 16, vmul(a2, vmul(d, s2)))
         vstore(dst, x0 + 24, vmul(a3, vmul(d, s3)))
-    for i in range(Q4_0_OUTLIERS):
+    for i in range((row.shape[0] - ou) // 3):
         c, u = q4_0_outlier(row, ou, i)
         dst[c] += u
 
@@ -419,12 +423,13 @@ def _decode_rows(dst, rows):
 # ---------------------------------------------------------------------------------------------
 
 
-def encode(x: np.ndarray, name: str) -> np.ndarray:
-    """x (..., hd) float32 -> (..., row_width) in the store dtype of type `name`."""
+def encode(x: np.ndarray, name: str, key: bool = False) -> np.ndarray:
+    """x (..., hd) float32 -> (..., row_width) in the store dtype of type `name` (keys' rows when key:
+    kv_types.row_width)."""
     check_kv_type(name, "KV type", x.shape[-1])
     x = np.ascontiguousarray(x, dtype=np.float32)
     flat = x.reshape(-1, x.shape[-1])
-    out = np.empty((flat.shape[0], row_width(name, x.shape[-1])), STORE_DTYPE[name])
+    out = np.empty((flat.shape[0], row_width(name, x.shape[-1], key)), STORE_DTYPE[name])
     if flat.shape[0]:
         _encode_rows(out, flat)
     return out.reshape(x.shape[:-1] + (out.shape[1],))
@@ -441,6 +446,7 @@ def decode(a: np.ndarray, head_dim: int) -> np.ndarray:
     return out.reshape(a.shape[:-1] + (head_dim,))
 
 
-def round_trip(x: np.ndarray, name: str) -> np.ndarray:
-    """x (..., hd) float32 as a store of type `name` gives it back (encode then decode)."""
-    return decode(encode(x, name), x.shape[-1])
+def round_trip(x: np.ndarray, name: str, key: bool = False) -> np.ndarray:
+    """x (..., hd) float32 as a store of type `name` gives it back (encode then decode; keys' rows
+    when key)."""
+    return decode(encode(x, name, key), x.shape[-1])

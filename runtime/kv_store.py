@@ -191,7 +191,7 @@ class KVStore:
                                                                                     budgets, self.sinks)
         self.layer_physical = phys
         hw = self.policy_impl.history_width
-        kw, vw = row_width(kv.k_type, hd), row_width(kv.v_type, hd)
+        kw, vw = row_width(kv.k_type, hd, key=True), row_width(kv.v_type, hd)
         per_slot = {"k": ((kw,), STORE_DTYPE[kv.k_type]), "v": ((vw,), STORE_DTYPE[kv.v_type]),
                     "rank": ((), np.int64), "kbase": ((), np.int64), "score": ((), np.float64),
                     "aux": ((), np.int64), "pend": ((), np.float64)}
@@ -555,7 +555,7 @@ class KVStore:
                     keys += np.where(rel, self.koff[il][:, None, :], np.float32(0))
                 now = k_type == "q4_0" and not self.layer_ring[il]
                 off = self._held_key_offsets(il, keys) if now else np.zeros_like(self.koff[il])
-                arrays[f"k.{il}"] = encode(keys - np.where(rel, off[:, None, :], np.float32(0)), k_type)
+                arrays[f"k.{il}"] = encode(keys - np.where(rel, off[:, None, :], np.float32(0)), k_type, key=True)
                 arrays[f"koff.{il}"] = off
         return KVStore.restore(self.spec, {**state, "kv": kv.to_dict(), "arrays": arrays, "layer_rope_mode": modes})
 
@@ -679,7 +679,7 @@ class KVStore:
         as the write path hands the policy the key as stored."""
         if self.kv.quantized_keys:
             off = self.key_offset_rows(il, seqs)                   # (m, n_kv, hd)
-            return round_trip(k_rows - off, self.kv.k_type) + off
+            return round_trip(k_rows - off, self.kv.k_type, key=True) + off
         if self.rope_mode(il) != "rebased":
             return k_rows
         out = k_rows.copy()
@@ -766,15 +766,19 @@ class KVStore:
             raise ConfigError(f"KV store state has arrays {sorted(set(arrays) ^ set(fresh))[:4]} that do not match "
                               "this model/config")
         form = state.get("q4_0_rows")
-        if form != Q4_0_ROWS:           # saved when q4_0 rows held no outliers (or not even the rotation)
+        if form != Q4_0_ROWS:           # saved when q4_0 keys held no outliers (or no row the rotation)
             if form not in (None, "hadamard"):
                 raise ConfigError(f"KV store state: q4_0 rows of the form {form!r}; this version reads "
                                   f"{Q4_0_ROWS!r}, 'hadamard' and the unrotated rows before them")
             old_width = q4_0_blocks_width(spec.head_dim)
-            arrays = {n: (_legacy_q4_0(a, spec.head_dim, form) if n.split(".")[0] in ("k", "v") and
-                          np.asarray(a).dtype == STORE_DTYPE["q4_0"] and
-                          np.asarray(a).shape == fresh[n].shape[:-1] + (old_width,) else a)
-                      for n, a in arrays.items()}
+
+            def converted(n, a):
+                field, a = n.split(".")[0], np.asarray(a)
+                if field not in ("k", "v") or a.dtype != STORE_DTYPE["q4_0"] or \
+                        a.shape != fresh[n].shape[:-1] + (old_width,) or (field == "v" and form == "hadamard"):
+                    return a            # not q4_0 rows of the old form (a "hadamard" value row is today's)
+                return _legacy_q4_0(a, spec.head_dim, form, key=field == "k")
+            arrays = {n: converted(n, a) for n, a in arrays.items()}
         for name, ref in fresh.items():
             a = np.asarray(arrays[name])
             if a.shape != ref.shape or a.dtype != ref.dtype:
@@ -817,14 +821,14 @@ class KVStore:
                     raise ConfigError(f"KV store state: layer {il} head {h} positions are not the sequence indices")
 
 
-def _legacy_q4_0(rows: np.ndarray, head_dim: int, form: str | None) -> np.ndarray:
-    """q4_0 store rows (..., width) of an earlier form -> the same values in today's (kv_types): `form`
-    None, llama.cpp's block_q4_0 of the values themselves; "hadamard", of each block's rotation, with
-    no outliers apart. The values are decoded (gguf's dequantizer, then the rotation back) and encoded
-    once more, so they round a second time."""
+def _legacy_q4_0(rows: np.ndarray, head_dim: int, form: str | None, key: bool) -> np.ndarray:
+    """q4_0 store rows (..., width) of an earlier form -> the same values in today's (kv_types; key:
+    as key rows): `form` None, llama.cpp's block_q4_0 of the values themselves; "hadamard", of each
+    block's rotation, with no outliers apart. The values are decoded (gguf's dequantizer, then the
+    rotation back) and encoded once more, so they round a second time."""
     from gguf import GGMLQuantizationType, quants
 
     rows = np.ascontiguousarray(rows)
     blocks = np.asarray(quants.dequantize(rows.reshape(-1, rows.shape[-1]), GGMLQuantizationType.Q4_0), np.float32)
     values = blocks if form is None else rotate_back(blocks / np.float32(QBLOCK))
-    return encode(values.reshape(rows.shape[:-1] + (head_dim,)), "q4_0")
+    return encode(values.reshape(rows.shape[:-1] + (head_dim,)), "q4_0", key)

@@ -8,12 +8,13 @@ A store row holds one token's key or value of one kv head: head_dim values, enco
     q8_0   int8          llama.cpp's block_q8_0 per 32 values: f16 scale d  34/32
                          (2 bytes, little endian) then 32 int8 q; x = d q
     q4_0   uint8         llama.cpp's block_q4_0 per 32 values: f16 scale d  18/32, plus
-                         then 16 bytes; byte i holds q_i (low nibble) and   12 per row
+                         then 16 bytes; byte i holds q_i (low nibble) and   12 per key row
                          q_{i+16} (high nibble); of the block's rotation
-                         y = H (s * r), so r = s * H (d (q - 8)) / 32; then
-                         the row's Q4_0_OUTLIERS largest values u as f16
-                         (2 bytes each) and their channels (1 byte each):
-                         x = r + u, r the row with u taken out
+                         y = H (s * r), so r = s * H (d (q - 8)) / 32; a
+                         key row then holds its Q4_0_OUTLIERS largest values
+                         u as f16 (2 bytes each) and their channels (1 byte
+                         each): x = r + u, r the row with u taken out
+                         (a value row: x = r)
 
 q4_0 rotates each block before quantizing it. H is the 32 x 32 Walsh-Hadamard matrix (Sylvester's
 order, entries +-1, H H = 32 I) and s the fixed signs Q4_0_SIGNS. A key's few large channels (a
@@ -29,13 +30,15 @@ zero). The blocks' bytes are llama.cpp's.
 Outliers apart. Rotated or not, a row whose energy sits in a few channels (a key's offset channels;
 after RoPE they turn within their rotary pair, so a fixed choice of channels misses them at some
 positions) gives every block a scale that follows those channels, and the rest of the row keeps
-few levels. So each q4_0 row first takes out its Q4_0_OUTLIERS values of largest magnitude (the
+few levels. So each q4_0 key row first takes out its Q4_0_OUTLIERS values of largest magnitude (the
 first of equal ones; NaN last), chosen per row: it stores them as f16, u_i = f16(x[c_i]), with their
 channels c_i, and quantizes the rest r = x - u (zero at those channels but for f16's rounding of
 them). A row names its own channels, so nothing is calibrated or kept beside the rows, and every
 reader decodes x = r + u. The attention's basis reads (kv_basis) add u to the coefficients as
-u_i s_c H[:, c] / 32 for its block. Twelve bytes a row (head_dim 64: 36 -> 48 bytes), 256
-channels at most (one byte names one).
+u_i s_c H[:, c] / 32 for its block. Twelve bytes a key row (head_dim 64: 36 -> 48 bytes), 256
+channels at most (one byte names one). Value rows hold none: values carry no such offset, and the
+outliers cost the attention a 32-value update each (row_width(..., key=True) is a key row's width;
+the codecs tell the two apart by it: a value row is whole blocks).
 
 Key offsets (q4_0 keys of policy layers). A pre-RoPE key of a model like SmolLM2 is mostly an
 offset that changes little from token to token; rotated, it still sets every block's scale, and
@@ -70,7 +73,7 @@ QBLOCK = 32                                   # values per q8_0 / q4_0 block (on
 # s of the q4_0 rotation: -1 where bit i of 0x9E3779B9 (the golden ratio's 32 bits) is set
 Q4_0_SIGNS = np.array([-1.0 if (0x9E3779B9 >> i) & 1 else 1.0 for i in range(QBLOCK)], np.float32)
 Q4_0_OUTLIERS = 4                             # values a q4_0 row holds apart in f16 (its largest)
-Q4_0_ROWS = "hadamard+outliers4"              # KVStore.state()'s name for this q4_0 row form
+Q4_0_ROWS = "hadamard+key_outliers4"          # KVStore.state()'s name for this q4_0 row form
 Q4_0_MAX_HEAD_DIM = 256                       # a q4_0 row names an outlier's channel in one byte
 _BLOCK_BYTES = {"q8_0": 2 + QBLOCK, "q4_0": 2 + QBLOCK // 2}
 OFFSET_BITS = 5                               # significant bits a key offset keeps (key_offset_of)
@@ -105,9 +108,10 @@ def check_kv_type(name: str, what: str, head_dim: int | None = None) -> None:
                           f"this model's head_dim is {head_dim}: use f32, f16 or q8_0")
 
 
-def row_width(name: str, head_dim: int) -> int:
-    """Elements of a store row of type `name` holding head_dim values."""
-    if name == "q4_0":
+def row_width(name: str, head_dim: int, key: bool = False) -> int:
+    """Elements of a store row of type `name` holding head_dim values; a q4_0 key row (key=True) holds
+    its outliers after its blocks, a value row only the blocks."""
+    if name == "q4_0" and key:
         return q4_0_blocks_width(head_dim) + 3 * Q4_0_OUTLIERS
     if name in _BLOCK_BYTES:
         return head_dim // QBLOCK * _BLOCK_BYTES[name]
@@ -120,9 +124,9 @@ def q4_0_blocks_width(head_dim: int) -> int:
     return head_dim // QBLOCK * _BLOCK_BYTES["q4_0"]
 
 
-def row_bytes(name: str, head_dim: int) -> int:
-    """Bytes of one row (one token, one kv head) of type `name`."""
-    return row_width(name, head_dim) * STORE_DTYPE[name].itemsize
+def row_bytes(name: str, head_dim: int, key: bool = False) -> int:
+    """Bytes of one row (one token, one kv head) of type `name`, a key's when key (row_width)."""
+    return row_width(name, head_dim, key) * STORE_DTYPE[name].itemsize
 
 
 def type_of(arr: np.ndarray) -> str:

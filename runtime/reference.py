@@ -64,11 +64,12 @@ def hadamard_blocks(x: np.ndarray) -> np.ndarray:
     return y.reshape(x.shape)
 
 
-def round_kv_type(x: np.ndarray, kv_type: str) -> np.ndarray:
+def round_kv_type(x: np.ndarray, kv_type: str, key: bool = False) -> np.ndarray:
     """x (..., hd) float32 as a KV store of type kv_type holds it: gguf's NumPy quantize and dequantize
-    (f16: NumPy's half conversion), independent of ringllm.runtime.kv_codec. q4_0 takes the row's
-    outliers u apart in f16 (q4_0_outliers), quantizes each block's rotation y = H (s r) of the rest
-    r = x - u and returns s H y' / 32 + u (kv_types.py: the signs s and the outliers are the format's)."""
+    (f16: NumPy's half conversion), independent of ringllm.runtime.kv_codec. q4_0 quantizes each
+    block's rotation y = H (s r) and returns s H y' / 32 + u, where for keys (key=True) u is the row's
+    outliers apart in f16 (q4_0_outliers) and r = x - u the rest, for values u = 0 and r = x
+    (kv_types.py: the signs s and the keys' outliers are the format's)."""
     from gguf import GGMLQuantizationType, quants
 
     from ringllm.runtime.kv_types import Q4_0_SIGNS
@@ -79,7 +80,8 @@ def round_kv_type(x: np.ndarray, kv_type: str) -> np.ndarray:
     qt = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[kv_type]
     if kv_type == "q8_0":
         return np.ascontiguousarray(quants.dequantize(quants.quantize(x, qt), qt), dtype=np.float32).reshape(x.shape)
-    chans, u = q4_0_outliers(x)
+    none = x.shape[:-1] + (0,)
+    chans, u = q4_0_outliers(x) if key else (np.zeros(none, np.int64), np.zeros(none, np.float32))
     rest = x.copy()
     np.put_along_axis(rest, chans, np.take_along_axis(x, chans, -1) - u, -1)
     signs = np.tile(Q4_0_SIGNS, x.shape[-1] // 32)
@@ -325,14 +327,15 @@ class ReferenceCache:
             ring = self._ring(il)
             if not ring and kv.k_type == "q4_0":       # relative to the offsets from OFFSET_FROM on (kv_types)
                 c = self.key_offsets[il] if seq >= OFFSET_FROM else np.float32(0)
-                k = round_kv_type(k - c, kv.k_type) + c
+                k = round_kv_type(k - c, kv.k_type, key=True) + c
             elif not ring or self.ring_keys == "fused":
-                k = round_kv_type(k, kv.k_type)
+                k = round_kv_type(k, kv.k_type, key=True)
             else:
                 s = self.spec
                 base, scale = layer_freqs(s, il), s.rope_scale[il]
                 at = rope(k[:, None, :], np.array([seq]), s.rotary_dim, base, scale)[:, 0]
-                k = rope(round_kv_type(at, kv.k_type)[:, None, :], np.array([-seq]), s.rotary_dim, base, scale)[:, 0]
+                held = round_kv_type(at, kv.k_type, key=True)
+                k = rope(held[:, None, :], np.array([-seq]), s.rotary_dim, base, scale)[:, 0]
         return k, v
 
     def observe(self, il: int, weights: np.ndarray) -> None:
