@@ -2,9 +2,9 @@
 themselves for f32, f16 and q8_0; for q4_0 the blocks' coefficients before the rotation back.
 
 A q4_0 row holds per block of 32 the quantized rotation of its values (kv_types): x = s * H z with
-z = (q - 8) d / 32, H the symmetric Walsh-Hadamard matrix and s the fixed signs, plus its outliers,
-each a value u at a channel c, which the basis holds as u s_c H[:, c] / 32 added to c's block
-(OUTLIER_BASIS), so z is the whole row's coefficients. A score and a weighted sum of values need no
+z = (q - 8) d / 32, H the symmetric Walsh-Hadamard matrix and s the fixed signs, plus, in a key
+row, its outliers, each a value u at a channel c, which the basis holds as u s_c H[:, c] / 32 added
+to c's block (OUTLIER_BASIS), so z is the whole row's coefficients. A score and a weighted sum of values need no
 row rotated back:
 
     q . x = q . (s * H z) = (H (s * q)) . z          sum_j e_j x_j = s * H (sum_j e_j z_j)

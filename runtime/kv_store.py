@@ -67,8 +67,8 @@ from ringllm.runtime.kv_codec import decode, encode, round_trip
 from ringllm.runtime.kv_config import KVConfig
 from ringllm.runtime.kv_multi import KVJournal, check_replace_many, kv_replace_many
 from ringllm.runtime.host_memory import lazy_zeros_group, small_pages
-from ringllm.runtime.kv_types import (OFFSET_FROM, Q4_0_ROWS, QBLOCK, STORE_DTYPE, key_offset_of, q4_0_blocks_width,
-                                     row_width)
+from ringllm.runtime.kv_types import (OFFSET_FROM, Q4_0_OUTLIERS, Q4_0_ROWS, QBLOCK, STORE_DTYPE, key_offset_of,
+                                     q4_0_blocks_width, row_width)
 from ringllm.runtime.kv_write import LAYER_FIELDS, evict_slots, kv_write_policy, kv_write_shift, kv_write_streaming
 from ringllm.runtime.model_spec import ModelSpec
 from ringllm.runtime.policies import make_policy
@@ -789,8 +789,22 @@ class KVStore:
             ref[...] = arrays[name]
         store.n_seen = n_seen
         store.check_slots()
+        store.check_key_rows()
         store.policy_impl.after_restore(store)
         return store
+
+    def check_key_rows(self) -> None:
+        """ConfigError unless every q4_0 key row names its outliers' channels inside head_dim (kv_types:
+        a restored state is untrusted, and a decoder adds each outlier at its channel, in a Numba kernel
+        that does not check bounds)."""
+        if self.kv.k_type != "q4_0":
+            return
+        hd = self.spec.head_dim
+        at = q4_0_blocks_width(hd) + 2 * Q4_0_OUTLIERS
+        for il, k in enumerate(self.k):
+            if k.shape[-1] > at and k.size and int(k[..., at:].max()) >= hd:
+                raise ConfigError(f"KV store state: layer {il} has q4_0 key rows naming a channel past "
+                                  f"head_dim {hd}")
 
     def check_slots(self) -> None:
         """ConfigError unless the slot metadata is what the write kernels keep (a restored state is

@@ -215,6 +215,24 @@ def test_restore_converts_q4_0_rows_of_the_unrotated_form(tmp_path_factory):
     np.testing.assert_array_equal(KVStore.restore(tiny.spec, state).k[0], q8.k[0])
 
 
+def test_restore_refuses_q4_0_key_rows_naming_a_channel_past_head_dim(tmp_path_factory):
+    """A saved q4_0 key row whose outlier names a channel past head_dim (a damaged or forged file) is a
+    ConfigError on restore, never a write past a decoder's row."""
+    from ringllm.runtime.kv_store import KVStore
+
+    tiny = _tiny("llama", tmp_path_factory)
+    eng = CPUEngine(tiny.spec, tiny.tensors)
+    st = eng.new_store(KVConfig(capacity=16, policy="streaming", k_type="q4_0", v_type="q4_0"))
+    eng.prefill(np.random.default_rng(9).permutation(256)[:20].tolist(), st)
+    state = st.state()
+    KVStore.restore(tiny.spec, state)
+    k = state["arrays"]["k.1"].copy()
+    k[0, 3, -1] = tiny.spec.head_dim                       # the last outlier's channel byte
+    state["arrays"] = {**state["arrays"], "k.1": k}
+    with pytest.raises(ConfigError, match="layer 1 has q4_0 key rows naming a channel past head_dim"):
+        KVStore.restore(tiny.spec, state)
+
+
 def test_bytes_per_value():
     assert [kv_types.row_bytes(t, 64) for t in ("f32", "f16", "q8_0", "q4_0")] == [256, 128, 68, 36]
     assert [kv_types.row_bytes(t, 64, key=True) for t in ("f32", "f16", "q8_0", "q4_0")] == [256, 128, 68, 48]
