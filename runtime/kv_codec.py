@@ -161,58 +161,54 @@ def q4_0_outliers_at(row):
 
 
 @njit(cache=True, nogil=True, fastmath=False)
-def _choose_outliers(src, hd, chans):
-    # chans[:Q4_0_OUTLIERS] = the channels of the largest |src[:hd]|, largest first, the first of equal
-    # ones, NaN last (NumPy's stable argsort of -|x|)
+def _put_outliers(row, src, hd, ou):
+    # the Q4_0_OUTLIERS channels of the largest |src[:hd]| (largest first, the first of equal ones, NaN
+    # last: NumPy's stable argsort of -|x|), each with its value clipped to f16's range, into the row
+    # from ou on (q4_0_outliers_at); the channels already written are the ones taken
     for i in range(Q4_0_OUTLIERS):
         best, top = -1, np.float32(-1.0)
         for c in range(hd):
             a = abs(src[c])
+            if a != a:                 # NaN ranks below every number, above nothing chosen yet
+                a = np.float32(-0.5)
             if a > top:
                 taken = False
                 for m in range(i):
-                    taken = taken or chans[m] == c
+                    taken = taken or row[ou + 2 * Q4_0_OUTLIERS + m] == c
                 if not taken:
                     best, top = c, a
-        if best < 0:                   # only NaN left: the first channel not taken
-            for c in range(hd):
-                taken = False
-                for m in range(i):
-                    taken = taken or chans[m] == c
-                if not taken and best < 0:
-                    best = c
-        chans[i] = best
-
-
-@njit(cache=True, nogil=True, fastmath=False)
-def _enc_q4_0(row, src):
-    # the row's outliers u taken out and stored as f16 with their channels, then each block of the rest
-    # rotated (kv_types: y = H (s * r)) and put through llama.cpp's q4_0 quantizer
-    half = QBLOCK // 2
-    y = np.empty(QBLOCK, np.float32)
-    ou = q4_0_outliers_at(row)
-    hd = ou // (half + 2) * QBLOCK
-    rest = np.empty(hd, np.float32)
-    for i in range(hd):
-        rest[i] = src[i]
-    chans = np.empty(Q4_0_OUTLIERS, np.int64)
-    if ou < row.shape[0]:
-        _choose_outliers(src, hd, chans)
-    for i in range((row.shape[0] - ou) // 3):
-        c = chans[i]
-        v = src[c]
+        v = src[best]
         if v > F16_MAX:                # held as f16's largest, the rest in the blocks (NaN kept)
             v = F16_MAX
         elif v < -F16_MAX:
             v = -F16_MAX
         bits = f32_to_f16_bits(v)
-        rest[c] = src[c] - f16_bits_to_f32(bits)
         row[ou + 2 * i], row[ou + 2 * i + 1] = np.uint8(bits & np.uint16(0xFF)), np.uint8(bits >> np.uint16(8))
-        row[ou + 2 * Q4_0_OUTLIERS + i] = np.uint8(c)
+        row[ou + 2 * Q4_0_OUTLIERS + i] = np.uint8(best)
+
+
+@njit(cache=True, nogil=True, fastmath=False)
+def _enc_q4_0(row, src):
+    # a key row's outliers u taken out and stored as f16 with their channels, then each block of the
+    # rest (the values at those channels less u) rotated (kv_types: y = H (s * r)) and put through
+    # llama.cpp's q4_0 quantizer; a value row has no outliers (r = x)
+    half = QBLOCK // 2
+    y = np.empty(QBLOCK, np.float32)
+    ou = q4_0_outliers_at(row)
+    n = (row.shape[0] - ou) // 3
+    hd = ou // (half + 2) * QBLOCK
+    if n:
+        _put_outliers(row, src, hd, ou)
     for b in range(hd // QBLOCK):
         x0 = b * QBLOCK
         for i in range(QBLOCK):
-            y[i] = rest[x0 + i] * Q4_0_SIGNS[i]
+            y[i] = src[x0 + i]
+        for i in range(n):
+            c, u = q4_0_outlier(row, ou, i)
+            if c // QBLOCK == b:
+                y[c - x0] = src[c] - u
+        for i in range(QBLOCK):
+            y[i] *= Q4_0_SIGNS[i]
         hadamard32(y)
         amax = np.float32(0.0)
         m = np.float32(0.0)

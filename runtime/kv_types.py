@@ -72,7 +72,7 @@ STORE_DTYPE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.uint16), "q8_0": 
 QBLOCK = 32                                   # values per q8_0 / q4_0 block (one f16 scale each)
 # s of the q4_0 rotation: -1 where bit i of 0x9E3779B9 (the golden ratio's 32 bits) is set
 Q4_0_SIGNS = np.array([-1.0 if (0x9E3779B9 >> i) & 1 else 1.0 for i in range(QBLOCK)], np.float32)
-Q4_0_OUTLIERS = 4                             # values a q4_0 row holds apart in f16 (its largest)
+Q4_0_OUTLIERS = 4                             # values a q4_0 key row holds apart in f16 (its largest)
 Q4_0_ROWS = "hadamard+key_outliers4"          # KVStore.state()'s name for this q4_0 row form
 Q4_0_MAX_HEAD_DIM = 256                       # a q4_0 row names an outlier's channel in one byte
 _BLOCK_BYTES = {"q8_0": 2 + QBLOCK, "q4_0": 2 + QBLOCK // 2}
