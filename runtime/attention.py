@@ -25,7 +25,7 @@ from ringllm.runtime.kv_codec import encode_row, key_row, kv_row
 from ringllm.runtime.kv_row_math import accumulate_row, accumulate_rows4, group_scores
 from ringllm.runtime.numba_flags import FASTMATH
 from ringllm.runtime.rope_kernels import rotate_by_table, rotate_into
-from ringllm.runtime.simd import vadd, vhsum, vload, vzero
+from ringllm.runtime.simd import vadd, vhmax, vhsum, vload, vmax, vzero
 
 _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
 
@@ -34,12 +34,32 @@ _F32_TINY = np.float32(1.1754944e-38)      # smallest normal float32
 def exp_shifted(sc, n):
     """sc[:n] (f32) -> exp(sc - m), in place, m = max(sc[:n]); returns (m, sum of the exponentials).
     Never subnormal: exp_f32 clamps its argument at -87.3."""
-    m = sc[0]
-    for j in range(1, n):
-        m = max(m, sc[j])
+    m = row_max(sc, n)
     for j in range(n):
         sc[j] = exp_f32(sc[j] - m)
     return m, sum_in_order(sc, n)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def row_max(x, n):
+    """max(x[:n]) (f32, contiguous, n >= 1): eight lanes at a time (simd.vmax), the last eight
+    elements loaded overlapping the rest, then the lanes. A plain `max` loop stays scalar, one
+    maxss waiting on the last (LLVM keeps Python's comparison order), which in the attention step
+    cost as much as a tenth of the whole pass over a long layer's scores. The maximum is the same
+    value in any order (a NaN score makes the softmax NaN either way)."""
+    if n < 8:
+        m = x[0]
+        for j in range(1, n):
+            m = max(m, x[j])
+        return m
+    a = vload(x, 0)
+    j = 8
+    while j + 8 <= n:
+        a = vmax(a, vload(x, j))
+        j += 8
+    if j < n:
+        a = vmax(a, vload(x, n - 8))
+    return vhmax(a)
 
 
 @njit(cache=True, nogil=True, fastmath=False)

@@ -34,7 +34,7 @@ __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zb
            "zld_i32", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast",
            "vload", "vload_kv", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "cpu_pause",
            "vfma", "vfnma",
-           "vadd", "vsub", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
+           "vadd", "vsub", "vmax", "vhmax", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
            "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
            "f16_round", "izero", "dpbusd", "ixor", "zizero", "zbc_i32", "zjoin_i32", "zcat",
            "zsplat", "zsub", "zfnma", "compiles_for", "TARGET_ARCH", "X86"]
@@ -466,6 +466,26 @@ def vadd(typingctx, a, b):
     def codegen(context, builder, sig, args):
         return builder.fadd(args[0], args[1])
     return f32x8(a, b), codegen
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """Lane-wise maximum, a where a > b else b (maxps; fmax on Arm)."""
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+    return f32x8(a, b), codegen
+
+
+@intrinsic
+def vhmax(typingctx, v):
+    """The largest of the 8 lanes, as float32 (lanes compared as vmax compares them)."""
+    def codegen(context, builder, sig, args):
+        m = builder.extract_element(args[0], ir.Constant(_I32, 0))
+        for k in range(1, 8):
+            x = builder.extract_element(args[0], ir.Constant(_I32, k))
+            m = builder.select(builder.fcmp_ordered(">", m, x), m, x)
+        return m
+    return types.float32(v), codegen
 
 
 @intrinsic

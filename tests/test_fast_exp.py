@@ -3,7 +3,7 @@ the one order its denominator is summed in whatever kernel it is compiled into."
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.attention import exp_shifted, softmax_inplace, sum_in_order
+from ringllm.runtime.attention import exp_shifted, row_max, softmax_inplace, sum_in_order
 from ringllm.runtime.fast_exp import exp_f32
 from ringllm.runtime.numba_flags import FASTMATH
 
@@ -112,3 +112,19 @@ def test_softmax_denominator_is_summed_in_one_order_in_every_kernel():
         rows = np.zeros((3, n + 8), np.float32)
         assert _exp_shifted_rows(x, n, rows) == total == _in_order(alone, n), n
         np.testing.assert_array_equal(rows[2, :n], alone[:n])
+
+
+@njit(cache=True)
+def _row_max(x, n):
+    return row_max(x, n)
+
+
+def test_row_max_finds_the_largest_wherever_it_sits():
+    """row_max (eight lanes, the last eight loaded overlapping) returns max(x[:n]) with the largest value
+    at every position, among values all below zero, and never reads past n."""
+    for n in list(range(1, 42)) + [511, 512, 513]:
+        for at in sorted({0, n // 2, n - 1, max(0, n - 3)}):
+            x = np.full(n + 8, np.float32(100.0))           # past n: larger, so a read past n would show
+            x[:n] = -np.arange(1, n + 1, dtype=np.float32)
+            x[at] = np.float32(-0.5)
+            assert _row_max(x, n) == np.float32(-0.5), (n, at)
