@@ -31,13 +31,12 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic, models, register_model
 
 __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zbcast", "zfma", "zadd", "zfold",
-           "zld_i32", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast",
-           "vload", "vload_kv", "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "cpu_pause",
-           "vfma", "vfnma",
-           "vadd", "vsub", "vmax", "vhmax", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8", "num_threads", "ld_u8i", "iand",
-           "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl", "itof", "abs8", "sign8", "vlane",
-           "f16_round", "izero", "dpbusd", "ixor", "zizero", "zbc_i32", "zjoin_i32", "zcat",
-           "zsplat", "zsub", "zfnma", "compiles_for", "TARGET_ARCH", "X86"]
+           "zld_i32", "zpair", "zmul", "zlo", "zhi", "HAS_AVX512", "vzero", "vsplat", "vbcast", "vload", "vload_kv",
+           "vstore", "ld_f32", "ld_f16", "ld_bf16", "ld_i8", "ld_u8", "ld_i32", "prefetch", "cpu_pause", "vfma",
+           "vfnma", "vadd", "vsub", "vmax", "vhmax", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8",
+           "num_threads", "ld_u8i", "iand", "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl",
+           "itof", "abs8", "sign8", "vlane", "f16_round", "izero", "dpbusd", "ixor", "zizero", "zbc_i32",
+           "zjoin_i32", "zcat", "zsplat", "zsub", "zfnma", "compiles_for", "TARGET_ARCH", "X86"]
 
 
 # ==================================================================================================
