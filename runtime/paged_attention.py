@@ -15,6 +15,7 @@ from __future__ import annotations
 from numba import njit
 
 from ringllm.runtime.attention import cap_scores, scale_group, softmax_inplace
+from ringllm.runtime.kv_codec import kv_row
 from ringllm.runtime.kv_row_math import group_scores
 from ringllm.runtime.eviction import count_below
 from ringllm.runtime.numba_flags import FASTMATH
@@ -44,15 +45,18 @@ def gather_slots(slots, spos, seq_l, table, n_table, held, n_held, reindexed):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def paged_attend(out, q, k_l, v_l, slots, spos, n, q_pos, cos, sin, rotary_dim, scale, softcap, scores, krot, qrot):
+def paged_attend(out, q, k_l, v_l, slots, spos, n, q_pos, cos, sin, rotary_dim, scale, softcap, scores, krot, qrot,
+                 row):
     """Attention of one token over the n slots listed by gather_slots.
 
     out (n_head, hd) f32: result.          q (n_head, hd) f32: queries before RoPE.
-    k_l, v_l (n_blocks, n_kv, B, hd) f32: one layer of the pool.
+    k_l, v_l (n_blocks, n_kv, B, width): one layer of the pool, rows in its KV types (an f32 row is
+        read in place, any other decoded into `row` first: kv_codec.kv_row).
     slots, spos (>= n,) i64: block * B + offset and logical position of each occupied slot.
     q_pos: the query's logical position (n - 1 in reindexed mode, its token index in original mode).
     cos, sin (n_pos, rotary_dim/2) f32: RopeTable rows covering every position used.
-    scale: score multiplier; softcap: attention soft-cap (0 = none). Scratch: scores (n_head, >= n) f32, krot (hd,) f32, qrot (n_head, hd) f32.
+    scale: score multiplier; softcap: attention soft-cap (0 = none). Scratch: scores (n_head, >= n) f32,
+    krot (hd,) f32, qrot (n_head, hd) f32, row (hd,) f32.
     """
     n_head, hd = q.shape
     n_kv = k_l.shape[1]
@@ -66,7 +70,7 @@ def paged_attend(out, q, k_l, v_l, slots, spos, n, q_pos, cos, sin, rotary_dim, 
         for j in range(n):
             blk = slots[j] // B
             o = slots[j] - blk * B
-            rotate_into(krot, k_l[blk, h, o], spos[j], cos, sin, rotary_dim)
+            rotate_into(krot, kv_row(k_l[blk], h, o, row), spos[j], cos, sin, rotary_dim)
             group_scores(scores, qrot, krot, h0, group, j)
         for g in range(group):
             hq = h0 + g
@@ -79,6 +83,6 @@ def paged_attend(out, q, k_l, v_l, slots, spos, n, q_pos, cos, sin, rotary_dim, 
             for j in range(n):
                 w = sc[j]
                 blk = slots[j] // B
-                vj = v_l[blk, h, slots[j] - blk * B]
+                vj = kv_row(v_l[blk], h, slots[j] - blk * B, row)
                 for d in range(hd):
                     o_h[d] += w * vj[d]

@@ -2,7 +2,9 @@
 (block, offset), shared prefixes with copy-on-write, and two compaction passes (DESIGN.md "Paged mode").
 
 Layout (allocated once; B = block_size slots per block, default 16):
-    k, v    (n_layer, n_blocks, n_kv_head, B, head_dim) float32   keys before RoPE, values
+    k, v    (n_layer, n_blocks, n_kv_head, B, width)   keys before RoPE, values, each row in the pool's
+            KV type (k_type, v_type: runtime/kv_types.py; f32 rows are head_dim float32, a quantized
+            row is encoded once as its token is written, a q4_0 key row with its outliers)
     seq     (n_layer, n_blocks, B) int64     token index (sequence index) a slot holds, -1 = hole / empty
     ref     (n_blocks,) int64                 sequences whose block table holds the block (0 = free)
 
@@ -47,6 +49,8 @@ from numba import njit
 from ringllm.runtime.errors import ConfigError
 from ringllm.runtime.host_memory import zeros_small_pages
 from ringllm.runtime.eviction import count_below
+from ringllm.runtime.kv_codec import encode_row
+from ringllm.runtime.kv_types import STORE_DTYPE, check_kv_type, row_width
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -54,14 +58,25 @@ from ringllm.runtime.eviction import count_below
 
 
 @njit(cache=True, nogil=True, fastmath=False)
+def write_slot(k, v, il, blk, o, k_l, v_l):
+    """Slot (blk, o) of layer il = k_l, v_l (n_kv, hd) f32, each row encoded in its array's KV type."""
+    for h in range(k_l.shape[0]):
+        encode_row(k[il, blk, h, o], k_l[h])
+        encode_row(v[il, blk, h, o], v_l[h])
+
+
+@njit(cache=True, nogil=True, fastmath=False)
 def copy_slot(k, v, seq, sb, so, db, do):
-    """Slot (sb, so) -> slot (db, do) in every layer: K, V (n_kv, hd) and the token index."""
-    n_layer, _, n_kv, _, hd = k.shape
+    """Slot (sb, so) -> slot (db, do) in every layer: the K and V rows as stored (n_kv rows each, any
+    KV type: their bytes) and the token index."""
+    n_layer, _, n_kv, _, kw = k.shape
+    vw = v.shape[4]
     for il in range(n_layer):
         seq[il, db, do] = seq[il, sb, so]
         for h in range(n_kv):
-            for d in range(hd):
+            for d in range(kw):
                 k[il, db, h, do, d] = k[il, sb, h, so, d]
+            for d in range(vw):
                 v[il, db, h, do, d] = v[il, sb, h, so, d]
 
 
@@ -79,7 +94,7 @@ def repack_kernel(k, v, seq, table, n_table, trace):
     """Order-preserving repack of one sequence, in place: the k-th survivor (table order, judged by
     layer 0; the layers are in step) moves to table slot k; its old slot becomes a hole.
 
-    k, v (n_layer, n_blocks, n_kv, B, hd) f32; seq (n_layer, n_blocks, B) i64; table (>= n_table,)
+    k, v (n_layer, n_blocks, n_kv, B, width) the pool's rows; seq (n_layer, n_blocks, B) i64; table (>= n_table,)
     i64 block of each table entry. trace (E, 3) i64: when E > 0, the first E slot events in order,
     (0 = read | 1 = write, block, offset). Returns (survivors, slot copies, events recorded).
     The destination k <= the source slot, so a forward sweep never writes a slot whose survivor is
@@ -222,16 +237,21 @@ class PagedKVPool:
     PagedStore uses while the engine runs a chunk layer by layer.
     """
 
-    def __init__(self, n_blocks: int, block_size: int = 16, n_layer: int = 1, n_kv_head: int = 1, head_dim: int = 1):
+    def __init__(self, n_blocks: int, block_size: int = 16, n_layer: int = 1, n_kv_head: int = 1, head_dim: int = 1,
+                 k_type: str = "f32", v_type: str = "f32"):
         for name, val in (("n_blocks", n_blocks), ("block_size", block_size), ("n_layer", n_layer),
                           ("n_kv_head", n_kv_head), ("head_dim", head_dim)):
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 1:
                 raise ConfigError(f"paged KV pool: {name} must be an integer >= 1, got {val!r}")
+        check_kv_type(k_type, "paged KV pool: k_type", int(head_dim))
+        check_kv_type(v_type, "paged KV pool: v_type", int(head_dim))
         self.n_blocks, self.block_size = int(n_blocks), int(block_size)
         self.n_layer, self.n_kv_head, self.head_dim = int(n_layer), int(n_kv_head), int(head_dim)
-        shape = (self.n_layer, self.n_blocks, self.n_kv_head, self.block_size, self.head_dim)
-        self.k = zeros_small_pages(shape, np.float32)       # blocks fill as sequences grow (host_memory.py)
-        self.v = zeros_small_pages(shape, np.float32)
+        self.k_type, self.v_type = k_type, v_type
+        shape = (self.n_layer, self.n_blocks, self.n_kv_head, self.block_size)
+        # blocks fill as sequences grow (host_memory.py)
+        self.k = zeros_small_pages(shape + (row_width(k_type, self.head_dim, key=True),), STORE_DTYPE[k_type])
+        self.v = zeros_small_pages(shape + (row_width(v_type, self.head_dim),), STORE_DTYPE[v_type])
         self.seq = np.full((self.n_layer, self.n_blocks, self.block_size), -1, np.int64)
         self.ref = np.zeros(self.n_blocks, np.int64)
         self._free = list(range(self.n_blocks - 1, -1, -1))    # stack: the lowest free block comes first
@@ -246,9 +266,10 @@ class PagedKVPool:
         self.last_pass: dict | None = None
 
     @classmethod
-    def for_model(cls, spec, n_blocks: int, block_size: int = 16) -> "PagedKVPool":
-        """A pool shaped for a ModelSpec (every layer, every kv head)."""
-        return cls(n_blocks, block_size, spec.n_layer, spec.n_head_kv, spec.head_dim)
+    def for_model(cls, spec, n_blocks: int, block_size: int = 16, k_type: str = "f32",
+                  v_type: str = "f32") -> "PagedKVPool":
+        """A pool shaped for a ModelSpec (every layer, every kv head), its rows in the KV types given."""
+        return cls(n_blocks, block_size, spec.n_layer, spec.n_head_kv, spec.head_dim, k_type, v_type)
 
     # -----------------------------------------------------------------------------------------
     # Blocks and sequences
@@ -341,16 +362,16 @@ class PagedKVPool:
         sq.n_held[il] = n + 1
 
     def write_layer(self, sq: _Sequence, il: int, tslot: int, k_l: np.ndarray, v_l: np.ndarray, s: int) -> None:
-        """In place (EQUIP): table slot tslot of layer il takes token s; k_l, v_l (n_kv, hd) f32.
-        The slot must be a hole (evict its token first)."""
+        """In place (EQUIP): table slot tslot of layer il takes token s; k_l, v_l (n_kv, hd) f32, encoded
+        in the pool's KV types. The slot must be a hole (evict its token first)."""
         B = self.block_size
         ti, o = divmod(tslot, B)
         blk = self._unshare(sq, ti)
         if self.seq[il, blk, o] >= 0:
             raise ConfigError(f"paged KV pool: slot ({blk}, {o}) of layer {il} holds token {self.seq[il, blk, o]}; "
                               "evict it before writing")
-        self.k[il, blk, :, o, :] = k_l
-        self.v[il, blk, :, o, :] = v_l
+        write_slot(self.k, self.v, il, blk, o, np.ascontiguousarray(k_l, np.float32),
+                   np.ascontiguousarray(v_l, np.float32))
         self.seq[il, blk, o] = s
         self._held_add(sq, il, s)
 

@@ -19,7 +19,10 @@ first token boundary where every layer is in step (decode: every N tokens exactl
 at the next chunk start).
 
 Keys are stored before RoPE and rotated at read by each slot's logical position
-(runtime/paged_attention.py), whatever RoPE strategy the engine uses for dense stores.
+(runtime/paged_attention.py), whatever RoPE strategy the engine uses for dense stores. The rows are
+in the pool's KV types (KVConfig k_type / v_type must name them): a quantized key is rounded before
+RoPE, as a dense store's keys are under CPUEngine(rope="fused") (the reference cache's
+ring_keys="fused").
 """
 from __future__ import annotations
 
@@ -56,9 +59,10 @@ class PagedStore:
                  compact_every: int = 0, compaction: str = "fill", seq_id: int | None = None):
         kv = kv or KVConfig()
         kv.validate()
-        if kv.k_type != "f32" or kv.v_type != "f32":
-            raise ConfigError(f"the paged KV pool holds float32 rows; k_type {kv.k_type!r} / v_type {kv.v_type!r} "
-                              "need the dense store (supported here: f32)")
+        if (kv.k_type, kv.v_type) != (pool.k_type, pool.v_type):
+            raise ConfigError(f"this paged KV pool holds k_type {pool.k_type!r} / v_type {pool.v_type!r} rows; the "
+                              f"store asks for {kv.k_type!r} / {kv.v_type!r}: build the pool with "
+                              "PagedKVPool.for_model(spec, n_blocks, k_type=..., v_type=...) of the store's types")
         if kv.policy not in ("streaming", "full") or kv.staged:
             raise ConfigError(f"the paged store offers policies 'streaming' (without staged eviction) and 'full'; "
                               f"got {kv.policy!r}{' with staging' if kv.staged else ''}")
@@ -89,6 +93,7 @@ class PagedStore:
         self.passes: list[dict] = []
         nh, hd = spec.n_head, spec.head_dim
         self.krot = np.zeros(hd, np.float32)
+        self.row = np.zeros(hd, np.float32)          # a quantized row decoded (paged_attend)
         self.qrot = np.zeros((nh, hd), np.float32)
         self.out = np.zeros((nh, hd), np.float32)
         self._size_scratch(min(self.capacity, 1024))
@@ -154,7 +159,7 @@ class PagedStore:
         if need > table.cos.shape[0]:
             table.ensure(need)
         paged_attend(out, q, pool.k[il], pool.v[il], self.slots, self.spos, got, q_pos, table.cos, table.sin,
-                     self.spec.rotary_dim, scale, softcap, self.scores, self.krot, self.qrot)
+                     self.spec.rotary_dim, scale, softcap, self.scores, self.krot, self.qrot, self.row)
 
     def forward_layer(self, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, seq0: int, att: np.ndarray,
                       table, scale: np.float32, softcap: np.float32) -> None:

@@ -507,6 +507,53 @@ def test_batched_decode_with_types(tmp_path_factory):
             assert same_survivor_sets(a, b) and a.stats()["evicted_total"] > 0
 
 
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0")])
+def test_paged_store_with_types(tmp_path_factory, k_type, v_type):
+    """The paged pool holds rows of every KV type, encoded once at write: a paged store (appends leaving
+    holes, hole-filling every 6 tokens, a fork half-way) against the reference cache that rounds keys
+    before RoPE as the pool holds them (ring_keys="fused"), through evictions: the pool's held tokens
+    are the reference's at every step and the logits agree within the types' tolerance."""
+    from ringllm.runtime.paged_pool import PagedKVPool
+    from ringllm.runtime.paged_store import PagedStore
+
+    tiny = _tiny("llama", tmp_path_factory)
+    spec, hd = tiny.spec, tiny.spec.head_dim
+    eng, ref = CPUEngine(spec, tiny.tensors, n_batch=8), ReferenceEngine(spec, tiny.tensors)
+    kv = KVConfig(capacity=16, policy="streaming", sinks=2, k_type=k_type, v_type=v_type)
+    pool = PagedKVPool.for_model(spec, 64, block_size=4, k_type=k_type, v_type=v_type)
+    assert pool.k.dtype == kv_types.STORE_DTYPE[k_type] and pool.v.dtype == kv_types.STORE_DTYPE[v_type]
+    assert pool.k.shape[-1] == kv_types.row_width(k_type, hd, key=True)
+    assert pool.v.shape[-1] == kv_types.row_width(v_type, hd)
+    st = PagedStore(pool, spec, kv, update="append", compact_every=6, compaction="fill")
+    rc = ref.new_cache(kv, ring_keys="fused")
+    tol = max(TYPE_TOL[k_type], TYPE_TOL[v_type])
+    ids = np.random.default_rng(11).integers(0, 256, 70).tolist()
+    np.testing.assert_allclose(eng.logits(ids[:12], st), ref.forward(ids[:12], rc), rtol=0, atol=tol)
+    for i, t in enumerate(ids[12:]):
+        if i == 25:
+            parent, st = st, st.fork()
+            pool.free_sequence(parent.seq_id)
+        np.testing.assert_allclose(eng.step(t, st), ref.forward([t], rc)[0], rtol=0, atol=tol, err_msg=f"step {i}")
+        for il, lc in enumerate(rc.layers):
+            np.testing.assert_array_equal(pool.held(st.seq_id, il), lc.seq[0], err_msg=f"step {i}, layer {il}")
+    stats = st.stats()
+    assert stats["tokens_evicted"] > 0 and stats["passes"] > 0
+
+
+def test_paged_pool_type_errors(tmp_path_factory):
+    """An unknown type is a ConfigError naming the supported ones; a store whose types are not its
+    pool's is refused naming both."""
+    from ringllm.runtime.paged_pool import PagedKVPool
+    from ringllm.runtime.paged_store import PagedStore
+
+    spec = _tiny("llama", tmp_path_factory).spec
+    with pytest.raises(ConfigError, match="k_type 'q5_0' unknown; valid: f32, f16, q8_0, q4_0"):
+        PagedKVPool.for_model(spec, 8, k_type="q5_0")
+    pool = PagedKVPool.for_model(spec, 8, k_type="q8_0", v_type="q8_0")
+    with pytest.raises(ConfigError, match="pool holds k_type 'q8_0' / v_type 'q8_0' rows; the store asks for 'f16'"):
+        PagedStore(pool, spec, KVConfig(capacity=16, policy="streaming", k_type="f16", v_type="f16"))
+
+
 def same_survivor_sets(a, b) -> bool:
     return all(np.array_equal(np.sort(a.seq[il][h, :int(a.count[il][h])]), np.sort(b.seq[il][h, :int(b.count[il][h])]))
                for il in range(len(a.seq)) for h in range(a.seq[il].shape[0]))

@@ -265,7 +265,8 @@ def test_paged_attention_matches_attend(positions, rotary_dim):
         assert got_n == n
         got = np.zeros((nh, hd), np.float32)
         paged_attend(got, q, pool.k[0], pool.v[0], slots, spos, n, int(pos[-1]), table.cos, table.sin, rotary_dim,
-                     scale, np.float32(0.0), np.zeros((nh, 64), np.float32), np.zeros(hd, np.float32), np.zeros((nh, hd), np.float32))
+                     scale, np.float32(0.0), np.zeros((nh, 64), np.float32), np.zeros(hd, np.float32),
+                     np.zeros((nh, hd), np.float32), np.zeros(hd, np.float32))
         np.testing.assert_allclose(got, want, atol=1e-5, err_msg=step)
 
 
