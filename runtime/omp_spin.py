@@ -137,8 +137,8 @@ def calibrate() -> None:
     records, key = _records(), cpu_key()
     if isinstance(records.get(key), (int, float)):
         return
-    ns = pause_ns()
-    records[key] = round(ns, 3)
+    ns = round(pause_ns(), 3)       # as recorded: this process's count is the one later processes read
+    records[key] = ns
     try:
         os.makedirs(os.path.dirname(record_path()), exist_ok=True)
         write_bytes(record_path(), json.dumps(records, indent=1, sort_keys=True))
