@@ -469,7 +469,7 @@ def vadd(typingctx, a, b):
 
 @intrinsic
 def vmax(typingctx, a, b):
-    """Lane-wise maximum, a where a > b else b (maxps; fmax on Arm)."""
+    """Lane-wise maximum, a where a > b else b (one compare and select; maxps on x86)."""
     def codegen(context, builder, sig, args):
         return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
     return f32x8(a, b), codegen
