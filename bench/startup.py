@@ -24,7 +24,10 @@ turn, --warm-runs times each (a repeat counts each one's median, so that none of
 right after a cold start or a warmup); the table gives the medians over the repeats.
 
     python bench/startup.py [--repeats 3] [--warm-runs 3] [--threads 2] [--models smollm2,gemma3,qwen3-1.7b]
-                            [--name startup]
+                            [--warm-only] [--name startup]
+
+--warm-only times warm starts on the user's own kernel cache and llama.cpp, nothing else (an A/B of
+the warm path in minutes).
 
 Synthetic shapes (bench/synthetic_gguf.py: random weights, Q4_K_M, the real model's shapes and
 vocabulary size) time what a 1-2B model's start costs: parsing, tokenizer, repacking a gigabyte.
@@ -34,6 +37,7 @@ Writes bench/results/<name>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -110,13 +114,37 @@ def _ringllm_chat(path: str, threads: int) -> list[str]:
             "-t", str(threads), "--no-progress", "--ignore-eos"]
 
 
-def run_model(path: str, threads: int, warm_runs: int = 3) -> dict:
+def _alternate(path: str, threads: int, warm_runs: int, caches: dict) -> dict:
+    """ringllm on each named kernel cache ({name: cache dir, None for the user's}) and llama.cpp, warm_runs
+    times each in turn: {name: median first token, name + "_exit": median exit, "samples": every run}."""
+    have_llama = importlib.util.find_spec("llama_cpp") is not None
+    samples = {name: [] for name in caches} | {"llama_cpp": []}
+    for _ in range(warm_runs):
+        for name, cache in caches.items():
+            samples[name].append(_timed(_ringllm(path, threads), cache))
+        if have_llama:
+            samples["llama_cpp"].append(_timed([sys.executable, "-c", LLAMA_CPP, path, str(threads), PROMPT]))
+    out = {}
+    for name, runs in samples.items():
+        out[name] = float(np.median([r[0] for r in runs])) if runs else None
+        out[name + "_exit"] = float(np.median([r[1] for r in runs])) if runs else None
+    out["samples"] = samples
+    return out
+
+
+def run_model(path: str, threads: int, warm_runs: int = 3, warm_only: bool = False) -> dict:
     """One repeat for one model: cold, cold chat and cold alone (each on its own empty cache), then warmup
     into a fresh cache; then warm (the cache the cold run filled), after warmup and llama.cpp, warm_runs
     times each in turn, reported as their medians (seconds to the first token, and "<name>_exit" to the
     process's exit; every run under "samples"). Alternating the three keeps them in the same conditions:
     a single run right after the warmup command (53 s on both cores) or right after a cold start would
-    carry what ran before it."""
+    carry what ran before it. warm_only: warm on the user's own kernel cache (one untimed run first fills
+    what it lacks) and llama.cpp alone, every other column None: the warm path's A/B in minutes."""
+    if warm_only:
+        _timed(_ringllm(path, threads))
+        out = {c + e: None for c in ("cold", "cold_chat", "cold_alone", "after_warmup") for e in ("", "_exit")}
+        out["warmup_command"] = None
+        return out | _alternate(path, threads, warm_runs, {"warm": None})
     out = {}
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as warmed:
         out["cold"], out["cold_exit"] = _timed(_ringllm(path, threads), cache)
@@ -129,22 +157,7 @@ def run_model(path: str, threads: int, warm_runs: int = 3) -> dict:
         subprocess.run([sys.executable, "-m", "ringllm", "warmup", "-m", path, "--policy", "full"], check=True,
                        env=_env(warmed), capture_output=True)
         out["warmup_command"] = time.perf_counter() - t0
-        try:
-            import llama_cpp  # noqa: F401
-            have_llama = True
-        except ImportError:
-            have_llama = False
-        samples = {"warm": [], "after_warmup": [], "llama_cpp": []}
-        for _ in range(warm_runs):
-            samples["warm"].append(_timed(_ringllm(path, threads), cache))
-            samples["after_warmup"].append(_timed(_ringllm(path, threads), warmed))
-            if have_llama:
-                samples["llama_cpp"].append(_timed([sys.executable, "-c", LLAMA_CPP, path, str(threads), PROMPT]))
-    for name, runs in samples.items():
-        out[name] = float(np.median([r[0] for r in runs])) if runs else None
-        out[name + "_exit"] = float(np.median([r[1] for r in runs])) if runs else None
-    out["samples"] = samples
-    return out
+        return out | _alternate(path, threads, warm_runs, {"warm": cache, "after_warmup": warmed})
 
 
 def main():
@@ -155,6 +168,8 @@ def main():
                     help="comma-separated: smollm2, gemma3, or a synthetic shape (llama-3.2-1b, qwen3-1.7b)")
     ap.add_argument("--warm-runs", type=int, default=3,
                     help="runs of warm, after warmup and llama.cpp per repeat, alternating (their median counts)")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="warm starts (on the user's kernel cache) and llama.cpp only: no cold or warmup runs")
     ap.add_argument("--name", default="startup", help="results file name under bench/results")
     args = ap.parse_args()
     if args.warm_runs < 1:
@@ -163,14 +178,14 @@ def main():
     runs = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, path in paths.items():
-            runs[name].append(run_model(path, args.threads, args.warm_runs))
+            runs[name].append(run_model(path, args.threads, args.warm_runs, args.warm_only))
             print(name, runs[name][-1], file=sys.stderr, flush=True)
     cols = ["cold", "cold_exit", "cold_alone", "cold_alone_exit", "cold_chat", "cold_chat_exit", "warm", "warm_exit",
             "warmup_command", "after_warmup", "after_warmup_exit", "llama_cpp", "llama_cpp_exit"]
     medians = {name: {c: (None if any(r[c] is None for r in rs) else float(np.median([r[c] for r in rs])))
                       for c in cols} for name, rs in runs.items()}
     command = (f"python bench/startup.py --repeats {args.repeats} --threads {args.threads} --models {args.models} "
-               f"--warm-runs {args.warm_runs} --name {args.name}")
+               f"--warm-runs {args.warm_runs}{' --warm-only' if args.warm_only else ''} --name {args.name}")
     payload = {"machine": machine(), "command": command, "threads": args.threads, "prompt": PROMPT,
                "models": paths, "median_s": medians, "runs": runs}
 

@@ -1,8 +1,11 @@
 """ringllm: an embeddable LLM runtime with an in-place, fixed-capacity KV store."""
 import importlib
 
-from ringllm.runtime.errors import ConfigError, ModelFileError, RingLLMError, UnsupportedModelError
-from ringllm.runtime.kv_config import KVConfig
+from ringllm.gc_pause import collector_paused
+
+with collector_paused():        # the runtime imports Numba: no collector passes over its million objects
+    from ringllm.runtime.errors import ConfigError, ModelFileError, RingLLMError, UnsupportedModelError
+    from ringllm.runtime.kv_config import KVConfig
 
 __all__ = ["RingLLMError", "ModelFileError", "UnsupportedModelError", "ConfigError", "KVConfig",
            "LLM", "Chunk", "Completion", "Generation", "Timings", "SamplingParams", "Sampler", "ChatSession",

@@ -46,6 +46,7 @@ from ringllm.compile_helper import helper_argv
 from ringllm.constraints import Grammar, compile_grammar, json_schema_of
 from ringllm.decoder import Decoder, check_max_tokens
 from ringllm.generation import Chunk, Completion, Generation, Record, Timings
+from ringllm.gc_pause import collector_paused
 from ringllm.models.bundled import default_model_path
 from ringllm.models.loader import load_model
 from ringllm.runtime import compile_clock, compile_share, compiler_pages
@@ -132,26 +133,28 @@ class LLM:
         try:
             if backend == "cpu" and n_threads != 1:      # a cold start compiles on two cores (compile_share)
                 _start_compile_helper(model, kv, precision)
-            self.model = load_model(model)
-            trim_heap()      # building the tokenizer freed tens of MB (262k-token vocabularies): gone before packing
-            bar.update(1)
-            bar.set_description("preparing engine")
-            # LongRoPE models take their long factors when this LLM's positions can pass the original
-            # context (reindexed positions stay below the capacity; original ones grow to the model's)
-            reach = kv.capacity if kv.capacity is not None and kv.positions == "reindexed" else self.model.spec.n_ctx
-            self.spec, self.tokenizer = self.model.spec.for_context(reach), self.model.tokenizer
-            self.kv, self.backend, self.n_threads, self.seed = kv, backend, n_threads, int(seed)
-            self.precision = precision
-            if backend == "cpu":         # what the first-compile notice quotes, should one be needed
-                compile_clock.expect(estimate_compile_seconds(
-                    {t.qtype for t in self.model.tensors.values() if len(t.shape) == 2}, kv))
-            self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch, precision)
-            if self._engine is not None:    # the engine holds its own copy of the weights: the file's pages go
-                release_file_pages(t.stored for t in self.model.tensors.values())
-                trim_heap()                  # and so does the heap memory the repacking's temporaries were freed into
-            if backend == "cpu":             # a cold start: what to compile while the helper has the attention
-                for job in self._engine.warm_ahead():
-                    compile_share.when_idle(job)
+            with collector_paused():         # start-up makes no cyclic garbage: no collector passes over it
+                self.model = load_model(model)
+                trim_heap()      # the tokenizer's build freed tens of MB (262k-token vocabularies): returned now
+                bar.update(1)
+                bar.set_description("preparing engine")
+                # LongRoPE models take their long factors when this LLM's positions can pass the original
+                # context (reindexed positions stay below the capacity; original ones grow to the model's)
+                reach = (kv.capacity if kv.capacity is not None and kv.positions == "reindexed"
+                         else self.model.spec.n_ctx)
+                self.spec, self.tokenizer = self.model.spec.for_context(reach), self.model.tokenizer
+                self.kv, self.backend, self.n_threads, self.seed = kv, backend, n_threads, int(seed)
+                self.precision = precision
+                if backend == "cpu":         # what the first-compile notice quotes, should one be needed
+                    compile_clock.expect(estimate_compile_seconds(
+                        {t.qtype for t in self.model.tensors.values() if len(t.shape) == 2}, kv))
+                self._engine = make_engine(backend, self.spec, self.model.tensors, n_threads, n_batch, precision)
+                if self._engine is not None:    # the engine holds its own copy of the weights: the file's pages go
+                    release_file_pages(t.stored for t in self.model.tensors.values())
+                    trim_heap()                  # and the heap memory the repacking's temporaries were freed into
+                if backend == "cpu":             # a cold start: what to compile while the helper has the attention
+                    for job in self._engine.warm_ahead():
+                        compile_share.when_idle(job)
             self.compile_s = 0.0
             bar.update(1)
             if warmup and backend in ("cpu", "cuda"):
