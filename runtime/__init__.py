@@ -120,6 +120,36 @@ def _import_without(name: str, blocked: str) -> None:
 _import_without("numba.np.arraymath", "scipy.linalg")
 _import_without("numba.core.typing.cffi_utils", "cffi")
 
+
+def _load_cached_without_refresh() -> None:
+    """Numba's cache loader (caching.Cache.load_overload) refreshes the target context before it loads
+    a kernel: it imports every module of Numba's typing and lowering registries and installs them, the
+    better part of a tenth of a second at the first load of a process, although rebuilding compiled code
+    uses none of them (a compile refreshes the context itself, compiler.compile_extra). What a loaded
+    kernel does need is the NRT (its allocator and reference counting), whose initialisation the refresh
+    also runs; the loader here runs that alone, then loads as Numba's does. Numba's other symbols are in
+    place without a refresh (the C helpers and math functions from the context's construction, the hash
+    secret from numba.cpython.hashing's import, the threading layer's from its launch). Applied only where
+    Numba's loader is the refresh-then-load this replaces."""
+    from numba.core import caching
+    from numba.core.runtime import rtsys
+
+    names = caching.Cache.load_overload.__code__.co_names
+    if not {"refresh", "_guard_against_spurious_io_errors", "_load_overload"} <= set(names) or \
+            not hasattr(rtsys, "initialize"):
+        return
+
+    def load_overload(self, sig, target_context):
+        rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+
+    load_overload.__doc__ = caching.Cache.load_overload.__doc__
+    caching.Cache.load_overload = load_overload
+
+
+_load_cached_without_refresh()
+
 from ringllm.runtime import compile_clock  # noqa: E402  (after the cache directory is set)
 
 compile_clock.set_cache_dir(os.environ.get("NUMBA_CACHE_DIR"))
