@@ -39,8 +39,9 @@ def _read(path: str, tokens: Sequence[str]) -> list[tuple[str, str]] | None:
     if ids.ndim != 2 or ids.shape[1] != 2 or ids.dtype != np.int32 or (ids.size and (
             ids.min() < 0 or ids.max() >= len(tokens))):
         return None
-    at = tokens.__getitem__
-    return list(zip(map(at, ids[:, 0].tolist()), map(at, ids[:, 1].tolist())))
+    names = np.empty(len(tokens), object)     # the vocabulary's own str objects, gathered by NumPy
+    names[:] = tokens
+    return list(zip(names[ids[:, 0]].tolist(), names[ids[:, 1]].tolist()))
 
 
 def _write(path: str, tokens: Sequence[str], merges: list[tuple[str, str]]) -> None:

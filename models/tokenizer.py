@@ -465,7 +465,7 @@ class Tokenizer:
                 raise ModelFileError(path, f"tokenizer.ggml.scores has {len(scores)} entries but "
                                      f"tokenizer.ggml.tokens has {len(tokens)}")
             merges = cached_merges(vocab_tokens, [float(s) for s in scores], derive_merges)
-        vocab = {t: i for i, t in enumerate(vocab_tokens)}
+        vocab = dict(zip(vocab_tokens, range(len(vocab_tokens))))     # a later duplicate wins, as in a loop
         if unk_id is not None:
             unk = vocab_tokens[unk_id]
         else:
