@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv", required=True, help="KVConfig as a JSON object")
     ap.add_argument("--precision", default="f32")
     args = ap.parse_args(argv)
+    from ringllm.gc_pause import collector_paused
     from ringllm.models.loader import load_model
     from ringllm.runtime import compile_clock, compile_share
     from ringllm.runtime.engine import CPUEngine
@@ -42,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{compile_share.CLAIMS_ENV} must name the claims directory of the process this helps")
     compile_clock.quiet()
     compile_share.join(claims)
-    loaded = load_model(args.model, tokenizer=False)
-    engine = CPUEngine(loaded.spec, loaded.tensors, n_threads=1, precision=args.precision)
+    with collector_paused():            # its start-up, as LLM's: no collector passes over what loading builds
+        loaded = load_model(args.model, tokenizer=False)
+        engine = CPUEngine(loaded.spec, loaded.tensors, n_threads=1, precision=args.precision)
     warm_decode(engine, KVConfig.from_dict(json.loads(args.kv)), one_thread_first=True)
     return 0
 
