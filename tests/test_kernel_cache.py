@@ -61,3 +61,31 @@ def test_policy_steps_load_from_cache_in_a_new_process(tiny_dir):
         assert warm[name]["misses"] == 0 and warm[name]["hits"] >= 1, warm
         assert warm[name]["logits"] == first[name]["logits"], name
     assert first["h2o"]["logits"] != first["tova"]["logits"]
+
+
+LOAD_ONLY = r"""
+import sys
+import numpy as np
+import numba.core.caching as caching
+import ringllm.runtime
+from ringllm.runtime.ops import rms_norm_rows
+x = np.arange(128, dtype=np.float32).reshape(2, 64)
+out = np.empty_like(x)
+rms_norm_rows(out, x, np.ones(64, np.float32), 1e-5)
+want = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)
+print(caching.Cache.load_overload.__module__, "numba.cpython.heapq" in sys.modules,
+      bool(np.allclose(out, want, rtol=1e-5)))
+"""
+
+
+def test_a_cached_kernel_loads_without_the_registry_refresh(tmp_path):
+    """The second process loads the kernel the first compiled, through ringllm's loader (no import of
+    Numba's registry modules, which only a refresh imports) and gets the right values from it."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("RINGLLM_NUMBA_CACHE_BASE", None)
+    runs = [subprocess.run([sys.executable, "-c", LOAD_ONLY], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert runs[0].stdout.split()[1:] == ["True", "True"]   # compiled: the compile refreshed the registries
+    assert runs[1].stdout.split() == ["ringllm.runtime", "False", "True"]
