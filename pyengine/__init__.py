@@ -3,7 +3,7 @@ import importlib
 
 from ringllm.gc_pause import collector_paused
 
-with collector_paused():        # the runtime imports Numba: no collector passes over its million objects
+with collector_paused():        # the runtime imports Numba: no collector passes over what it builds
     from ringllm.runtime.errors import ConfigError, ModelFileError, RingLLMError, UnsupportedModelError
     from ringllm.runtime.kv_config import KVConfig
 

@@ -13,7 +13,9 @@ tracks is moved to its oldest generation without a pass over them (gc.freeze, th
 which merges the frozen objects into the oldest generation): were they left in the youngest, the
 first allocation after the block would start a pass over all of them, and the next older passes
 would walk them again, most of the cost the pause saved. Nothing escapes collection: a cycle made
-in the block is collected by the next whole-heap pass, as the collector makes them anyway.
+in the block is collected by the next whole-heap pass, as the collector makes them anyway. A process
+that froze objects itself (gc.freeze before forking workers) keeps them frozen: the move is skipped
+there, since unfreezing would thaw them too, and the block's objects stay young.
 Only start-up runs inside the block: the package's imports and LLM's construction (loading,
 repacking), not a generation. Numba's compiles make cyclic garbage by the megabyte and mostly run in
 a generation, outside it; on a cold start the repacking's few kernels compile inside it, and their
@@ -47,6 +49,7 @@ def collector_paused():
         with _lock:
             _depth -= 1
             if _depth == 0 and _resume:
-                gc.freeze()          # every tracked object to the permanent generation, no pass over them,
-                gc.unfreeze()        # then all of them into the oldest generation
+                if gc.get_freeze_count() == 0:     # unfreeze would also thaw what the application froze itself
+                    gc.freeze()      # every tracked object to the permanent generation, no pass over them,
+                    gc.unfreeze()    # then all of them into the oldest generation
                 gc.enable()

@@ -62,6 +62,21 @@ def test_objects_made_inside_go_to_the_oldest_generation_and_their_cycles_are_st
     assert len(kept) == 5000
 
 
+def test_objects_the_application_froze_stay_frozen():
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with collector_paused():
+            made = [[i] for i in range(100)]
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen      # not thawed by the block's end
+        assert len(made) == 100
+    finally:
+        gc.unfreeze()
+
+
 def test_import_and_an_llm_leave_the_collector_on():
     code = ("import gc, ringllm; assert gc.isenabled(); "
             "from ringllm import LLM; llm = LLM(backend='none'); "
