@@ -79,6 +79,40 @@ class PieceTable(Sequence):
     def __repr__(self) -> str:
         return f"PieceTable({len(self)} pieces, {len(self._blob)} bytes)"
 
+    def runs_of(self, char: str) -> np.ndarray:
+        """Indices (int64, ascending) of the non-empty pieces made of `char` alone, a character of one
+        UTF-8 byte: one pass over the buffer, no piece decoded."""
+        code = char.encode("utf-8")
+        if len(code) != 1:
+            raise ValueError(f"runs_of takes a one-byte character, not {char!r}")
+        blob = np.frombuffer(self._blob, np.uint8)
+        others = np.zeros(len(blob) + 1, np.int64)      # others[k]: bytes other than char in blob[:k]
+        np.cumsum(blob != code[0], out=others[1:])
+        ends = self._ends.astype(np.int64)
+        starts = np.zeros_like(ends)
+        starts[1:] = ends[:-1]
+        return np.flatnonzero((others[ends] == others[starts]) & (ends > starts))
+
+    def after_other(self, char: str) -> list[int]:
+        """Indices (ascending) of the pieces holding `char` right after a different character: one
+        pass over the buffer, no piece decoded."""
+        code = np.frombuffer(char.encode("utf-8"), np.uint8)
+        k = len(code)
+        blob = np.frombuffer(self._blob, np.uint8)
+        if len(blob) < 2 * k:
+            return []
+        at = np.ones(len(blob) - k + 1, bool)         # where char's bytes start
+        for j in range(k):
+            at &= blob[j:len(blob) - k + 1 + j] == code[j]
+        at = np.flatnonzero(at)
+        ends = self._ends.astype(np.int64)
+        owner = np.searchsorted(ends, at, side="right")            # the piece each occurrence is in
+        start = np.where(owner > 0, ends[np.maximum(owner - 1, 0)], 0)
+        is_at = np.zeros(len(blob) + 1, bool)
+        is_at[at] = True
+        after_char = (at - k >= start) & is_at[np.maximum(at - k, 0)]   # the same character right before
+        return np.unique(owner[(at > start) & ~after_char]).tolist()
+
     @property
     def nbytes(self) -> int:
         """Bytes held: the UTF-8 buffer and the ends."""

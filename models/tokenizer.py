@@ -1,4 +1,5 @@
-"""The tokenizer of ringllm: a HF `tokenizers` backend built from GGUF metadata or a tokenizer.json.
+"""The tokenizer of ringllm: a HF `tokenizers` backend built from GGUF metadata or a tokenizer.json, or
+ringllm's own SentencePiece BPE for a "llama" GGUF vocabulary.
 
 Two vocabulary kinds come from GGUF files (`tokenizer.ggml.model`):
 
@@ -6,9 +7,11 @@ Two vocabulary kinds come from GGUF files (`tokenizer.ggml.model`):
   and the merges; the text is cut into words by a regex chosen by `tokenizer.ggml.pre`, then
   every word's bytes are spelled in the byte alphabet and merged.
 - "llama": SentencePiece-style BPE. Spaces become "▁", a missing piece falls back to <0xNN> byte
-  tokens. Files of this kind usually carry no merges; they are rebuilt from the vocabulary, ranked
-  by the token scores (or, for Gemma, by the order of the tokens in the file, which is the order
-  Gemma's merges were learned in; its scores do not follow it).
+  tokens. Files of this kind usually carry no merges; the merges are implied by the vocabulary,
+  ranked by the token scores (or, for Gemma, by the order of the tokens in the file, which is the
+  order Gemma's merges were learned in; its scores do not follow it). Such a file is encoded by
+  models/spm_bpe.py, which needs no merges table; the `tokenizers` backend (built from derived
+  merges, as for a file that carries merges) is made only when Tokenizer.backend is read.
 
 Tokens the file marks CONTROL (token_type 3) become special added tokens and USER_DEFINED ones (4)
 plain added tokens, so a string such as "<|im_start|>" in the text is one token, as llama.cpp and
@@ -28,8 +31,11 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from ringllm.models.merges_cache import cached_merges
 from ringllm.models.piece_table import PieceTable
+from ringllm.models.spm_bpe import SentencePieceBPE
 from ringllm.runtime.errors import ConfigError, ModelFileError, UnsupportedModelError
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerWarning", "PRE_TOKENIZER_REGEXES", "SUPPORTED_GGUF_MODELS"]
@@ -224,6 +230,36 @@ def derive_merges(tokens: Sequence[str], ranks: Sequence[float]) -> list[tuple[s
     return [(e[4], e[5]) for e in entries]
 
 
+def _gemma_spelling(tokens: Sequence[str], pieces: PieceTable) -> list[str]:
+    """Gemma's token texts as its BPE sees them: a token of literal spaces (how Gemma stores its runs
+    of 2+ spaces) is that many "▁". pieces: the same tokens' PieceTable, which finds them."""
+    texts = list(tokens)
+    for i in pieces.runs_of(" ").tolist():
+        texts[i] = SPIECE_SPACE * len(texts[i])
+    return texts
+
+
+def _spm_tokenizers_backend(vocab: dict[str, int], merges: list[tuple[str, str]], unk: str | None,
+                            prefix: bool, added: Sequence[tuple[str, bool]]):
+    """The `tokenizers` backend of a SentencePiece-style BPE vocabulary (the Tokenizer.backend of a
+    "llama" GGUF file, and the oracle models/spm_bpe.py is tested against)."""
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                                 byte_fallback=True, dropout=None))
+    steps = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=SPIECE_SPACE, prepend_scheme="first", split=False)
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    else:
+        backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+    backend.decoder = decoders.Sequence(steps)
+    Tokenizer._add_to_backend(backend, added)
+    return backend
+
+
 def _as_list(value: Any) -> list:
     if value is None:
         return []
@@ -259,10 +295,14 @@ class Tokenizer:
                  unk_id: int | None = None, pad_id: int | None = None,
                  add_bos: bool = False, add_eos: bool = False, strip_prefix_space: bool = False,
                  chat_template: str | None = None, special_ids: Iterable[int] = (),
-                 source: str = ""):
+                 source: str = "", lean: SentencePieceBPE | None = None):
+        # backend: a `tokenizers.Tokenizer`, or (with lean, which then encodes and decodes) a function
+        # that builds one the first time Tokenizer.backend is read
         self._backend = backend
+        self._lean = lean
         self._n_vocab = int(n_vocab)
-        self._pieces = PieceTable(pieces)    # vocabulary strings by id, as the source spells them
+        # vocabulary strings by id, as the source spells them
+        self._pieces = pieces if isinstance(pieces, PieceTable) else PieceTable(pieces)
         self._piece_kind = piece_kind  # "byte_level" | "spm" | "backend": how a piece maps to bytes
         self._bos_id = bos_id
         self._eos_id = eos_id
@@ -280,13 +320,17 @@ class Tokenizer:
         self._piece_memo: dict[int, bytes] = {}   # decode_bytes' pieces so far (the whole table costs
                                                   # ~0.3 s at 262k tokens: built only when asked for)
         self._token_ids: dict[str, int] | None = None
-        self._added_contents: dict[int, str] = {
+        self._added_contents: dict[int, str] = lean.added_contents() if lean is not None else {
             i: t.content for i, t in backend.get_added_tokens_decoder().items()}
 
     # ------------------------------------------------------------------ construction: GGUF
     @classmethod
-    def from_gguf(cls, metadata: dict, path: str | os.PathLike) -> "Tokenizer":
-        """Build from a GGUF file's metadata (GGUFFile(path).metadata); `path` names it in errors."""
+    def from_gguf(cls, metadata: dict, path: str | os.PathLike, lean: bool = True) -> "Tokenizer":
+        """Build from a GGUF file's metadata (GGUFFile(path).metadata); `path` names it in errors.
+
+        lean: a SentencePiece vocabulary without merges in the file encodes with ringllm's own BPE
+        (models/spm_bpe.py: the same ids, without building the merges); False builds the `tokenizers`
+        backend at once, as every other vocabulary does."""
         path = os.fspath(path)
         model = metadata.get("tokenizer.ggml.model")
         if model is None:
@@ -301,7 +345,11 @@ class Tokenizer:
             raise ModelFileError(path, "metadata key 'tokenizer.ggml.tokens' is missing: the file "
                                  "has no vocabulary")
         tokens = _as_list(tokens)
-        if not tokens or not all(isinstance(t, str) for t in tokens):
+        try:
+            pieces = PieceTable(tokens)      # its join also checks that every token is a str
+        except TypeError:
+            pieces = None
+        if not tokens or pieces is None:
             raise ModelFileError(path, "metadata key 'tokenizer.ggml.tokens' is not a non-empty "
                                  "list of strings")
         n = len(tokens)
@@ -311,7 +359,11 @@ class Tokenizer:
                                  f"tokenizer.ggml.tokens has {n}")
         if not types:
             types = [TOKEN_NORMAL] * n
-        types = [int(t) for t in types]
+        try:
+            types_arr = np.asarray(types, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise ModelFileError(path, "metadata key 'tokenizer.ggml.token_type' is not a list of "
+                                 "integers") from None
 
         def token_id(key: str) -> int | None:
             value = metadata.get(key)
@@ -331,12 +383,14 @@ class Tokenizer:
         arch = str(metadata.get("general.architecture", ""))
         named = (bos_id, eos_id, unk_id, pad_id)
 
+        encoder = None
         if model == "gpt2":
-            backend, strip_prefix = cls._byte_level_backend(metadata, path, tokens, types, named)
+            backend, strip_prefix = cls._byte_level_backend(metadata, path, tokens, types_arr, named)
             piece_kind = "byte_level"
             add_bos_default = False
         else:
-            backend, strip_prefix = cls._spm_backend(metadata, path, tokens, types, arch, unk_id, named)
+            backend, encoder, strip_prefix = cls._spm_backend(metadata, path, tokens, pieces, types_arr, arch,
+                                                              unk_id, named, lean)
             piece_kind = "spm"
             add_bos_default = True  # llama.cpp's and transformers' rule for SentencePiece files
 
@@ -347,7 +401,7 @@ class Tokenizer:
             raise ModelFileError(path, "tokenizer.ggml.add_bos_token is set but the file names no "
                                  "BOS token (tokenizer.ggml.bos_token_id)")
 
-        control = [i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN)]
+        control = np.flatnonzero((types_arr == TOKEN_CONTROL) | (types_arr == TOKEN_UNKNOWN)).tolist()
         special = set(control) | {i for i in (bos_id, eos_id, unk_id, pad_id) if i is not None}
         eos_ids = {eos_id} if eos_id is not None else set()
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -358,28 +412,38 @@ class Tokenizer:
         eos_ids.update(i for i in control if tokens[i] in eot_texts)
 
         template = metadata.get("tokenizer.chat_template")
-        return cls(backend, n_vocab=n, pieces=tokens, piece_kind=piece_kind, bos_id=bos_id,
+        return cls(backend, n_vocab=n, pieces=pieces, piece_kind=piece_kind, bos_id=bos_id,
                    eos_id=eos_id, eos_ids=eos_ids, unk_id=unk_id, pad_id=pad_id, add_bos=add_bos,
                    add_eos=add_eos, strip_prefix_space=strip_prefix,
                    chat_template=template if isinstance(template, str) else None,
-                   special_ids=special, source=path)
+                   special_ids=special, source=path, lean=encoder)
 
     @staticmethod
-    def _added_tokens(backend, tokens: list[str], types: list[int], in_vocab,
-                      named: Iterable[int | None] = ()) -> None:
-        """CONTROL and UNKNOWN tokens, and the BOS/EOS/UNK/PAD the file names, as special added
-        tokens; USER_DEFINED ones as plain added tokens. Both are matched whole in the text."""
-        from tokenizers import AddedToken
-
+    def _added_list(tokens: Sequence[str], types: Sequence[int], in_vocab,
+                    named: Iterable[int | None] = ()) -> list[tuple[str, bool]]:
+        """(text, special) of the added tokens, in the order they are added: CONTROL and UNKNOWN tokens
+        and the BOS/EOS/UNK/PAD the file names as special tokens, then USER_DEFINED ones as plain
+        added tokens. Both are matched whole in the text."""
         special_types = (TOKEN_CONTROL, TOKEN_UNKNOWN)
         named = {i for i in named if i is not None}
-        control = [AddedToken(t, normalized=False, special=True)
-                   for i, (t, ty) in enumerate(zip(tokens, types))
-                   if (ty in special_types or i in named) and in_vocab(t, TOKEN_CONTROL)]
+        # the tokens that are not plain vocabulary entries, without a Python pass over all of them
+        types_arr = np.asarray(types, np.int64)
+        marked = sorted(set(np.flatnonzero(types_arr != TOKEN_NORMAL).tolist()) | named)
+        control = [(tokens[i], True) for i in marked
+                   if (types[i] in special_types or i in named) and in_vocab(tokens[i], TOKEN_CONTROL)]
+        user = [(tokens[i], False) for i in marked
+                if types[i] == TOKEN_USER_DEFINED and in_vocab(tokens[i], TOKEN_USER_DEFINED)]
+        return control + user
+
+    @staticmethod
+    def _add_to_backend(backend, added: Sequence[tuple[str, bool]]) -> None:
+        """Add the _added_list tokens to a `tokenizers` backend (matched on the raw text)."""
+        from tokenizers import AddedToken
+
+        control = [AddedToken(t, normalized=False, special=True) for t, special in added if special]
         if control:
             backend.add_special_tokens(control)
-        user = [AddedToken(t, normalized=False, special=False)
-                for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED and in_vocab(t, ty)]
+        user = [AddedToken(t, normalized=False, special=False) for t, special in added if not special]
         if user:
             backend.add_tokens(user)
 
@@ -430,21 +494,19 @@ class Tokenizer:
         backend.decoder = decoders.ByteLevel()
         # A CONTROL token spelled outside the byte alphabet cannot be a real byte-level token
         # (a mislabel in the file): it stays out of the added tokens, as transformers does.
-        cls._added_tokens(backend, tokens, types,
-                          lambda t, ty: not outside(t) if ty == TOKEN_CONTROL else t in vocab, named)
+        cls._add_to_backend(backend, cls._added_list(
+            tokens, types, lambda t, ty: not outside(t) if ty == TOKEN_CONTROL else t in vocab, named))
         return backend, False
 
     @classmethod
-    def _spm_backend(cls, metadata, path, tokens, types, arch, unk_id, named):
-        from tokenizers import decoders, models, normalizers, pre_tokenizers
-        from tokenizers import Tokenizer as Backend
-
+    def _spm_backend(cls, metadata, path, tokens, pieces, types, arch, unk_id, named, lean):
+        """(backend, lean encoder or None, add_space_prefix) of a SentencePiece ("llama") vocabulary.
+        Without merges in the file and with lean, the encoder is models/spm_bpe.py's and the backend a
+        function that builds the `tokenizers` one from the same parts when first asked for."""
         gemma = arch in _GEMMA_ARCHS
-        vocab_tokens = list(tokens)
-        if gemma:
-            # Gemma stores its tokens of 2+ spaces with real spaces; in the text they are "▁▁...".
-            vocab_tokens = [SPIECE_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+        vocab_tokens = _gemma_spelling(tokens, pieces) if gemma else list(tokens)
         merges_raw = metadata.get("tokenizer.ggml.merges")
+        merges = ranks = None
         if merges_raw is not None:
             merges = []
             for k, m in enumerate(_as_list(merges_raw)):
@@ -453,9 +515,7 @@ class Tokenizer:
                     raise ModelFileError(path, f"tokenizer.ggml.merges[{k}] is {m!r}, not two "
                                          "tokens separated by one space")
                 merges.append((parts[0], parts[1]))
-        elif gemma:
-            merges = cached_merges(vocab_tokens, [-i for i in range(len(vocab_tokens))], derive_merges)
-        else:
+        elif not gemma:                 # Gemma's rank is the token's index: ranks stays None
             scores = metadata.get("tokenizer.ggml.scores")
             if scores is None:
                 raise ModelFileError(path, "metadata key 'tokenizer.ggml.scores' is missing: a "
@@ -464,30 +524,33 @@ class Tokenizer:
             if len(scores) != len(tokens):
                 raise ModelFileError(path, f"tokenizer.ggml.scores has {len(scores)} entries but "
                                      f"tokenizer.ggml.tokens has {len(tokens)}")
-            merges = cached_merges(vocab_tokens, [float(s) for s in scores], derive_merges)
+            ranks = [float(s) for s in scores]
         vocab = dict(zip(vocab_tokens, range(len(vocab_tokens))))     # a later duplicate wins, as in a loop
         if unk_id is not None:
             unk = vocab_tokens[unk_id]
         else:
             unk = "<unk>" if "<unk>" in vocab else None
-        try:
-            backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
-                                         byte_fallback=True, dropout=None))
-        except Exception as exc:
-            raise ModelFileError(path, f"the vocabulary and merges are inconsistent: {exc}") from exc
-
         prefix = metadata.get("tokenizer.ggml.add_space_prefix")
         prefix = True if prefix is None else bool(prefix)  # llama.cpp's default
-        steps = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-        if prefix:
-            backend.pre_tokenizer = pre_tokenizers.Metaspace(
-                replacement=SPIECE_SPACE, prepend_scheme="first", split=False)
-            steps.append(decoders.Strip(content=" ", left=1, right=0))
-        else:
-            backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
-        backend.decoder = decoders.Sequence(steps)
-        cls._added_tokens(backend, tokens, types, lambda t, ty: t in vocab, named)
-        return backend, prefix
+        added = cls._added_list(tokens, types, lambda t, ty: t in vocab, named)
+
+        def build():
+            nonlocal merges
+            if merges is None:
+                texts = list(pieces)
+                texts = _gemma_spelling(texts, pieces) if gemma else texts
+                merges = cached_merges(texts, [-i for i in range(len(texts))] if ranks is None else ranks,
+                                       derive_merges)
+            try:
+                return _spm_tokenizers_backend(vocab, merges, unk, prefix, added)
+            except Exception as exc:
+                raise ModelFileError(path, f"the vocabulary and merges are inconsistent: {exc}") from exc
+
+        if merges_raw is None and lean:
+            encoder = SentencePieceBPE(vocab, vocab_tokens, pieces, ranks, unk, prefix,
+                                       [(t, vocab[t], special) for t, special in added])
+            return build, encoder, prefix
+        return build(), None, prefix
 
     # ------------------------------------------------------------------ construction: HF dir
     @classmethod
@@ -660,8 +723,13 @@ class Tokenizer:
 
     @property
     def backend(self):
-        """The underlying `tokenizers.Tokenizer` (read it, do not modify it)."""
-        return self._backend
+        """The `tokenizers.Tokenizer` of this vocabulary (read it, do not modify it). Where ringllm
+        encodes itself (a SentencePiece GGUF vocabulary, models/spm_bpe.py) it is built on first use,
+        for the caller alone: encode and decode do not go through it."""
+        with self._lock:
+            if callable(self._backend) and self._lean is not None:
+                self._backend = self._backend()
+            return self._backend
 
     def token_to_id(self, text: str) -> int | None:
         """Id of the vocabulary entry spelled `text` (as the model file spells it), or None."""
@@ -701,12 +769,15 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ConfigError(f"encode() takes a str, got {type(text).__name__}")
         _check_unicode(text)
-        with self._lock:
-            self._backend.encode_special_tokens = not parse_special
-            try:
-                ids = self._backend.encode(text, add_special_tokens=False).ids
-            finally:
-                self._backend.encode_special_tokens = False
+        if self._lean is not None:
+            ids = self._lean.encode(text, parse_special)
+        else:
+            with self._lock:
+                self._backend.encode_special_tokens = not parse_special
+                try:
+                    ids = self._backend.encode(text, add_special_tokens=False).ids
+                finally:
+                    self._backend.encode_special_tokens = False
         if self._add_bos if add_bos is None else add_bos:
             if self._bos_id is None:
                 raise ConfigError("add_bos=True but this model has no BOS token")
@@ -733,6 +804,8 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids` (as transformers' decode gives it)."""
         ids = self._check_ids(ids)
+        if self._lean is not None:
+            return self._lean.decode(ids, skip_special)
         return self._backend.decode(ids, skip_special_tokens=skip_special)
 
     def _piece(self, i: int) -> bytes:

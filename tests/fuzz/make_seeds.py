@@ -94,6 +94,12 @@ def tokenizer_seeds() -> None:
         put("tokenizer", t)
 
 
+def spm_bpe_seeds() -> None:
+    for t in [b"\x00abc d", b"\x05<tool>a<<tool>>b", "\x02\u2581a\u2581\u2581b> </c".encode(), b"\x03 x  y   z",
+              "\x01\u65e5\u65e5a\u00e9".encode(), b"\x04<s>ab</s>\xff\xfe", b"\x06>\xe2\x96\x81</ b\xe2\x96\x81c"]:
+        put("spm_bpe", t)
+
+
 def server_seeds() -> None:
     chat = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     bodies = [(0, chat), (1, {"prompt": "Once", "max_tokens": 2}),
@@ -107,6 +113,6 @@ def server_seeds() -> None:
 
 
 if __name__ == "__main__":
-    gguf_seeds(); safetensors_seeds(); session_seeds(); template_seeds(); tokenizer_seeds(); server_seeds()
+    gguf_seeds(); safetensors_seeds(); session_seeds(); template_seeds(); tokenizer_seeds(); spm_bpe_seeds(); server_seeds()
     for t in sorted(os.listdir(CORPUS)):
         print(t, len(os.listdir(os.path.join(CORPUS, t))))

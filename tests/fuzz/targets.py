@@ -16,6 +16,10 @@ committed corpus (tests/test_fuzz.py).
                   file or attribute access, bounded time and output
     tokenizer     the bundled model's tokenizer: encode of arbitrary text (invalid UTF-8 as
                   surrogates), decode / decode_bytes / stream decoding of arbitrary ids
+    spm_bpe       ringllm's SentencePiece BPE (models/spm_bpe.py) against the `tokenizers` backend
+                  built from the same small vocabulary (tests/spm_vocabulary.py; the first byte picks
+                  one of four and whether special tokens are parsed): the same ids for the text and
+                  the same text for arbitrary ids
     server        the real FastAPI app in-process: the bytes are a request body (first byte picks
                   the route), sent as JSON
 """
@@ -202,6 +206,37 @@ def target_tokenizer(data: bytes) -> None:
         pass
 
 
+@functools.lru_cache(maxsize=None)
+def spm_pair(variant: int):
+    """(ringllm's encoder, the tokenizers backend) of one of four small SentencePiece vocabularies."""
+    from spm_vocabulary import tiny_spm_metadata
+
+    from ringllm.models.tokenizer import Tokenizer
+    md = tiny_spm_metadata(variant, with_meta=variant % 2 == 0, all_bytes=variant < 2, prefix=variant in (0, 3))
+    return Tokenizer.from_gguf(md, "tiny.gguf"), Tokenizer.from_gguf(md, "tiny.gguf", lean=False)
+
+
+def target_spm_bpe(data: bytes) -> None:
+    if not data:
+        return
+    lean, oracle = spm_pair(data[0] % 4)
+    special = data[0] & 4 == 4
+    text = data[1:].decode("utf-8", "surrogateescape")
+    outcomes = []
+    for tok in (lean, oracle):
+        try:
+            outcomes.append(tok.encode(text, add_bos=False, parse_special=special))
+        except RingLLMError as exc:
+            outcomes.append(type(exc))
+    if outcomes[0] != outcomes[1]:
+        raise FuzzFinding(f"encode({text[:60]!r}, parse_special={special}): {outcomes[0]} != {outcomes[1]}")
+    raw = [i % lean.n_vocab for i in np.frombuffer(data[1: 1 + (len(data) - 1) // 2 * 2], dtype="<u2").tolist()]
+    for skip in (False, True):
+        ours, theirs = lean.decode(raw, skip_special=skip), oracle.decode(raw, skip_special=skip)
+        if ours != theirs:
+            raise FuzzFinding(f"decode({raw[:20]}, skip_special={skip}): {ours[:60]!r} != {theirs[:60]!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Server
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +274,8 @@ def target_server(data: bytes) -> None:
 
 
 TARGETS = {"gguf": target_gguf, "safetensors": target_safetensors, "session": target_session,
-           "chat_template": target_chat_template, "tokenizer": target_tokenizer, "server": target_server}
+           "chat_template": target_chat_template, "tokenizer": target_tokenizer, "spm_bpe": target_spm_bpe,
+           "server": target_server}
 
 def corpus_files(name: str) -> list[str]:
     folder = os.path.join(CORPUS, name)
