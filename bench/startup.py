@@ -24,10 +24,13 @@ turn, --warm-runs times each (a repeat counts each one's median, so that none of
 right after a cold start or a warmup); the table gives the medians over the repeats.
 
     python bench/startup.py [--repeats 3] [--warm-runs 3] [--threads 2] [--models smollm2,gemma3,qwen3-1.7b]
-                            [--warm-only] [--name startup]
+                            [--warm-only [--base DIR]] [--name startup]
 
 --warm-only times warm starts on the user's own kernel cache and llama.cpp, nothing else (an A/B of
-the warm path in minutes).
+the warm path in minutes). With --base DIR (a directory holding another checkout's package as
+DIR/ringllm, e.g. symlinks to an older commit's files) it also times that package's warm start
+(PYTHONPATH=DIR), run for run in turn with this checkout's, and reports the median of the paired
+differences (this checkout minus the base): an A/B whose two sides share every minute of the machine.
 
 Synthetic shapes (bench/synthetic_gguf.py: random weights, Q4_K_M, the real model's shapes and
 vocabulary size) time what a 1-2B model's start costs: parsing, tokenizer, repacking a gigabyte.
@@ -115,13 +118,15 @@ def _ringllm_chat(path: str, threads: int) -> list[str]:
 
 
 def _alternate(path: str, threads: int, warm_runs: int, caches: dict) -> dict:
-    """ringllm on each named kernel cache ({name: cache dir, None for the user's}) and llama.cpp, warm_runs
-    times each in turn: {name: median first token, name + "_exit": median exit, "samples": every run}."""
+    """ringllm on each named kernel cache ({name: cache dir, None for the user's; or (cache dir, extra
+    environment)}) and llama.cpp, warm_runs times each in turn: {name: median first token, name + "_exit":
+    median exit, "samples": every run}."""
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     samples = {name: [] for name in caches} | {"llama_cpp": []}
     for _ in range(warm_runs):
         for name, cache in caches.items():
-            samples[name].append(_timed(_ringllm(path, threads), cache))
+            cache, extra = cache if isinstance(cache, tuple) else (cache, {})
+            samples[name].append(_timed(_ringllm(path, threads), cache, **extra))
         if have_llama:
             samples["llama_cpp"].append(_timed([sys.executable, "-c", LLAMA_CPP, path, str(threads), PROMPT]))
     out = {}
@@ -132,19 +137,28 @@ def _alternate(path: str, threads: int, warm_runs: int, caches: dict) -> dict:
     return out
 
 
-def run_model(path: str, threads: int, warm_runs: int = 3, warm_only: bool = False) -> dict:
+def run_model(path: str, threads: int, warm_runs: int = 3, warm_only: bool = False, base: str | None = None) -> dict:
     """One repeat for one model: cold, cold chat and cold alone (each on its own empty cache), then warmup
     into a fresh cache; then warm (the cache the cold run filled), after warmup and llama.cpp, warm_runs
     times each in turn, reported as their medians (seconds to the first token, and "<name>_exit" to the
     process's exit; every run under "samples"). Alternating the three keeps them in the same conditions:
     a single run right after the warmup command (53 s on both cores) or right after a cold start would
     carry what ran before it. warm_only: warm on the user's own kernel cache (one untimed run first fills
-    what it lacks) and llama.cpp alone, every other column None: the warm path's A/B in minutes."""
+    what it lacks) and llama.cpp alone, every other column None: the warm path's A/B in minutes. base
+    (warm_only): also the package in that directory, warm ("warm_base"), in turn with this checkout's,
+    and "warm_delta", the median over the rounds of this checkout's first token minus the base's."""
     if warm_only:
-        _timed(_ringllm(path, threads))
+        caches = {"warm": None} | ({"warm_base": (None, {"PYTHONPATH": base})} if base else {})
+        for cache in caches.values():
+            cache, extra = cache if isinstance(cache, tuple) else (cache, {})
+            _timed(_ringllm(path, threads), cache, **extra)
         out = {c + e: None for c in ("cold", "cold_chat", "cold_alone", "after_warmup") for e in ("", "_exit")}
         out["warmup_command"] = None
-        return out | _alternate(path, threads, warm_runs, {"warm": None})
+        out |= _alternate(path, threads, warm_runs, caches)
+        if base:
+            pairs = zip(out["samples"]["warm"], out["samples"]["warm_base"])
+            out["warm_delta"] = float(np.median([a[0] - b[0] for a, b in pairs]))
+        return out
     out = {}
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as warmed:
         out["cold"], out["cold_exit"] = _timed(_ringllm(path, threads), cache)
@@ -170,22 +184,30 @@ def main():
                     help="runs of warm, after warmup and llama.cpp per repeat, alternating (their median counts)")
     ap.add_argument("--warm-only", action="store_true",
                     help="warm starts (on the user's kernel cache) and llama.cpp only: no cold or warmup runs")
+    ap.add_argument("--base", default=None, metavar="DIR",
+                    help="with --warm-only: also time the package DIR/ringllm warm (PYTHONPATH=DIR), in turn with "
+                         "this checkout's, and report the median paired difference")
     ap.add_argument("--name", default="startup", help="results file name under bench/results")
     args = ap.parse_args()
     if args.warm_runs < 1:
         ap.error(f"--warm-runs must be at least 1, got {args.warm_runs}")
+    if args.base is not None and (not args.warm_only or not os.path.isdir(os.path.join(args.base, "ringllm"))):
+        ap.error("--base takes a directory holding a ringllm package (DIR/ringllm) and needs --warm-only")
     paths = _model_paths(args.models.split(","))
     runs = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, path in paths.items():
-            runs[name].append(run_model(path, args.threads, args.warm_runs, args.warm_only))
+            runs[name].append(run_model(path, args.threads, args.warm_runs, args.warm_only, args.base))
             print(name, runs[name][-1], file=sys.stderr, flush=True)
     cols = ["cold", "cold_exit", "cold_alone", "cold_alone_exit", "cold_chat", "cold_chat_exit", "warm", "warm_exit",
             "warmup_command", "after_warmup", "after_warmup_exit", "llama_cpp", "llama_cpp_exit"]
+    if args.base:
+        cols += ["warm_base", "warm_base_exit", "warm_delta"]
     medians = {name: {c: (None if any(r[c] is None for r in rs) else float(np.median([r[c] for r in rs])))
                       for c in cols} for name, rs in runs.items()}
     command = (f"python bench/startup.py --repeats {args.repeats} --threads {args.threads} --models {args.models} "
-               f"--warm-runs {args.warm_runs}{' --warm-only' if args.warm_only else ''} --name {args.name}")
+               f"--warm-runs {args.warm_runs}{' --warm-only' if args.warm_only else ''}"
+               f"{f' --base {args.base}' if args.base else ''} --name {args.name}")
     payload = {"machine": machine(), "command": command, "threads": args.threads, "prompt": PROMPT,
                "models": paths, "median_s": medians, "runs": runs}
 
@@ -215,6 +237,13 @@ def main():
         ratio = "n/a" if m["llama_cpp"] is None else f"{m['warm'] / m['llama_cpp']:.2f}x"
         md.append(f"| {name} | {both(m, 'cold')} | {both(m, 'cold_alone')} | {both(m, 'cold_chat')} | {both(m, 'warm')} | "
                   f"{fmt(m['warmup_command'])} | {both(m, 'after_warmup')} | {both(m, 'llama_cpp')} | {ratio} |")
+    if args.base:
+        md += ["", f"This checkout against the package in {args.base} (PYTHONPATH), warm, run for run in turn "
+               f"({args.warm_runs} rounds per repeat); the difference is the median over a repeat's rounds of this "
+               "checkout's first token minus the base's, then the median over the repeats.", "",
+               "| model | warm, this checkout (s) | warm, base (s) | difference (s) |", "|---|---|---|---|"]
+        md += [f"| {name} | {both(m, 'warm')} | {both(m, 'warm_base')} | {m['warm_delta']:+.3f} |"
+               for name, m in medians.items()]
     text = "\n".join(md) + "\n"
     print(text)
     write_results(args.name, payload, text)

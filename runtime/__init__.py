@@ -150,6 +150,10 @@ def _load_cached_without_refresh() -> None:
 
 _load_cached_without_refresh()
 
+from ringllm.runtime import kernel_load  # noqa: E402
+
+kernel_load.install()
+
 from ringllm.runtime import compile_clock, compile_gc  # noqa: E402  (after the cache directory is set)
 
 compile_clock.set_cache_dir(os.environ.get("NUMBA_CACHE_DIR"))

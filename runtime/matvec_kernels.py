@@ -14,7 +14,8 @@ and its block sums, for the packed-field types) or copy_x (x as is, for Q8_0 and
 then the full tiles, in prange over tiles when more than one thread is set, the matrix has at least
 two tiles and PAR_MIN_WEIGHTS weights (below that fork/join costs more than it saves); then the last,
 partial tile into scratch and from there into out. So the kernels are written once, as the source
-template _ENTRY_SOURCE, and one row of _ENTRIES per type fills it in.
+template _ENTRY_SOURCE, and one row of _ENTRIES per type fills it in, the first time a matrix of that
+type is packed (KERNELS and the other mappings below make each kernel on first use).
 
 Why source text and not a factory function: Numba's on-disk cache (cache=True) keys a closure by a
 pickle of its free variables, and a jitted function pickles with a per-process random id, so a
@@ -25,6 +26,10 @@ cache directory is named by a hash of all its sources (runtime/__init__.py), so 
 kernel in another file also starts a fresh cache. The generated code gets this file's line numbers
 of the template, so tracebacks and Numba's error messages point at _ENTRY_SOURCE.
 """
+import functools
+import threading
+from collections.abc import MutableMapping
+
 import numpy as np
 from numba import njit, prange  # noqa: F401 (prange: named by the generated entry kernels)
 
@@ -228,6 +233,7 @@ _BLOCK_NAMES = {QK: "QK", QK_K: "QK_K"}
 _ROWS_NAMES = {TILE: "TILE", TILE3: "TILE3"}
 
 
+@functools.lru_cache(maxsize=None)
 def _template_line(template: str) -> int:
     """Lines of this file before the template's text (0 when the source cannot be read)."""
     try:
@@ -249,41 +255,113 @@ def _compile(template: str, names: tuple, **fields):
     return globals()[names[-1]]
 
 
-def _entry_kernels(pairs: bool) -> tuple[dict, dict]:
-    """({GGMLType: (matvec entry kernel, unpack family, unpack kind)}, {GGMLType: few-row entry kernel}),
-    each kernel compiled from _ENTRY_SOURCE / _ROWS_SOURCE into this module's namespace (as matvec_q4_0,
-    rows_q4_0, ...); with `pairs`, those of the types of PAIR_TYPES only, with the 16-lane tile kernels
-    (matvec_q4_0_pairs, rows_q4_0_pairs, ...)."""
-    kernels, rows_kernels = {}, {}
-    for qtype, tile, tile2, rec, x_sums, (family, kind) in _ENTRIES:
+def _fields(qtype: GGMLType, pairs: bool) -> dict | None:
+    """The template fields of qtype's kernels (16-lane ones with `pairs`), or None where there are none."""
+    for entry_type, tile, tile2, rec, x_sums, (family, kind) in _ENTRIES:
+        if entry_type != qtype:
+            continue
         name = qtype.name.lower()
         if pairs:
             if qtype not in PAIR_TYPES:
-                continue
+                return None
             name, tile, tile2 = name + "_pairs", tile + "_pairs", tile2 + "_pairs"
         block = BLOCK_LAYOUT[qtype][0]
-        fields = dict(name=name, type=qtype.name, tile=tile, tile2=tile2, rec=rec,
-                      rows=_ROWS_NAMES[tile_rows(qtype)],
-                      nb=f"n_cols // {_BLOCK_NAMES[block]}" if block > 1 else "n_cols")
-        kernels[qtype] = (_compile(_ENTRY_SOURCE, ("matvec_" + name,),
-                                   prep=f"prep_x(xs, xsum, x, tab, {x_sums})" if x_sums else "copy_x(xs, x)",
-                                   x_args="xs, xsum" if x_sums else "xs", **fields), family, kind)
-        if tile2 is None:
-            continue
-        row = "scratch[{j}, o:o + n_cols]" + (", scratch[{j}, 56:o]" if x_sums else "")
-        rows_kernels[qtype] = _compile(
-            _ROWS_SOURCE, ("rowtile_" + name, "rows_" + name),
-            prep_rows=(f"prep_x(scratch[j, o:o + n_cols], scratch[j, 56:o], X[j], scratch[j, :32], {x_sums})"
-                       if x_sums else "copy_x(scratch[j, o:o + n_cols], X[j])"),
-            x_args1=row.format(j="j"), x_args2=row.format(j="j") + ", " + row.format(j="j + 1"), **fields)
-    return kernels, rows_kernels
+        return dict(name=name, type=qtype.name, tile=tile, tile2=tile2, rec=rec,
+                    rows=_ROWS_NAMES[tile_rows(qtype)], x_sums=x_sums, family=family, kind=kind,
+                    nb=f"n_cols // {_BLOCK_NAMES[block]}" if block > 1 else "n_cols")
+    return None
+
+
+def _entry_kernel(qtype: GGMLType, pairs: bool):
+    """(matvec entry kernel, unpack family, unpack kind) of qtype, compiled from _ENTRY_SOURCE into this
+    module's namespace as matvec_<type>[_pairs]."""
+    f = _fields(qtype, pairs)
+    x_sums, family, kind = f.pop("x_sums"), f.pop("family"), f.pop("kind")
+    kernel = _compile(_ENTRY_SOURCE, ("matvec_" + f["name"],),
+                      prep=f"prep_x(xs, xsum, x, tab, {x_sums})" if x_sums else "copy_x(xs, x)",
+                      x_args="xs, xsum" if x_sums else "xs", **f)
+    return kernel, family, kind
+
+
+def _rows_kernel(qtype: GGMLType, pairs: bool):
+    """The few-row entry kernel of qtype, compiled from _ROWS_SOURCE as rows_<type>[_pairs]."""
+    f = _fields(qtype, pairs)
+    x_sums = f.pop("x_sums")
+    del f["family"], f["kind"]
+    row = "scratch[{j}, o:o + n_cols]" + (", scratch[{j}, 56:o]" if x_sums else "")
+    return _compile(
+        _ROWS_SOURCE, ("rowtile_" + f["name"], "rows_" + f["name"]),
+        prep_rows=(f"prep_x(scratch[j, o:o + n_cols], scratch[j, 56:o], X[j], scratch[j, :32], {x_sums})"
+                   if x_sums else "copy_x(scratch[j, o:o + n_cols], X[j])"),
+        x_args1=row.format(j="j"), x_args2=row.format(j="j") + ", " + row.format(j="j + 1"), **f)
+
+
+class _OnFirstUse(MutableMapping):
+    """GGMLType -> kernel, each made (compiled from its template into this module's namespace, which
+    defines its Numba dispatcher) the first time it is asked for: a process defines the kernels of its
+    model's types only, not the few dozen of every type at import. A key set here (a test's
+    monkeypatch) replaces the made value."""
+
+    def __init__(self, makers: dict):
+        self._makers = makers            # type -> function making its value
+        self._made: dict = {}
+
+    def __getitem__(self, qtype):
+        made = self._made.get(qtype)
+        if made is None:
+            make = self._makers[qtype]   # KeyError for a type without one
+            with _MAKING:
+                made = self._made.get(qtype)
+                if made is None:
+                    made = self._made[qtype] = make()
+        return made
+
+    def __setitem__(self, qtype, value):
+        self._makers.setdefault(qtype, None)
+        self._made[qtype] = value
+
+    def __delitem__(self, qtype):
+        del self._makers[qtype]
+        self._made.pop(qtype, None)
+
+    def __contains__(self, qtype) -> bool:
+        return qtype in self._makers
+
+    def __iter__(self):
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
+_MAKING = threading.RLock()           # one kernel made at a time (exec into the module's namespace)
+
+
+def _kernels(pairs: bool) -> tuple[_OnFirstUse, _OnFirstUse]:
+    """({GGMLType: (matvec entry kernel, unpack family, unpack kind)}, {GGMLType: few-row entry kernel}),
+    made on first use; with `pairs`, those of the types of PAIR_TYPES only, with the 16-lane tile kernels
+    (matvec_q4_0_pairs, rows_q4_0_pairs, ...)."""
+    types_ = [q for q, *_ in _ENTRIES if not pairs or q in PAIR_TYPES]
+    entries = {q: functools.partial(_entry_kernel, q, pairs) for q in types_}
+    rows = {q: functools.partial(_rows_kernel, q, pairs) for q, _, tile2, *_ in _ENTRIES
+            if q in types_ and tile2 is not None}
+    return _OnFirstUse(entries), _OnFirstUse(rows)
+
+
+def _host(narrow: _OnFirstUse, pair: _OnFirstUse) -> _OnFirstUse:
+    """The host's choice per type: the 16-lane kernel where the CPU has 512-bit SIMD and the type has one
+    (the same object as pair's), else the 8-lane one."""
+    use_pair = HAS_AVX512
+    return _OnFirstUse({q: functools.partial(pair.__getitem__ if use_pair and q in pair else narrow.__getitem__, q)
+                        for q in narrow})
 
 
 # type -> (matvec entry kernel, unpack family, unpack kind); type -> few-row entry kernel (the types
 # with a two-row tile kernel). Where the CPU has 512-bit SIMD (simd.HAS_AVX512) the 4-bit types and
 # Q6_K (PAIR_TYPES) take the 16-lane tile kernels (PAIR_KERNELS, PAIR_ROWS_KERNELS); the NARROW_
-# dicts hold the 8-lane ones of every type. Both kinds exist on every CPU (the tests check both).
-NARROW_KERNELS, NARROW_ROWS_KERNELS = _entry_kernels(pairs=False)
-PAIR_KERNELS, PAIR_ROWS_KERNELS = _entry_kernels(pairs=True)
-KERNELS = {**NARROW_KERNELS, **PAIR_KERNELS} if HAS_AVX512 else NARROW_KERNELS
-ROWS_KERNELS = {**NARROW_ROWS_KERNELS, **PAIR_ROWS_KERNELS} if HAS_AVX512 else NARROW_ROWS_KERNELS
+# mappings hold the 8-lane ones of every type. Both kinds exist on every CPU (the tests check both).
+# Every kernel is made on first use (_OnFirstUse).
+NARROW_KERNELS, NARROW_ROWS_KERNELS = _kernels(pairs=False)
+PAIR_KERNELS, PAIR_ROWS_KERNELS = _kernels(pairs=True)
+KERNELS = _host(NARROW_KERNELS, PAIR_KERNELS)
+ROWS_KERNELS = _host(NARROW_ROWS_KERNELS, PAIR_ROWS_KERNELS)

@@ -89,3 +89,73 @@ def test_a_cached_kernel_loads_without_the_registry_refresh(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
     assert runs[0].stdout.split()[1:] == ["True", "True"]   # compiled: the compile refreshed the registries
     assert runs[1].stdout.split() == ["ringllm.runtime", "False", "True"]
+
+
+KERNELS_MODULE = r"""
+from numba import njit
+
+
+@njit(cache=True)
+def inner(x):
+    return x * 2.0 + 1.0
+
+
+@njit(cache=True)
+def outer(a):
+    s = 0.0
+    for v in a:
+        s += inner(v)
+    return s
+"""
+
+LOAD_LAZY = r"""
+import sys
+import numpy as np
+import llvmlite.binding as ll
+import ringllm.runtime
+from ringllm.runtime import kernel_load
+listed = set()
+elf_symbols = kernel_load.elf_defined_globals
+kernel_load.elf_defined_globals = lambda obj: listed.update(elf_symbols(obj) or ()) or elf_symbols(obj)
+parsed = []
+parse = ll.parse_bitcode
+ll.parse_bitcode = lambda data: parsed.append(len(data)) or parse(data)
+sys.path.insert(0, sys.argv[1])
+import kern
+value = kern.outer(np.arange(10.0))
+loaded_parses = len(parsed)
+(cres,) = kern.outer.overloads.values()
+entry = cres.fndesc.llvm_cpython_wrapper_name in listed     # its entry point, among the ELF symbols read
+from numba import njit
+@njit
+def fresh(x):
+    return kern.inner(x) + 0.5
+print(value, loaded_parses, entry, fresh(3.0), len(parsed) > loaded_parses,
+      cres.library._codegen._engine.is_symbol_defined("no_such_symbol_anywhere"))
+"""
+
+
+def test_a_cached_kernel_loads_without_parsing_its_bitcode(tmp_path):
+    """runtime/kernel_load.py: a second process loads a cached kernel (and the cached kernel it calls)
+    without parsing bitcode, finds its entry point among the object code's ELF symbols and gets the right
+    value; a new kernel compiled in that process calling the loaded one links against it (its bitcode is
+    parsed then) and computes the right value; a lookup of an unknown symbol answers False."""
+    (tmp_path / "kern.py").write_text(KERNELS_MODULE)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("RINGLLM_NUMBA_CACHE_BASE", None)
+    runs = [subprocess.run([sys.executable, "-c", LOAD_LAZY, str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=600) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    want = str(sum(v * 2.0 + 1.0 for v in range(10)))
+    first, second = runs[0].stdout.split(), runs[1].stdout.split()
+    assert first[0] == want and first[3] == "7.5"
+    assert second == [want, "0", "True", "7.5", "True", "False"], second
+
+
+def test_elf_symbols_of_what_is_not_elf():
+    """Object code that is not 64-bit little-endian ELF is left to Numba's own loader."""
+    from ringllm.runtime.kernel_load import elf_defined_globals
+    assert elf_defined_globals(b"") is None
+    assert elf_defined_globals(b"\xcf\xfa\xed\xfe" + bytes(60)) is None        # Mach-O
+    assert elf_defined_globals(b"\x7fELF\x01\x01" + bytes(58)) is None         # 32-bit ELF
