@@ -118,14 +118,13 @@ def _ringllm_chat(path: str, threads: int) -> list[str]:
 
 
 def _alternate(path: str, threads: int, warm_runs: int, caches: dict) -> dict:
-    """ringllm on each named kernel cache ({name: cache dir, None for the user's; or (cache dir, extra
+    """ringllm on each named kernel cache and environment ({name: (cache dir, None for the user's; extra
     environment)}) and llama.cpp, warm_runs times each in turn: {name: median first token, name + "_exit":
     median exit, "samples": every run}."""
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     samples = {name: [] for name in caches} | {"llama_cpp": []}
     for _ in range(warm_runs):
-        for name, cache in caches.items():
-            cache, extra = cache if isinstance(cache, tuple) else (cache, {})
+        for name, (cache, extra) in caches.items():
             samples[name].append(_timed(_ringllm(path, threads), cache, **extra))
         if have_llama:
             samples["llama_cpp"].append(_timed([sys.executable, "-c", LLAMA_CPP, path, str(threads), PROMPT]))
@@ -148,9 +147,8 @@ def run_model(path: str, threads: int, warm_runs: int = 3, warm_only: bool = Fal
     (warm_only): also the package in that directory, warm ("warm_base"), in turn with this checkout's,
     and "warm_delta", the median over the rounds of this checkout's first token minus the base's."""
     if warm_only:
-        caches = {"warm": None} | ({"warm_base": (None, {"PYTHONPATH": base})} if base else {})
-        for cache in caches.values():
-            cache, extra = cache if isinstance(cache, tuple) else (cache, {})
+        caches = {"warm": (None, {})} | ({"warm_base": (None, {"PYTHONPATH": base})} if base else {})
+        for cache, extra in caches.values():
             _timed(_ringllm(path, threads), cache, **extra)
         out = {c + e: None for c in ("cold", "cold_chat", "cold_alone", "after_warmup") for e in ("", "_exit")}
         out["warmup_command"] = None
@@ -171,7 +169,7 @@ def run_model(path: str, threads: int, warm_runs: int = 3, warm_only: bool = Fal
         subprocess.run([sys.executable, "-m", "ringllm", "warmup", "-m", path, "--policy", "full"], check=True,
                        env=_env(warmed), capture_output=True)
         out["warmup_command"] = time.perf_counter() - t0
-        return out | _alternate(path, threads, warm_runs, {"warm": cache, "after_warmup": warmed})
+        return out | _alternate(path, threads, warm_runs, {"warm": (cache, {}), "after_warmup": (warmed, {})})
 
 
 def main():

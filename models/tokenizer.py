@@ -35,7 +35,7 @@ import numpy as np
 
 from ringllm.models.merges_cache import cached_merges
 from ringllm.models.piece_table import PieceTable
-from ringllm.models.spm_bpe import SentencePieceBPE
+from ringllm.models.spm_bpe import SPIECE_SPACE, SentencePieceBPE
 from ringllm.runtime.errors import ConfigError, ModelFileError, UnsupportedModelError
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerWarning", "PRE_TOKENIZER_REGEXES", "SUPPORTED_GGUF_MODELS"]
@@ -50,7 +50,6 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 
 SUPPORTED_GGUF_MODELS = ("gpt2", "llama")
 
-SPIECE_SPACE = "\u2581"  # "▁"
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 # Text of end-of-turn tokens: generation stops on them as on EOS (when the vocabulary has them).
@@ -537,10 +536,8 @@ class Tokenizer:
         def build():
             nonlocal merges
             if merges is None:
-                texts = list(pieces)
-                texts = _gemma_spelling(texts, pieces) if gemma else texts
-                merges = cached_merges(texts, [-i for i in range(len(texts))] if ranks is None else ranks,
-                                       derive_merges)
+                merges = cached_merges(vocab_tokens, [-i for i in range(len(vocab_tokens))] if ranks is None
+                                       else ranks, derive_merges)
             try:
                 return _spm_tokenizers_backend(vocab, merges, unk, prefix, added)
             except Exception as exc:

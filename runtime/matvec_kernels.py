@@ -229,6 +229,7 @@ _ENTRIES = (
     (GGMLType.IQ4_NL, "tile_iq4_nl", None,          "REC_IQ4_NL", 32,     (3, 2)),
     (GGMLType.IQ4_XS, "tile_iq4_xs", None,          "REC_IQ4_XS", 32,     (3, 3)),
 )
+_ENTRY_OF = {entry[0]: entry for entry in _ENTRIES}
 _BLOCK_NAMES = {QK: "QK", QK_K: "QK_K"}
 _ROWS_NAMES = {TILE: "TILE", TILE3: "TILE3"}
 
@@ -255,28 +256,23 @@ def _compile(template: str, names: tuple, **fields):
     return globals()[names[-1]]
 
 
-def _fields(qtype: GGMLType, pairs: bool) -> dict | None:
-    """The template fields of qtype's kernels (16-lane ones with `pairs`), or None where there are none."""
-    for entry_type, tile, tile2, rec, x_sums, (family, kind) in _ENTRIES:
-        if entry_type != qtype:
-            continue
-        name = qtype.name.lower()
-        if pairs:
-            if qtype not in PAIR_TYPES:
-                return None
-            name, tile, tile2 = name + "_pairs", tile + "_pairs", tile2 + "_pairs"
-        block = BLOCK_LAYOUT[qtype][0]
-        return dict(name=name, type=qtype.name, tile=tile, tile2=tile2, rec=rec,
-                    rows=_ROWS_NAMES[tile_rows(qtype)], x_sums=x_sums, family=family, kind=kind,
-                    nb=f"n_cols // {_BLOCK_NAMES[block]}" if block > 1 else "n_cols")
-    return None
+def _fields(qtype: GGMLType, pairs: bool) -> tuple[dict, int, int, int]:
+    """(template fields, x sums, unpack family, unpack kind) of qtype's kernels (16-lane ones with
+    `pairs`, a type of PAIR_TYPES): its row of _ENTRIES."""
+    _, tile, tile2, rec, x_sums, (family, kind) = _ENTRY_OF[qtype]
+    name = qtype.name.lower()
+    if pairs:
+        name, tile, tile2 = name + "_pairs", tile + "_pairs", tile2 + "_pairs"
+    block = BLOCK_LAYOUT[qtype][0]
+    fields = dict(name=name, type=qtype.name, tile=tile, tile2=tile2, rec=rec, rows=_ROWS_NAMES[tile_rows(qtype)],
+                  nb=f"n_cols // {_BLOCK_NAMES[block]}" if block > 1 else "n_cols")
+    return fields, x_sums, family, kind
 
 
 def _entry_kernel(qtype: GGMLType, pairs: bool):
     """(matvec entry kernel, unpack family, unpack kind) of qtype, compiled from _ENTRY_SOURCE into this
     module's namespace as matvec_<type>[_pairs]."""
-    f = _fields(qtype, pairs)
-    x_sums, family, kind = f.pop("x_sums"), f.pop("family"), f.pop("kind")
+    f, x_sums, family, kind = _fields(qtype, pairs)
     kernel = _compile(_ENTRY_SOURCE, ("matvec_" + f["name"],),
                       prep=f"prep_x(xs, xsum, x, tab, {x_sums})" if x_sums else "copy_x(xs, x)",
                       x_args="xs, xsum" if x_sums else "xs", **f)
@@ -285,9 +281,7 @@ def _entry_kernel(qtype: GGMLType, pairs: bool):
 
 def _rows_kernel(qtype: GGMLType, pairs: bool):
     """The few-row entry kernel of qtype, compiled from _ROWS_SOURCE as rows_<type>[_pairs]."""
-    f = _fields(qtype, pairs)
-    x_sums = f.pop("x_sums")
-    del f["family"], f["kind"]
+    f, x_sums, _, _ = _fields(qtype, pairs)
     row = "scratch[{j}, o:o + n_cols]" + (", scratch[{j}, 56:o]" if x_sums else "")
     return _compile(
         _ROWS_SOURCE, ("rowtile_" + f["name"], "rows_" + f["name"]),
