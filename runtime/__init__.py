@@ -88,25 +88,25 @@ def _set_numba_cache_dir() -> None:
     if not path:
         return
     os.environ["NUMBA_CACHE_DIR"] = path
+    _import_numba()
     import numba.core.config as numba_config     # already imported by a caller: it read the environment then
     numba_config.CACHE_DIR = path
-
-
-_set_numba_cache_dir()
 
 
 def _import_without(name: str, blocked: str) -> None:
     """Import Numba's module `name` with module `blocked` unimportable for that one import (the import
     machinery's "halted" marker, None in sys.modules: ImportError), unless the process has imported
-    either already. Two of the modules Numba imports on its first compile or cache load import an
-    optional dependency no ringllm kernel uses, at a cost every process that loads a kernel pays:
+    either already. Three of the modules Numba imports (at its own import, or on a first compile) import
+    an optional dependency no ringllm kernel uses, at a cost every process would pay:
 
     - numba.np.arraymath probes for a BLAS by importing scipy.linalg (OpenBLAS: 0.2-0.5 s and tens of
       MB). Its only use is np.correlate/np.convolve picking BLAS over a plain loop; a user's own np.dot
       still imports it when compiled.
     - numba.core.typing.cffi_utils builds a cffi.FFI() when cffi is installed (ringllm's CUDA backend
       installs it), which imports cffi's C parser, pycparser. It lets Numba kernels call cffi
-      functions, which no ringllm kernel does; a process that imports cffi before ringllm keeps it."""
+      functions, which no ringllm kernel does; a process that imports cffi before ringllm keeps it.
+    - numba.core.config imports PyYAML, only to read a `.numba_config.yaml` in the working directory
+      (_import_numba)."""
     if blocked in sys.modules or name in sys.modules:
         return
     sys.modules[blocked] = None
@@ -117,8 +117,41 @@ def _import_without(name: str, blocked: str) -> None:
             del sys.modules[blocked]
 
 
-_import_without("numba.np.arraymath", "scipy.linalg")
+def _import_numba() -> None:
+    """Import Numba; without PyYAML unless the working directory holds the `.numba_config.yaml` that
+    Numba's config module would read with it: otherwise every start pays yaml's import for a file
+    that is not there."""
+    if os.path.isfile(".numba_config.yaml"):
+        importlib.import_module("numba.core.config")
+    else:
+        _import_without("numba.core.config", "yaml")
+
+
+_set_numba_cache_dir()
 _import_without("numba.core.typing.cffi_utils", "cffi")
+
+
+def _registries_without_blas() -> None:
+    """numba.np.arraymath (and with it Numba's array, string and hashing implementations) is imported
+    by the lowering registries' first load (CPUContext.load_additional_registries), which a compile runs
+    and a cache load no longer does (_load_cached_without_refresh): it is imported there, with
+    scipy.linalg unimportable for that import (_import_without), instead of at every start. A warm
+    process that only loads kernels never imports it. The hash secret that numba.cpython.hashing
+    registers, the one symbol such an import provides that a cached kernel may need, is imported by the
+    kernel loader when a kernel refers to it (kernel_load.py)."""
+    from numba.core import cpu
+
+    numba_load = cpu.CPUContext.load_additional_registries
+    if getattr(numba_load, "_ringllm", False):
+        return
+
+    def load_additional_registries(self):
+        _import_without("numba.np.arraymath", "scipy.linalg")
+        return numba_load(self)
+
+    load_additional_registries._ringllm = True
+    load_additional_registries.__doc__ = numba_load.__doc__
+    cpu.CPUContext.load_additional_registries = load_additional_registries
 
 
 def _load_cached_without_refresh() -> None:
@@ -128,9 +161,10 @@ def _load_cached_without_refresh() -> None:
     uses none of them (a compile refreshes the context itself, compiler.compile_extra). What a loaded
     kernel does need is the NRT (its allocator and reference counting), whose initialisation the refresh
     also runs; the loader here runs that alone, then loads as Numba's does. Numba's other symbols are in
-    place without a refresh (the C helpers and math functions from the context's construction, the hash
-    secret from numba.cpython.hashing's import, the threading layer's from its launch). Applied only where
-    Numba's loader is the refresh-then-load this replaces."""
+    place without a refresh (the C helpers and math functions from the context's construction, the
+    threading layer's from its launch, the hash secret from numba.cpython.hashing's import, which the
+    kernel loader makes for a kernel that refers to it). Applied only where Numba's loader is the
+    refresh-then-load this replaces."""
     from numba.core import caching
     from numba.core.runtime import rtsys
 
@@ -149,10 +183,17 @@ def _load_cached_without_refresh() -> None:
 
 
 _load_cached_without_refresh()
+_registries_without_blas()
 
 from ringllm.runtime import kernel_load  # noqa: E402
 
-kernel_load.install()
+if not kernel_load.install():          # Numba's own loader: the hash secret's symbols at hand (kernel_load)
+    importlib.import_module("numba.cpython.hashing")
+
+from ringllm.runtime import extension_scan, kernel_cache_handles  # noqa: E402  (before any kernel is defined)
+
+kernel_cache_handles.install()
+extension_scan.install()
 
 from ringllm.runtime import compile_clock, compile_gc  # noqa: E402  (after the cache directory is set)
 

@@ -16,14 +16,21 @@ library's internal functions). A lookup of any other name first parses the libra
 so the engine answers every question as Numba's does. Object code that is not 64-bit little-endian
 ELF (macOS, Windows) is loaded as Numba loads it. Installed only where Numba's loader and engine
 have the shape this replaces (checked by the names their code uses).
+
+The symbols a kernel's object code refers to must be known to the JIT before it is added. Numba's
+own C helpers are registered when its context is made; the hash secret (`_numba_hashsecret_*`, which
+a kernel that hashes refers to) is registered by importing numba.cpython.hashing, which ringllm no
+longer imports at start (runtime/__init__.py: _registries_without_blas), so the loader imports it
+before adding object code that refers to it, and before any object code it cannot read.
 """
 from __future__ import annotations
 
+import importlib
 import weakref
 
 import numpy as np
 
-__all__ = ["install", "elf_defined_globals"]
+__all__ = ["install", "elf_defined_globals", "elf_symbols"]
 
 # ELF64 symbol table entry
 _SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"),
@@ -35,9 +42,19 @@ _STB_GLOBAL, _STB_WEAK = 1, 2
 _pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_HASH_SECRET = "_numba_hashsecret_"      # prefix of the symbols numba.cpython.hashing registers
+
+
 def elf_defined_globals(obj: bytes) -> set[str] | None:
     """Names of the global and weak symbols defined in a 64-bit little-endian ELF object, or None when
     `obj` is not one (or holds no symbol table)."""
+    found = elf_symbols(obj)
+    return None if found is None else found[0]
+
+
+def elf_symbols(obj: bytes) -> tuple[set[str], set[str]] | None:
+    """(global and weak symbols defined, symbols referred to but not defined) of a 64-bit
+    little-endian ELF object, or None when `obj` is not one (or holds no symbol table)."""
     if len(obj) < 64 or obj[:4] != b"\x7fELF" or obj[4] != 2 or obj[5] != 1:
         return None
 
@@ -54,10 +71,20 @@ def elf_defined_globals(obj: bytes) -> set[str] | None:
         strtab = obj[u(str_hdr + 0x18, 8):u(str_hdr + 0x18, 8) + u(str_hdr + 0x20, 8)]
         syms = np.frombuffer(obj, _SYM, count=sym_size // _SYM.itemsize, offset=sym_off)
         bind = syms["info"] >> 4
-        keep = (syms["shndx"] != 0) & (syms["name"] != 0) & ((bind == _STB_GLOBAL) | (bind == _STB_WEAK))
-        return {strtab[n:strtab.index(b"\0", n)].decode("utf-8", "surrogateescape")
-                for n in syms["name"][keep].tolist()}
+        named = syms["name"] != 0
+        keep = (syms["shndx"] != 0) & named & ((bind == _STB_GLOBAL) | (bind == _STB_WEAK))
+        undefined = (syms["shndx"] == 0) & named
+
+        def names(which):
+            return {strtab[n:strtab.index(b"\0", n)].decode("utf-8", "surrogateescape")
+                    for n in syms["name"][which].tolist()}
+        return names(keep), names(undefined)
     return None
+
+
+def _register_hash_secret() -> None:
+    """Import numba.cpython.hashing, whose import registers the _numba_hashsecret_* symbols."""
+    importlib.import_module("numba.cpython.hashing")
 
 
 def _parse(library, ll) -> None:
@@ -90,9 +117,13 @@ def install() -> bool:
 
     def _unserialize(cls, codegen_, state):
         name, kind, data = state
-        symbols = elf_defined_globals(data[0]) if kind == "object" else None
-        if symbols is None:
+        found = elf_symbols(data[0]) if kind == "object" else None
+        if found is None:
+            _register_hash_secret()
             return numba_unserialize(cls, codegen_, state)
+        symbols, refers = found
+        if any(n.startswith(_HASH_SECRET) for n in refers):
+            _register_hash_secret()
         object_code, shared_bitcode = data
         self = codegen_.create_library(name)
         assert isinstance(self, cls)

@@ -63,6 +63,18 @@ def test_policy_steps_load_from_cache_in_a_new_process(tiny_dir):
     assert first["h2o"]["logits"] != first["tova"]["logits"]
 
 
+def _twice_on_a_fresh_cache(script, tmp_path, *args, cwd=None):
+    """stdout, split, of `script` run in two processes in turn on a kernel cache of their own under
+    tmp_path: the first compiles what the second loads."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("RINGLLM_NUMBA_CACHE_BASE", None)
+    runs = [subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    return [run.stdout.split() for run in runs]
+
+
 LOAD_ONLY = r"""
 import sys
 import numpy as np
@@ -81,14 +93,9 @@ print(caching.Cache.load_overload.__module__, "numba.cpython.heapq" in sys.modul
 def test_a_cached_kernel_loads_without_the_registry_refresh(tmp_path):
     """The second process loads the kernel the first compiled, through ringllm's loader (no import of
     Numba's registry modules, which only a refresh imports) and gets the right values from it."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    env.pop("RINGLLM_NUMBA_CACHE_BASE", None)
-    runs = [subprocess.run([sys.executable, "-c", LOAD_ONLY], env=env, capture_output=True, text=True, timeout=600)
-            for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
-    assert runs[0].stdout.split()[1:] == ["True", "True"]   # compiled: the compile refreshed the registries
-    assert runs[1].stdout.split() == ["ringllm.runtime", "False", "True"]
+    first, second = _twice_on_a_fresh_cache(LOAD_ONLY, tmp_path)
+    assert first[1:] == ["True", "True"]   # compiled: the compile refreshed the registries
+    assert second == ["ringllm.runtime", "False", "True"]
 
 
 KERNELS_MODULE = r"""
@@ -115,8 +122,8 @@ import llvmlite.binding as ll
 import ringllm.runtime
 from ringllm.runtime import kernel_load
 listed = set()
-elf_symbols = kernel_load.elf_defined_globals
-kernel_load.elf_defined_globals = lambda obj: listed.update(elf_symbols(obj) or ()) or elf_symbols(obj)
+elf_symbols = kernel_load.elf_symbols
+kernel_load.elf_symbols = lambda obj: listed.update((elf_symbols(obj) or (set(),))[0]) or elf_symbols(obj)
 parsed = []
 parse = ll.parse_bitcode
 ll.parse_bitcode = lambda data: parsed.append(len(data)) or parse(data)
@@ -141,14 +148,8 @@ def test_a_cached_kernel_loads_without_parsing_its_bitcode(tmp_path):
     value; a new kernel compiled in that process calling the loaded one links against it (its bitcode is
     parsed then) and computes the right value; a lookup of an unknown symbol answers False."""
     (tmp_path / "kern.py").write_text(KERNELS_MODULE)
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("RINGLLM_NUMBA_CACHE_BASE", None)
-    runs = [subprocess.run([sys.executable, "-c", LOAD_LAZY, str(tmp_path)], env=env, capture_output=True,
-                           text=True, timeout=600) for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = _twice_on_a_fresh_cache(LOAD_LAZY, tmp_path, str(tmp_path))
     want = str(sum(v * 2.0 + 1.0 for v in range(10)))
-    first, second = runs[0].stdout.split(), runs[1].stdout.split()
     assert first[0] == want and first[3] == "7.5"
     assert second == [want, "0", "True", "7.5", "True", "False"], second
 
@@ -159,3 +160,92 @@ def test_elf_symbols_of_what_is_not_elf():
     assert elf_defined_globals(b"") is None
     assert elf_defined_globals(b"\xcf\xfa\xed\xfe" + bytes(60)) is None        # Mach-O
     assert elf_defined_globals(b"\x7fELF\x01\x01" + bytes(58)) is None         # 32-bit ELF
+
+
+REGISTRIES_PROBE = r"""
+import sys
+import numpy as np
+import ringllm.runtime
+from ringllm.runtime.ops import rms_norm_rows
+x = np.arange(128, dtype=np.float32).reshape(2, 64)
+out = np.empty_like(x)
+rms_norm_rows(out, x, np.ones(64, np.float32), 1e-5)
+from numba import njit
+from numba.core import entrypoints
+scanned = entrypoints._already_initialized
+print(*("numba.np.arraymath" in sys.modules, "scipy.linalg" in sys.modules, "yaml" in sys.modules,
+        bool(np.isfinite(out).all()), scanned, njit(lambda v: v + 1)(1) == 2 and entrypoints._already_initialized))
+"""
+
+
+def test_numbas_array_registries_are_imported_by_a_compile_not_by_a_warm_start(tmp_path):
+    """runtime/__init__.py: a process that compiles imports numba.np.arraymath (with the lowering
+    registries) and still not scipy.linalg (its BLAS probe stays blocked); a process that only loads
+    the cached kernel imports neither, nor PyYAML (no .numba_config.yaml in the working directory),
+    and does not scan the installed packages for Numba extensions (runtime/extension_scan.py), which
+    a kernel of another module still does before its first compile."""
+    first, second = _twice_on_a_fresh_cache(REGISTRIES_PROBE, tmp_path, cwd=tmp_path)
+    assert first == ["True", "False", "False", "True", "True", "True"], first
+    assert second == ["False", "False", "False", "True", "False", "True"], second
+
+
+HASHING_MODULE = r"""
+from numba import njit
+
+
+@njit(cache=True)
+def text_hash(s):
+    return hash(s)
+"""
+
+HASHING_PROBE = r"""
+import sys
+import ringllm.runtime
+from ringllm.runtime import kernel_load
+refers = set()                        # undefined symbols of the object code the loader reads
+elf_symbols = kernel_load.elf_symbols
+kernel_load.elf_symbols = lambda obj: refers.update((elf_symbols(obj) or ((), ()))[1]) or elf_symbols(obj)
+sys.path.insert(0, sys.argv[1])
+import kern
+before = "numba.cpython.hashing" in sys.modules
+value = kern.text_hash("ringllm")
+loaded = sum(kern.text_hash.stats.cache_hits.values())
+print(value == hash("ringllm"), loaded, before, any(n.startswith("_numba_hashsecret_") for n in refers))
+"""
+
+
+def test_a_cached_kernel_that_hashes_loads_in_a_new_process(tmp_path):
+    """A kernel hashing a string refers to the hash secret's symbols (numba.cpython.hashing registers
+    them when imported, which ringllm no longer does at start): the loader sees them among the object
+    code's undefined symbols, and a second process loads the kernel and hashes as Python does."""
+    (tmp_path / "kern.py").write_text(HASHING_MODULE)
+    first, second = _twice_on_a_fresh_cache(HASHING_PROBE, tmp_path, str(tmp_path))
+    assert first == ["True", "0", "False", "False"], first
+    assert second == ["True", "1", "False", "True"], second
+
+
+def test_a_kernels_cache_handle_is_made_at_its_first_use(tmp_path, monkeypatch):
+    """runtime/kernel_cache_handles.py: a kernel of a ringllm module gets its FunctionCache when first
+    compiled, the same one (same cache path and index) Numba makes at definition; another module's
+    kernel gets Numba's at once."""
+    import numba.core.config as numba_config
+    from numba import njit
+    from numba.core.caching import FunctionCache
+
+    monkeypatch.setattr(numba_config, "CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "probe_kernels.py"
+    src.write_text("def twice(x):\n    return 2 * x\n")
+
+    def kernel(module):
+        ns = {"__name__": module}
+        exec(compile(src.read_text(), str(src), "exec"), ns)
+        return njit(cache=True)(ns["twice"])
+
+    ours, theirs = kernel("ringllm.probe_kernels"), kernel("app.probe_kernels")
+    assert isinstance(theirs._cache, FunctionCache)
+    assert not isinstance(ours._cache, FunctionCache)
+    assert ours(21) == 42
+    assert isinstance(ours._cache, FunctionCache)
+    assert ours._cache.cache_path == FunctionCache(ours.py_func).cache_path
+    assert ours._cache._cache_file._index_path == FunctionCache(ours.py_func)._cache_file._index_path
+    assert sum(ours.stats.cache_misses.values()) == 1
