@@ -38,7 +38,6 @@ from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 from ringllm.backends import BACKENDS, check_room, engine_peak_memory, make_engine, store_stats
 from ringllm.chat_template import check_template_kwargs, render_chat
@@ -84,6 +83,25 @@ def _start_compile_helper(model, kv: KVConfig, precision: str) -> None:
     compile_share.start_helper(helper_argv(path, kv, precision), size)
 
 
+
+def _progress_bar(steps: int):
+    """The loading bar on stderr (tqdm, imported here: a process that shows no bar never imports it)."""
+    from tqdm import tqdm
+    return tqdm(total=steps, desc="loading model", unit="step", file=sys.stderr, leave=False)
+
+
+class _NoBar:
+    """The loading bar's methods LLM calls, doing nothing: no bar shown."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_description(self, desc: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 class LLM:
     """A loaded model, its engine and tokenizer.
 
@@ -128,8 +146,7 @@ class LLM:
         if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1):
             raise ConfigError(f"n_threads must be a positive integer, got {n_threads!r}")
         show = sys.stderr.isatty() if progress is None else bool(progress)
-        bar = tqdm(total=3 if warmup else 2, desc="loading model", unit="step", file=sys.stderr, disable=not show,
-                   leave=False)
+        bar = _progress_bar(3 if warmup else 2) if show else _NoBar()
         try:
             if backend == "cpu" and n_threads != 1:      # a cold start compiles on two cores (compile_share)
                 _start_compile_helper(model, kv, precision)
