@@ -30,6 +30,7 @@ from ringllm.runtime.packing import pack_in_chunks, pack_records, records_buffer
 from ringllm.runtime.packing_q8 import Q8_GROUPS, Q8_OWN_LAYOUT, Q8_TILE
 from ringllm.runtime.quant_tiles import GROUP, tile_rows
 from ringllm.runtime.quant_types import BLOCK_LAYOUT, GGMLType
+from ringllm.runtime.simd import ld_u64, st_u16, st_u32
 
 __all__ = ["FAST_PACK_TYPES", "record_bytes", "pack_part_fast", "pack_records_fast", "pack_part_q8_fast",
            "pack_records_q8_fast"]
@@ -157,27 +158,64 @@ def _pack_q8_0(rec3, blocks, n_rows):
                 _copy2(rec3, t, b, _at(256 * groups, 2, 0, g, groups, 1, 0, lane), blocks, r, 0)
 
 
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_HIGH_NIBBLES = np.uint64(0xF0F0F0F0F0F0F0F0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _even_bytes(z):
+    """Bytes 0, 2, 4 and 6 of uint64 z, as the four bytes of a uint64 below 2^32."""
+    return ((z & np.uint64(0xFF)) | ((z >> np.uint64(8)) & np.uint64(0xFF00))
+            | ((z >> np.uint64(16)) & np.uint64(0xFF0000)) | ((z >> np.uint64(24)) & np.uint64(0xFF000000)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _low_nibble_pairs(x):
+    """Of eight bytes q0..q7 (uint64 x): the four bytes (q_2p & 15) | (q_2p+1 & 15) << 4, p = 0..3."""
+    lo = x & _LOW_NIBBLES
+    return _even_bytes(lo | (lo >> np.uint64(4)))        # byte 2p gets q_2p+1's low nibble on top
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _high_nibble_pairs(x):
+    """Of eight bytes q0..q7 (uint64 x): the four bytes (q_2p >> 4) | (q_2p+1 & 0xF0), p = 0..3."""
+    hi = x & _HIGH_NIBBLES
+    return _even_bytes((hi >> np.uint64(4)) | (hi >> np.uint64(8)))
+
+
 @njit(cache=True, nogil=True, fastmath=False)
 def _pack_q4_legacy(rec3, blocks, n_rows, qs_off, has_min):
     """Q4_0 (qs_off 2) / Q4_1 (qs_off 4, has_min) (G = 3): nibble dwords [G][4][8] u32 (byte p of the 16:
     columns 2p, 2p + 1 of the block, p < 8 from the low nibbles of qs[2p], qs[2p + 1], p >= 8 from their
-    high nibbles; packing._nib_dwords_of_qs), d [G][8] f16, Q4_1's m [G][8] f16."""
-    nt, nb = rec3.shape[0], rec3.shape[1]
+    high nibbles; packing._nib_dwords_of_qs), d [G][8] f16, Q4_1's m [G][8] f16.
+
+    Eight bytes of qs at a time: each block's 16 bytes of qs are two 64-bit loads, and the 16 record
+    bytes of the row's lane four 32-bit stores (dwords 0 and 1 from the low nibbles, 2 and 3 from the
+    high ones); d and m come from one 64-bit load of the block's head. rec3 and blocks are addressed
+    by flat byte offsets (both C-contiguous: records_buffer, _read_only_blocks): a byte at a time, the
+    three-index addressing of every byte bound the kernel, not the memory."""
+    nt, nb, rb = rec3.shape[0], rec3.shape[1], rec3.shape[2]
+    size = blocks.shape[2]
     groups = 3
     o_d = 128 * groups
     for t in range(nt):
         _zero_padded_tile(rec3, t, 8 * groups, n_rows)
         for slot in range(min(8 * groups, n_rows - t * 8 * groups)):
             r, g, lane = t * 8 * groups + slot, slot // 8, slot % 8
+            o_q = _at(0, 4, 0, g, groups, 4, 0, lane)                # dword 0; dwords 1, 2, 3 at +32, +64, +96
+            o_dl = _at(o_d, 2, 0, g, groups, 1, 0, lane)
+            o_ml = _at(o_d + 16 * groups, 2, 0, g, groups, 1, 0, lane)
             for b in range(nb):
-                for p in range(8):
-                    lo, hi = blocks[r, b, qs_off + 2 * p], blocks[r, b, qs_off + 2 * p + 1]
-                    o = _at(0, 4, 0, g, groups, 4, p // 4, lane) + p % 4
-                    rec3[t, b, o] = (lo & 15) | ((hi & 15) << 4)
-                    rec3[t, b, o + 4 * 2 * 8] = (lo >> 4) | (hi & 0xF0)       # dword p // 4 + 2
-                _copy2(rec3, t, b, _at(o_d, 2, 0, g, groups, 1, 0, lane), blocks, r, 0)
+                src, dst = (r * nb + b) * size, (t * nb + b) * rb
+                x0, x1 = ld_u64(blocks, src + qs_off), ld_u64(blocks, src + qs_off + 8)
+                st_u32(rec3, dst + o_q, _low_nibble_pairs(x0))
+                st_u32(rec3, dst + o_q + 32, _low_nibble_pairs(x1))
+                st_u32(rec3, dst + o_q + 64, _high_nibble_pairs(x0))
+                st_u32(rec3, dst + o_q + 96, _high_nibble_pairs(x1))
+                head = ld_u64(blocks, src)                            # d (and Q4_1's m) in its low bytes
+                st_u16(rec3, dst + o_dl, head)
                 if has_min:
-                    _copy2(rec3, t, b, _at(o_d + 16 * groups, 2, 0, g, groups, 1, 0, lane), blocks, r, 2)
+                    st_u16(rec3, dst + o_ml, head >> np.uint64(16))
 
 
 @njit(cache=True, nogil=True, fastmath=False)
@@ -205,7 +243,8 @@ def _pack_q4_k(rec3, blocks, n_rows):
     """Q4_K (G = 3): scales (_kquant_scales), then nibble dwords [8 sub][G][4][8] u32 at 160 G: sub-block
     2c + h, column l is nibble h of qs[32 c + l] (qs at blk[16:144]); byte k of dword s holds columns
     8s + 2k and 8s + 2k + 1."""
-    nt, nb = rec3.shape[0], rec3.shape[1]
+    nt, nb, rb = rec3.shape[0], rec3.shape[1], rec3.shape[2]
+    size = blocks.shape[2]
     groups = 3
     for t in range(nt):
         _zero_padded_tile(rec3, t, 8 * groups, n_rows)
@@ -213,14 +252,13 @@ def _pack_q4_k(rec3, blocks, n_rows):
             r, g, lane = t * 8 * groups + slot, slot // 8, slot % 8
             for b in range(nb):
                 _kquant_scales(rec3, t, b, blocks, r, groups, g, lane)
+                src, dst = (r * nb + b) * size + 16, (t * nb + b) * rb      # qs; this record (flat, as Q4_0's)
                 for c in range(4):
                     for s in range(4):
-                        o = _at(160 * groups, 4, 2 * c, g, groups, 4, s, lane)
-                        for k in range(4):
-                            lo = blocks[r, b, 16 + 32 * c + 8 * s + 2 * k]
-                            hi = blocks[r, b, 16 + 32 * c + 8 * s + 2 * k + 1]
-                            rec3[t, b, o + k] = (lo & 15) | ((hi & 15) << 4)
-                            rec3[t, b, o + k + 4 * 4 * groups * 8] = (lo >> 4) | (hi & 0xF0)    # sub-block 2c + 1
+                        o = dst + _at(160 * groups, 4, 2 * c, g, groups, 4, s, lane)
+                        x = ld_u64(blocks, src + 32 * c + 8 * s)
+                        st_u32(rec3, o, _low_nibble_pairs(x))
+                        st_u32(rec3, o + 4 * 4 * groups * 8, _high_nibble_pairs(x))    # sub-block 2c + 1
 
 
 @njit(cache=True, nogil=True, fastmath=False)
@@ -373,7 +411,7 @@ def record_bytes(qtype: GGMLType) -> int:
 def _read_only_blocks(data, n_rows: int, nb: int, size: int) -> np.ndarray:
     """data as (n_rows, nb, size) uint8 blocks, read-only: one compiled signature per kernel (file rows are
     read-only; stacked copies and test arrays are not)."""
-    blocks = np.asarray(data).reshape(n_rows, nb, size)
+    blocks = np.ascontiguousarray(np.asarray(data).reshape(n_rows, nb, size))    # kernels address it flat
     if blocks.flags.writeable:
         blocks = blocks.view()
         blocks.flags.writeable = False

@@ -36,7 +36,8 @@ __all__ = ["f32x8", "i32x8", "f32x16", "i32x16", "zzero", "zload", "zstore", "zb
            "vfnma", "vadd", "vsub", "vmax", "vhmax", "vmul", "isrl", "andf", "srlf", "vhsum", "vsum8x8",
            "num_threads", "ld_u8i", "iand", "lut16", "bc_i32", "maddubs", "add16", "hadd16", "iadd", "ior", "ishl",
            "itof", "abs8", "sign8", "vlane", "f16_round", "izero", "dpbusd", "ixor", "zizero", "zbc_i32",
-           "zjoin_i32", "zcat", "zsplat", "zsub", "zfnma", "compiles_for", "TARGET_ARCH", "X86"]
+           "zjoin_i32", "zcat", "zsplat", "zsub", "zfnma", "compiles_for", "TARGET_ARCH", "X86", "ld_u64", "st_u32",
+           "st_u16"]
 
 
 # ==================================================================================================
@@ -413,6 +414,42 @@ def ld_i32(typingctx, buf, off):
     def codegen(context, builder, sig, args):
         return builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VI), align=4)
     return i32x8(buf, off), codegen
+
+
+def _scalar_ptr(context, builder, sig, args, bits):
+    """Pointer to an integer of `bits` bits at byte offset args[1] of array args[0] (C-contiguous, any
+    number of dimensions: the offset counts from its first byte)."""
+    return _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.IntType(bits))
+
+
+@intrinsic
+def ld_u64(typingctx, buf, off):
+    """uint64 from the 8 bytes at byte offset off of a uint8 array (one unaligned load; little-endian
+    on every target ringllm builds for, x86-64 and aarch64, as GGUF files are)."""
+    def codegen(context, builder, sig, args):
+        return builder.load(_scalar_ptr(context, builder, sig, args, 64), align=1)
+    return types.uint64(buf, off), codegen
+
+
+def _store_low(bits):
+    def codegen(context, builder, sig, args):
+        value = context.cast(builder, args[2], sig.args[2], types.uint64)
+        builder.store(builder.trunc(value, ir.IntType(bits)), _scalar_ptr(context, builder, sig, args, bits), align=1)
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def st_u32(typingctx, buf, off, v):
+    """The low 32 bits of integer v into the 4 bytes at byte offset off of a uint8 array (one unaligned
+    store, little-endian as ld_u64)."""
+    return types.none(buf, off, v), _store_low(32)
+
+
+@intrinsic
+def st_u16(typingctx, buf, off, v):
+    """The low 16 bits of integer v into the 2 bytes at byte offset off of a uint8 array (as st_u32)."""
+    return types.none(buf, off, v), _store_low(16)
 
 
 def _prefetch_codegen(locality):
