@@ -83,7 +83,6 @@ def _start_compile_helper(model, kv: KVConfig, precision: str) -> None:
     compile_share.start_helper(helper_argv(path, kv, precision), size)
 
 
-
 def _progress_bar(steps: int):
     """The loading bar on stderr (tqdm, imported here: a process that shows no bar never imports it)."""
     from tqdm import tqdm
@@ -101,6 +100,7 @@ class _NoBar:
 
     def close(self) -> None:
         pass
+
 
 class LLM:
     """A loaded model, its engine and tokenizer.

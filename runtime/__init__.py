@@ -190,10 +190,9 @@ from ringllm.runtime import kernel_load  # noqa: E402
 if not kernel_load.install():          # Numba's own loader: the hash secret's symbols at hand (kernel_load)
     importlib.import_module("numba.cpython.hashing")
 
-from ringllm.runtime import extension_scan, kernel_cache_handles  # noqa: E402  (before any kernel is defined)
+from ringllm.runtime import own_kernels  # noqa: E402  (before any kernel is defined)
 
-kernel_cache_handles.install()
-extension_scan.install()
+own_kernels.install()
 
 from ringllm.runtime import compile_clock, compile_gc  # noqa: E402  (after the cache directory is set)
 

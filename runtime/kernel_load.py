@@ -30,7 +30,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["install", "elf_defined_globals", "elf_symbols"]
+__all__ = ["install", "elf_symbols"]
 
 # ELF64 symbol table entry
 _SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"),
@@ -43,13 +43,6 @@ _pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 _HASH_SECRET = "_numba_hashsecret_"      # prefix of the symbols numba.cpython.hashing registers
-
-
-def elf_defined_globals(obj: bytes) -> set[str] | None:
-    """Names of the global and weak symbols defined in a 64-bit little-endian ELF object, or None when
-    `obj` is not one (or holds no symbol table)."""
-    found = elf_symbols(obj)
-    return None if found is None else found[0]
 
 
 def elf_symbols(obj: bytes) -> tuple[set[str], set[str]] | None:

@@ -156,10 +156,10 @@ def test_a_cached_kernel_loads_without_parsing_its_bitcode(tmp_path):
 
 def test_elf_symbols_of_what_is_not_elf():
     """Object code that is not 64-bit little-endian ELF is left to Numba's own loader."""
-    from ringllm.runtime.kernel_load import elf_defined_globals
-    assert elf_defined_globals(b"") is None
-    assert elf_defined_globals(b"\xcf\xfa\xed\xfe" + bytes(60)) is None        # Mach-O
-    assert elf_defined_globals(b"\x7fELF\x01\x01" + bytes(58)) is None         # 32-bit ELF
+    from ringllm.runtime.kernel_load import elf_symbols
+    assert elf_symbols(b"") is None
+    assert elf_symbols(b"\xcf\xfa\xed\xfe" + bytes(60)) is None        # Mach-O
+    assert elf_symbols(b"\x7fELF\x01\x01" + bytes(58)) is None         # 32-bit ELF
 
 
 REGISTRIES_PROBE = r"""
@@ -182,7 +182,7 @@ def test_numbas_array_registries_are_imported_by_a_compile_not_by_a_warm_start(t
     """runtime/__init__.py: a process that compiles imports numba.np.arraymath (with the lowering
     registries) and still not scipy.linalg (its BLAS probe stays blocked); a process that only loads
     the cached kernel imports neither, nor PyYAML (no .numba_config.yaml in the working directory),
-    and does not scan the installed packages for Numba extensions (runtime/extension_scan.py), which
+    and does not scan the installed packages for Numba extensions (runtime/own_kernels.py), which
     a kernel of another module still does before its first compile."""
     first, second = _twice_on_a_fresh_cache(REGISTRIES_PROBE, tmp_path, cwd=tmp_path)
     assert first == ["True", "False", "False", "True", "True", "True"], first
@@ -225,7 +225,7 @@ def test_a_cached_kernel_that_hashes_loads_in_a_new_process(tmp_path):
 
 
 def test_a_kernels_cache_handle_is_made_at_its_first_use(tmp_path, monkeypatch):
-    """runtime/kernel_cache_handles.py: a kernel of a ringllm module gets its FunctionCache when first
+    """runtime/own_kernels.py: a kernel of a ringllm module gets its FunctionCache when first
     compiled, the same one (same cache path and index) Numba makes at definition; another module's
     kernel gets Numba's at once."""
     import numba.core.config as numba_config
