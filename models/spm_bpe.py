@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import heapq
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ringllm.models.piece_table import PieceTable
 
 
-__all__ = ["AddedTokens", "SentencePieceBPE", "SPIECE_SPACE"]
+__all__ = ["AddedTokens", "SentencePieceBPE", "SPIECE_SPACE", "join_symbols", "remembered"]
 
 SPIECE_SPACE = "\u2581"  # "▁"
 # where a word is cut (module docstring): before each "▁" that follows another character
@@ -174,17 +174,14 @@ class SentencePieceBPE:
         pieces = _CUT.split(word)
         if self._crossing and len(pieces) > 1:
             pieces = _glue(pieces, word, self._crossing)
-        memo, vocab = self._memo, self._vocab
         out: list[int] = []
         for piece in pieces:
-            ids = memo.get(piece)
-            if ids is None:
-                ids = [vocab[s] for s in self._merge_word(piece)]
-                if len(memo) >= _MEMO_LIMIT:
-                    memo.clear()
-                memo[piece] = ids
-            out.extend(ids)
+            out.extend(remembered(self._memo, piece, self._piece_ids))
         return out
+
+    def _piece_ids(self, piece: str) -> list[int]:
+        vocab = self._vocab
+        return [vocab[s] for s in self._merge_word(piece)]
 
     def _symbols(self, word: str) -> list[str]:
         """The word's starting symbols: characters, byte tokens or unknown tokens. As tokenizers does,
@@ -241,13 +238,7 @@ class SentencePieceBPE:
             if j < 0 or syms[j] != b:
                 continue
             merged = a + b
-            syms[i] = merged
-            syms[j] = None
-            k = nxt[j]
-            nxt[i] = k
-            if k >= 0:
-                prv[k] = i
-            p = prv[i]
+            p, k = join_symbols(syms, nxt, prv, i, j, merged)
             if p >= 0:
                 e = entry(syms[p], merged, p)
                 if e is not None:
@@ -286,6 +277,30 @@ class SentencePieceBPE:
         if self._add_prefix and text.startswith(" "):
             text = text[1:]
         return text
+
+
+def join_symbols(syms: list, nxt: list[int], prv: list[int], i: int, j: int, merged: str) -> tuple[int, int]:
+    """A merge in a word's symbols, a list linked both ways (nxt, prv; -1 at the ends): symbol j, the
+    one after i, joins i, which becomes `merged`. Returns (the symbol now before i, the one after)."""
+    syms[i] = merged
+    syms[j] = None
+    k = nxt[j]
+    nxt[i] = k
+    if k >= 0:
+        prv[k] = i
+    return prv[i], k
+
+
+def remembered(memo: dict[str, list[int]], word: str, ids_of: Callable[[str], list[int]]) -> list[int]:
+    """ids_of(word), each word merged once per tokenizer (as tokenizers caches words): memo holds the
+    words so far and starts again when it holds _MEMO_LIMIT of them."""
+    ids = memo.get(word)
+    if ids is None:
+        ids = ids_of(word)
+        if len(memo) >= _MEMO_LIMIT:
+            memo.clear()
+        memo[word] = ids
+    return ids
 
 
 def _glue(pieces: list[str], word: str, crossing: Sequence[str]) -> list[str]:

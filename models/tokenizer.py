@@ -1,11 +1,13 @@
-"""The tokenizer of ringllm: a HF `tokenizers` backend built from GGUF metadata or a tokenizer.json, or
-ringllm's own SentencePiece BPE for a "llama" GGUF vocabulary.
+"""The tokenizer of ringllm: ringllm's own BPE for a GGUF vocabulary (byte-level or SentencePiece), or a
+HF `tokenizers` backend built from a tokenizer.json.
 
 Two vocabulary kinds come from GGUF files (`tokenizer.ggml.model`):
 
 - "gpt2": byte-level BPE. The file gives the vocabulary (already spelled in GPT-2's byte alphabet)
   and the merges; the text is cut into words by a regex chosen by `tokenizer.ggml.pre`, then
-  every word's bytes are spelled in the byte alphabet and merged.
+  every word's bytes are spelled in the byte alphabet and merged. Such a file is encoded by
+  models/byte_bpe.py (the regex split is the `tokenizers` pre-tokenizer itself; the merges a dict
+  of the file's own strings), and the `tokenizers` backend is made only when Tokenizer.backend is read.
 - "llama": SentencePiece-style BPE. Spaces become "▁", a missing piece falls back to <0xNN> byte
   tokens. Files of this kind usually carry no merges; the merges are implied by the vocabulary,
   ranked by the token scores (or, for Gemma, by the order of the tokens in the file, which is the
@@ -33,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ringllm.models.byte_bpe import ByteLevelBPE
 from ringllm.models.merges_cache import cached_merges
 from ringllm.models.piece_table import PieceTable
 from ringllm.models.spm_bpe import SPIECE_SPACE, SentencePieceBPE
@@ -259,6 +262,49 @@ def _spm_tokenizers_backend(vocab: dict[str, int], merges: list[tuple[str, str]]
     return backend
 
 
+_LINE_WITHOUT_SPACE = re.compile("^[^ \n]*$", re.M)
+
+
+def _checked_merges(merges: list, vocab: dict[str, int], path: str) -> list[str]:
+    """A byte-level vocabulary's merges ("a b" strings), checked: two tokens separated by one space,
+    whose concatenation is in the vocabulary. The checks run over the merges joined into one text (a
+    vocabulary has 10^5). `tokenizers` also refuses a merge whose parts are not tokens; such a merge
+    never applies (every symbol of a word is a token), so the lean encoder leaves it unchecked and
+    the `tokenizers` backend, built from the same merges, refuses it when first asked for."""
+    try:
+        lines = "\n".join(merges)
+    except TypeError:
+        lines = None
+    if (lines is None or lines.count("\n") != max(len(merges) - 1, 0) or lines.count(" ") != len(merges)
+            or (merges and _LINE_WITHOUT_SPACE.search(lines))):
+        for k, m in enumerate(merges):
+            if not isinstance(m, str) or m.count(" ") != 1 or "\n" in m:
+                raise ModelFileError(path, f"tokenizer.ggml.merges[{k}] is {m!r}, not two tokens "
+                                     "separated by one space")
+    if not all(map(vocab.__contains__, lines.replace(" ", "").split("\n"))):
+        made = next(m for m in merges if m.replace(" ", "") not in vocab)
+        raise ModelFileError(path, f"the vocabulary and merges are inconsistent: merge {made!r} makes "
+                             f"{made.replace(' ', '')!r}, which is not in the vocabulary")
+    return merges
+
+
+def _byte_level_pre_tokenizer(pre: str, path: str):
+    """The `tokenizers` pre-tokenizer of `tokenizer.ggml.pre` (PRE_TOKENIZER_REGEXES): the words a
+    byte-level vocabulary merges, spelled in the byte alphabet."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre not in PRE_TOKENIZER_REGEXES:
+        warnings.warn(f"{path}: tokenizer.ggml.pre {pre!r} is unknown to ringllm; splitting "
+                      "words with GPT-2's regex, which may tokenize differently from the "
+                      "model's own tokenizer", TokenizerWarning, stacklevel=4)
+    regexes = PRE_TOKENIZER_REGEXES.get(pre)
+    if regexes is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def _as_list(value: Any) -> list:
     if value is None:
         return []
@@ -384,7 +430,8 @@ class Tokenizer:
 
         encoder = None
         if model == "gpt2":
-            backend, strip_prefix = cls._byte_level_backend(metadata, path, tokens, types_arr, named)
+            backend, encoder = cls._byte_level_backend(metadata, path, tokens, pieces, types_arr, named, lean)
+            strip_prefix = False
             piece_kind = "byte_level"
             add_bos_default = False
         else:
@@ -447,10 +494,10 @@ class Tokenizer:
             backend.add_tokens(user)
 
     @classmethod
-    def _byte_level_backend(cls, metadata, path, tokens, types, named):
-        from tokenizers import Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as Backend
-
+    def _byte_level_backend(cls, metadata, path, tokens, pieces, types, named, lean):
+        """(backend, lean encoder or None) of a byte-level ("gpt2") vocabulary. With lean, the encoder
+        is models/byte_bpe.py's and the backend a function that builds the `tokenizers` one from the
+        same parts when first asked for."""
         merges_raw = metadata.get("tokenizer.ggml.merges")
         if merges_raw is None:
             raise ModelFileError(path, "metadata key 'tokenizer.ggml.merges' is missing: a gpt2 "
@@ -458,44 +505,35 @@ class Tokenizer:
         outside = _OUTSIDE_BYTE_ALPHABET.search
         if outside("".join(tokens)) is None:        # every token in the byte alphabet: one search
             vocab: dict[str, int] = dict(zip(tokens, range(len(tokens))))
+            texts = pieces
         else:
-            vocab = {}
-            for i, t in enumerate(tokens):
-                # Tokens written as plain text rather than in the byte alphabet (some added tokens)
-                # are respelled, so the BPE model and the byte-level decoder agree on them.
-                vocab["".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8")) if outside(t) else t] = i
-        merges = []
-        for k, m in enumerate(_as_list(merges_raw)):
-            parts = m.split(" ")
-            if len(parts) != 2:
-                raise ModelFileError(path, f"tokenizer.ggml.merges[{k}] is {m!r}, not two tokens "
-                                     "separated by one space")
-            merges.append((parts[0], parts[1]))
-        try:
-            backend = Backend(models.BPE(vocab=vocab, merges=merges, dropout=None,
-                                         continuing_subword_prefix="", end_of_word_suffix="",
-                                         fuse_unk=False))
-        except Exception as exc:  # tokenizers raises plain Exception for a merge of unknown tokens
-            raise ModelFileError(path, f"the vocabulary and merges are inconsistent: {exc}") from exc
-
-        pre = metadata.get("tokenizer.ggml.pre") or "default"
-        if pre not in PRE_TOKENIZER_REGEXES:
-            warnings.warn(f"{path}: tokenizer.ggml.pre {pre!r} is unknown to ringllm; splitting "
-                          "words with GPT-2's regex, which may tokenize differently from the "
-                          "model's own tokenizer", TokenizerWarning, stacklevel=3)
-        regexes = PRE_TOKENIZER_REGEXES.get(pre)
-        if regexes is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
-                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        backend.decoder = decoders.ByteLevel()
+            # Tokens written as plain text rather than in the byte alphabet (some added tokens) are
+            # respelled, so the BPE model and the byte-level decoder agree on them.
+            texts = ["".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8")) if outside(t) else t for t in tokens]
+            vocab = dict(zip(texts, range(len(texts))))
+        merges = _checked_merges(_as_list(merges_raw), vocab, path)
+        pre_tokenizer = _byte_level_pre_tokenizer(metadata.get("tokenizer.ggml.pre") or "default", path)
         # A CONTROL token spelled outside the byte alphabet cannot be a real byte-level token
         # (a mislabel in the file): it stays out of the added tokens, as transformers does.
-        cls._add_to_backend(backend, cls._added_list(
-            tokens, types, lambda t, ty: not outside(t) if ty == TOKEN_CONTROL else t in vocab, named))
-        return backend, False
+        added = cls._added_list(tokens, types,
+                                lambda t, ty: not outside(t) if ty == TOKEN_CONTROL else t in vocab, named)
+
+        def build():
+            from tokenizers import Tokenizer as Backend
+            from tokenizers import decoders, models
+
+            backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
+                                         dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                         fuse_unk=False))
+            backend.pre_tokenizer = pre_tokenizer
+            backend.decoder = decoders.ByteLevel()
+            cls._add_to_backend(backend, added)
+            return backend
+
+        if lean:
+            return build, ByteLevelBPE(vocab, merges, pre_tokenizer, texts,
+                                       [(t, vocab[t], special) for t, special in added], _byte_level_bytes)
+        return build(), None
 
     @classmethod
     def _spm_backend(cls, metadata, path, tokens, pieces, types, arch, unk_id, named, lean):

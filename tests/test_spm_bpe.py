@@ -4,8 +4,6 @@ checks against transformers. Same ids for every text, both ways of treating spec
 same decoded text."""
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from ringllm.models.piece_table import PieceTable
@@ -13,6 +11,7 @@ from ringllm.models.spm_bpe import SPIECE_SPACE
 from ringllm.models.tokenizer import Tokenizer
 
 from conftest import novel_text
+from lean_tokenizer_checks import assert_same, novel_slices, random_texts
 from spm_vocabulary import tiny_spm_metadata
 
 S = SPIECE_SPACE
@@ -21,20 +20,6 @@ S = SPIECE_SPACE
 @pytest.fixture(scope="module")
 def novel() -> str:
     return novel_text()
-
-
-def _assert_same(lean: Tokenizer, oracle: Tokenizer, texts) -> None:
-    for text in texts:
-        for parse_special in (True, False):
-            ids = oracle.encode(text, parse_special=parse_special, add_bos=False)
-            assert lean.encode(text, parse_special=parse_special, add_bos=False) == ids, (text, parse_special)
-            for skip in (False, True):
-                assert lean.decode(ids, skip_special=skip) == oracle.decode(ids, skip_special=skip), (text, skip)
-
-
-def _random_texts(alphabet, count, seed, longest=40):
-    rng = random.Random(seed)
-    return ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, longest))) for _ in range(count)]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -47,7 +32,7 @@ def test_random_vocabularies(seed, with_meta, all_bytes, prefix):
     assert lean._lean is not None and oracle._lean is None
     alphabet = list("abcdx<>/ ") + [S, "é", "日", "\n", "<tool>", "<<tool>>", "<s>", f">{S}</", "> </"]
     texts = ["", " ", "a", f"{S}", "日日a日", "é日é", "<<tool>>", "<<tool>", "x> </x> </"]
-    _assert_same(lean, oracle, texts + _random_texts(alphabet, 400, seed))
+    assert_same(lean, oracle, texts + random_texts(alphabet, 400, seed))
 
 
 def test_backend_is_built_on_first_use():
@@ -74,16 +59,12 @@ def gemma3_pair():
 
 def test_gemma3_novel_and_corners(gemma3_pair, novel):
     lean, oracle = gemma3_pair
-    rng = random.Random(0)
-    slices = []
-    for _ in range(200):
-        a = rng.randrange(len(novel))
-        slices.append(novel[a:a + rng.randrange(1, 600)])
+    slices = novel_slices(novel)
     corners = ["<b> </b>", "a> </b", "x>  </y", "> </ > </> </", f"{S}literal{S} marks{S}{S}x",
                "tabs\t\tand\n\nnew  lines   ", "   ", "<start_of_turn> user", "héllo wörld ÿ", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🙂",
                "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n", "<start_of_turn", "\x00\x01"]
     alphabet = list(" ><\n\tab/é😀") + [S, "</", "> </", "<start_of_turn>", "<end_of_turn>", "<mask>"]
-    _assert_same(lean, oracle, slices + corners + _random_texts(alphabet, 600, 1))
+    assert_same(lean, oracle, slices + corners + random_texts(alphabet, 600, 1))
 
 
 def test_gemma3_whole_novel(gemma3_pair, novel):

@@ -100,6 +100,12 @@ def spm_bpe_seeds() -> None:
         put("spm_bpe", t)
 
 
+def byte_bpe_seeds() -> None:
+    for t in [b"\x00abc d", b"\x08<|im_start|>ab<|im|>c<tool>", b"\x01ab c a bc  abcabc", b"\x0a x  y   z\n\n1234",
+              "\x05\u65e5\u672c\u65e5a\u00e6\u0157".encode(), b"\x0c'sab'll\xff\xfe", b"\x07\t\tab\r\nc 1 22 333"]:
+        put("byte_bpe", t)
+
+
 def server_seeds() -> None:
     chat = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     bodies = [(0, chat), (1, {"prompt": "Once", "max_tokens": 2}),
@@ -113,6 +119,6 @@ def server_seeds() -> None:
 
 
 if __name__ == "__main__":
-    gguf_seeds(); safetensors_seeds(); session_seeds(); template_seeds(); tokenizer_seeds(); spm_bpe_seeds(); server_seeds()
+    gguf_seeds(); safetensors_seeds(); session_seeds(); template_seeds(); tokenizer_seeds(); spm_bpe_seeds(); byte_bpe_seeds(); server_seeds()
     for t in sorted(os.listdir(CORPUS)):
         print(t, len(os.listdir(os.path.join(CORPUS, t))))

@@ -30,6 +30,7 @@ MODULES = {"gguf": ["ringllm.models.gguf_file", "ringllm.runtime.quant_types", "
            "chat_template": ["ringllm.chat_template", "jinja2"],
            "tokenizer": ["ringllm.models.tokenizer"],
            "spm_bpe": ["ringllm.models.spm_bpe", "ringllm.models.tokenizer"],
+           "byte_bpe": ["ringllm.models.byte_bpe", "ringllm.models.tokenizer"],
            "server": ["ringllm.server", "ringllm.server_api", "ringllm.server_routes", "ringllm.server_http",
                       "ringllm.server_worker", "ringllm.chat_template", "ringllm.tools"]}
 # targets that build state on their first inputs (the bundled model, kernels compiled for every policy

@@ -20,6 +20,9 @@ committed corpus (tests/test_fuzz.py).
                   built from the same small vocabulary (tests/spm_vocabulary.py; the first byte picks
                   one of four and whether special tokens are parsed): the same ids for the text and
                   the same text for arbitrary ids
+    byte_bpe      ringllm's byte-level BPE (models/byte_bpe.py) against the `tokenizers` backend built
+                  from the same small vocabulary (tests/byte_vocabulary.py; the first byte picks one
+                  of eight and whether special tokens are parsed), as spm_bpe
     server        the real FastAPI app in-process: the bytes are a request body (first byte picks
                   the route), sent as JSON
 """
@@ -216,11 +219,18 @@ def spm_pair(variant: int):
     return Tokenizer.from_gguf(md, "tiny.gguf"), Tokenizer.from_gguf(md, "tiny.gguf", lean=False)
 
 
-def target_spm_bpe(data: bytes) -> None:
-    if not data:
-        return
-    lean, oracle = spm_pair(data[0] % 4)
-    special = data[0] & 4 == 4
+@functools.lru_cache(maxsize=None)
+def byte_pair(variant: int):
+    """(ringllm's encoder, the tokenizers backend) of one of eight small byte-level vocabularies."""
+    from byte_vocabulary import tiny_byte_metadata
+
+    from ringllm.models.tokenizer import Tokenizer
+    md = tiny_byte_metadata(variant, all_bytes=variant < 4)
+    return Tokenizer.from_gguf(md, "tiny.gguf"), Tokenizer.from_gguf(md, "tiny.gguf", lean=False)
+
+
+def _same_as_backend(lean, oracle, data: bytes, special: bool) -> None:
+    """The lean encoder and its `tokenizers` oracle agree on data[1:] as text and as ids."""
     text = data[1:].decode("utf-8", "surrogateescape")
     outcomes = []
     for tok in (lean, oracle):
@@ -235,6 +245,16 @@ def target_spm_bpe(data: bytes) -> None:
         ours, theirs = lean.decode(raw, skip_special=skip), oracle.decode(raw, skip_special=skip)
         if ours != theirs:
             raise FuzzFinding(f"decode({raw[:20]}, skip_special={skip}): {ours[:60]!r} != {theirs[:60]!r}")
+
+
+def target_spm_bpe(data: bytes) -> None:
+    if data:
+        _same_as_backend(*spm_pair(data[0] % 4), data, special=data[0] & 4 == 4)
+
+
+def target_byte_bpe(data: bytes) -> None:
+    if data:
+        _same_as_backend(*byte_pair(data[0] % 8), data, special=data[0] & 8 == 8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +295,7 @@ def target_server(data: bytes) -> None:
 
 TARGETS = {"gguf": target_gguf, "safetensors": target_safetensors, "session": target_session,
            "chat_template": target_chat_template, "tokenizer": target_tokenizer, "spm_bpe": target_spm_bpe,
-           "server": target_server}
+           "byte_bpe": target_byte_bpe, "server": target_server}
 
 def corpus_files(name: str) -> list[str]:
     folder = os.path.join(CORPUS, name)
