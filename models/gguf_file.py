@@ -7,7 +7,8 @@ section starts at the next multiple of `general.alignment` (default 32).
 
 We parse the header ourselves rather than through `gguf.GGUFReader`: the reader builds a NumPy
 object per vocabulary string and takes ~14 s on Gemma 3's 262,144-token vocabulary, this takes a
-fraction of a second. tests/test_gguf_file.py checks metadata and tensor tables against
+fraction of a second, and a long string array read once comes back from the cache of its bytes
+(models/gguf_strings_cache.py) in one split. tests/test_gguf_file.py checks metadata and tensor tables against
 gguf.GGUFReader on both bundled models.
 
 Quantized tensors stay as the file stores them: a (n_rows, row_bytes) uint8 view of the mapping.
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ringllm.models import gguf_strings_cache
 from ringllm.runtime.errors import ModelFileError, UnsupportedModelError
 from ringllm.runtime.qtensor import QTensor
 from ringllm.runtime.quant_types import SUPPORTED_TYPES, GGMLType, row_bytes
@@ -66,7 +68,20 @@ class _Cursor:
         return raw.decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> list[str]:
-        """`count` strings in a row (a vocabulary: 10^5 of them), read in one loop."""
+        """`count` strings in a row (a vocabulary: 10^5 of them): from the cache of this array's bytes
+        (models/gguf_strings_cache.py) when it has them, else read in one loop and cached."""
+        if count < gguf_strings_cache.MIN_CACHED:
+            return self._read_strings(count)
+        start = self.pos
+        cached = gguf_strings_cache.read_cached(self.buf, start, count)
+        if cached is not None:
+            strings, self.pos = cached
+            return strings
+        strings = self._read_strings(count)
+        gguf_strings_cache.store(self.buf, start, self.pos, strings)
+        return strings
+
+    def _read_strings(self, count: int) -> list[str]:
         buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
         out = []
         append = out.append
