@@ -182,8 +182,40 @@ def _load_cached_without_refresh() -> None:
     caching.Cache.load_overload = load_overload
 
 
+def _environments_without_import() -> None:
+    """A cached kernel's data holds the environment of each function compiled into it, named by the
+    module that function comes from, and Numba's rebuild of one (environment._rebuild_env) imports that
+    module to give the environment its globals. Most kernels hold one of numba.np.arrayobj's functions
+    (np.empty's implementation, for one), whose import, with numba.cpython.unicode, charseq and hashing
+    behind it, is the largest part of a warm process's first kernel load: for globals that nothing
+    reads. Compiled nopython code takes what it needs from the environment's constants; only object-mode
+    lowering reads an environment's globals. A module not imported yet gets an environment whose globals
+    hold its name alone, which is all that caching the environment again (Environment.__reduce__,
+    can_cache) reads; an imported module's environment keeps its real globals. Applied only where
+    Numba's rebuild is the look-up, import, build this replaces."""
+    from numba.core import environment
+
+    rebuild = environment._rebuild_env
+    if getattr(rebuild, "_ringllm", False) or not {"lookup_environment", "import_module", "Environment",
+                                                     "_memo"} <= set(rebuild.__code__.co_names):
+        return
+
+    def _rebuild_env(modname, consts, env_name):
+        if modname in sys.modules or environment.lookup_environment(env_name) is not None:
+            return rebuild(modname, consts, env_name)
+        env = environment.Environment({"__name__": modname})
+        env.consts[:] = consts
+        env.env_name = env_name
+        environment.Environment._memo[env_name] = env
+        return env
+
+    _rebuild_env._ringllm = True
+    environment._rebuild_env = _rebuild_env
+
+
 _load_cached_without_refresh()
 _registries_without_blas()
+_environments_without_import()
 
 from ringllm.runtime import kernel_load  # noqa: E402
 

@@ -189,6 +189,51 @@ def test_numbas_array_registries_are_imported_by_a_compile_not_by_a_warm_start(t
     assert second == ["False", "False", "False", "True", "False", "True"], second
 
 
+ALLOCATING_MODULE = r"""
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def ramp(n):
+    out = np.empty(n, np.float64)
+    for i in range(n):
+        out[i] = 0.5 * i
+    return out
+"""
+
+ENVIRONMENT_PROBE = r"""
+import sys
+import numpy as np
+import ringllm.runtime
+sys.path.insert(0, sys.argv[1])
+import kern
+values = kern.ramp(4).tolist() == [0.0, 0.5, 1.0, 1.5]
+try:
+    kern.ramp(-1)
+    raised = "nothing"
+except ValueError as exc:                 # np.empty's own check, raised by arrayobj's implementation
+    raised = "negative" in str(exc)
+imported = "numba.np.arrayobj" in sys.modules
+from numba import njit
+@njit
+def fresh(n):                             # a compile after the load: np.empty's environment is the one loaded
+    return np.empty(n, np.int64).size + kern.ramp(n).size
+print(values, raised, imported, fresh(3) == 6)
+"""
+
+
+def test_a_cached_kernel_loads_without_importing_its_callees_modules(tmp_path):
+    """runtime/__init__.py (_environments_without_import): a kernel allocating with np.empty holds the
+    environment of numba.np.arrayobj's implementation; a second process loads it without importing
+    that module, gets its values, gets the ValueError that implementation raises for a negative size,
+    and compiles a new kernel calling np.empty and the loaded one afterwards."""
+    (tmp_path / "kern.py").write_text(ALLOCATING_MODULE)
+    first, second = _twice_on_a_fresh_cache(ENVIRONMENT_PROBE, tmp_path, str(tmp_path))
+    assert first == ["True", "True", "True", "True"], first
+    assert second == ["True", "True", "False", "True"], second
+
+
 HASHING_MODULE = r"""
 from numba import njit
 
