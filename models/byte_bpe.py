@@ -42,8 +42,8 @@ class ByteLevelBPE:
     """Encoder and decoder of one byte-level BPE vocabulary (module docstring).
 
     vocab: token text (in the byte alphabet) -> id, the last of equal texts winning; merges: the
-        file's merges, each "a b" (checked by the caller: one space, both parts and their
-        concatenation in vocab); pre_tokenizer: the `tokenizers` pre-tokenizer that cuts a segment
+        file's merges, each "a b" (checked by the caller: one space, the concatenation in vocab; a
+        merge whose parts are not tokens never applies); pre_tokenizer: the `tokenizers` pre-tokenizer that cuts a segment
         into words; texts: the vocabulary's texts by id as vocab spells them; added: (text, id,
         special) of the added tokens, in the order they are added; token_bytes: a vocabulary text's
         bytes."""
