@@ -522,9 +522,12 @@ class Tokenizer:
             from tokenizers import Tokenizer as Backend
             from tokenizers import decoders, models
 
-            backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
-                                         dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                                         fuse_unk=False))
+            try:
+                backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
+                                             dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                             fuse_unk=False))
+            except Exception as exc:  # tokenizers raises plain Exception for a merge of unknown tokens
+                raise ModelFileError(path, f"the vocabulary and merges are inconsistent: {exc}") from exc
             backend.pre_tokenizer = pre_tokenizer
             backend.decoder = decoders.ByteLevel()
             cls._add_to_backend(backend, added)

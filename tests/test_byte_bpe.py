@@ -59,6 +59,19 @@ def test_backend_is_built_on_first_use():
     assert backend.encode(text, add_special_tokens=False).ids == tok.encode(text, add_bos=False)
 
 
+def test_a_merge_of_unknown_parts_never_applies_and_the_backend_refuses_it():
+    md = tiny_byte_metadata(1)
+    merges = list(md["tokenizer.ggml.merges"]) + ["zz9 qq8"]
+    md = dict(md, **{"tokenizer.ggml.merges": merges, "tokenizer.ggml.tokens": md["tokenizer.ggml.tokens"] + ["zz9qq8"],
+                     "tokenizer.ggml.token_type": list(md["tokenizer.ggml.token_type"]) + [1]})
+    lean = Tokenizer.from_gguf(md, "tiny.gguf")
+    assert lean.decode(lean.encode("abc zz9qq8")) == "abc zz9qq8"
+    with pytest.raises(ModelFileError, match="inconsistent"):
+        lean.backend
+    with pytest.raises(ModelFileError, match="inconsistent"):
+        Tokenizer.from_gguf(md, "tiny.gguf", lean=False)
+
+
 def test_bad_merges_are_refused():
     md = tiny_byte_metadata(1)
     for merges, message in ((["a b", "ab"], r"merges\[1\] is 'ab', not two tokens"),
