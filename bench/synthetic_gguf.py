@@ -19,9 +19,10 @@ llama.cpp and ringllm both load as they would load the real Q4_K_M conversion of
   default; Q6_K for the tied token embedding (it is the output matrix), for attn_v and ffn_down on
   the layers `use_more_bits` picks (i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2); norms and
   rope_freqs stay F32.
-- tokenizer: a gpt2-style BPE vocabulary of the model's size (the 256 byte-level symbols, dummy
-  tokens, the model's special tokens at their ids) with a few merges: enough for llama.cpp's vocab
-  loader; the token ids of a benchmark are drawn directly.
+- tokenizer: a gpt2-style BPE vocabulary of the model's size (the 256 byte-level symbols, every other
+  token the merge of two earlier ones, with its merge, the model's special tokens at their ids): the
+  size of the real model's string arrays and BPE tables, so a start-up figure pays for them; the
+  token ids of a speed benchmark are drawn directly.
 
 Weights: gguf-py's quantize() has no Q4_K/Q6_K encoder, and quantizing 1-2 GB in NumPy would be slow,
 so blocks are written directly: random bytes for the packed quants and sub-block scales, and an f16
@@ -38,13 +39,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ringllm.models.tokenizer import byte_alphabet
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CACHE_DIR = os.environ.get("RINGLLM_BENCH_CACHE", os.path.expanduser("~/.cache/ringllm-bench"))
 
 
@@ -185,26 +187,34 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
 
 
 def vocabulary(shape: Shape) -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges): byte symbols, two-symbol merge products, dummies, specials."""
+    """(tokens, token types, merges): the 256 byte symbols, then every other token made by a merge of two
+    earlier ones ("a b", one merge a token, in token order, as a trained BPE's are; mostly a token and
+    one byte), the special tokens at their ids. A real vocabulary's size in tokens and merges is what
+    its load costs (the GGUF string arrays, the BPE tables); the texts are a seeded draw, at most 12
+    characters."""
+    draw = random.Random(0).random
     alphabet = byte_alphabet()
-    syms = [alphabet[b] for b in range(256)]
-    tokens, types = list(syms), [1] * 256
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = [alphabet[b] for b in range(256)]
+    parts = list(tokens)                    # the tokens a merge may join: bytes and merge products
+    types = [1] * 256
     merges = []
-    for a in letters:
-        for b in letters:
-            if len(tokens) < min(shape.special) and len(merges) < 256:
-                merges.append(f"{a} {b}")
-                tokens.append(a + b)
-                types.append(1)
+    known = set(tokens)
     while len(tokens) < shape.n_vocab:
         i = len(tokens)
         if i in shape.special:
             tokens.append(shape.special[i])
             types.append(3)                 # control
-        else:
-            tokens.append(f"<tok{i}>")
-            types.append(1)
+            continue
+        made = ""
+        while not made or made in known or len(made) > 12:
+            a = parts[int(draw() * len(parts))]
+            b = parts[int(draw() * (len(parts) if draw() < 0.2 else 256))]    # mostly one byte longer
+            made = a + b
+        merges.append(f"{a} {b}")
+        tokens.append(made)
+        parts.append(made)
+        types.append(1)
+        known.add(made)
     return tokens, types, merges
 
 
