@@ -271,12 +271,14 @@ def _checked_merges(merges: list, vocab: dict[str, int], path: str) -> list[str]
     vocabulary has 10^5). `tokenizers` also refuses a merge whose parts are not tokens; such a merge
     never applies (every symbol of a word is a token), so the lean encoder leaves it unchecked and
     the `tokenizers` backend, built from the same merges, refuses it when first asked for."""
+    if not merges:
+        return merges
     try:
         lines = "\n".join(merges)
     except TypeError:
         lines = None
     if (lines is None or lines.count("\n") != max(len(merges) - 1, 0) or lines.count(" ") != len(merges)
-            or (merges and _LINE_WITHOUT_SPACE.search(lines))):
+            or _LINE_WITHOUT_SPACE.search(lines)):
         for k, m in enumerate(merges):
             if not isinstance(m, str) or m.count(" ") != 1 or "\n" in m:
                 raise ModelFileError(path, f"tokenizer.ggml.merges[{k}] is {m!r}, not two tokens "

@@ -72,6 +72,14 @@ def test_a_merge_of_unknown_parts_never_applies_and_the_backend_refuses_it():
         Tokenizer.from_gguf(md, "tiny.gguf", lean=False)
 
 
+def test_a_vocabulary_without_merges_encodes_byte_by_byte():
+    md = dict(tiny_byte_metadata(2), **{"tokenizer.ggml.merges": []})
+    lean = Tokenizer.from_gguf(md, "tiny.gguf")
+    oracle = Tokenizer.from_gguf(md, "tiny.gguf", lean=False)
+    assert_same(lean, oracle, ["abc d", "日本 <tool>x", ""])
+    assert len(lean.encode("abc", add_bos=False)) == 3
+
+
 def test_bad_merges_are_refused():
     md = tiny_byte_metadata(1)
     for merges, message in ((["a b", "ab"], r"merges\[1\] is 'ab', not two tokens"),
