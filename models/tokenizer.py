@@ -262,7 +262,9 @@ def _spm_tokenizers_backend(vocab: dict[str, int], merges: list[tuple[str, str]]
     return backend
 
 
-_LINE_WITHOUT_SPACE = re.compile("^[^ \n]*$", re.M)
+# two spaces in one line of the merges joined by line breaks (with as many spaces as merges: a line
+# without one then exists too); one scan, where a per-line pattern costs an attempt at every position
+_TWO_SPACES_IN_A_LINE = re.compile(" [^ \n]* ")
 
 
 def _checked_merges(merges: list, vocab: dict[str, int], path: str) -> list[str]:
@@ -278,7 +280,7 @@ def _checked_merges(merges: list, vocab: dict[str, int], path: str) -> list[str]
     except TypeError:
         lines = None
     if (lines is None or lines.count("\n") != max(len(merges) - 1, 0) or lines.count(" ") != len(merges)
-            or _LINE_WITHOUT_SPACE.search(lines)):
+            or _TWO_SPACES_IN_A_LINE.search(lines)):
         for k, m in enumerate(merges):
             if not isinstance(m, str) or m.count(" ") != 1 or "\n" in m:
                 raise ModelFileError(path, f"tokenizer.ggml.merges[{k}] is {m!r}, not two tokens "

@@ -83,6 +83,7 @@ def test_a_vocabulary_without_merges_encodes_byte_by_byte():
 def test_bad_merges_are_refused():
     md = tiny_byte_metadata(1)
     for merges, message in ((["a b", "ab"], r"merges\[1\] is 'ab', not two tokens"),
+                            (["ab", "a  b"], r"merges\[0\] is 'ab'"),        # as many spaces as merges
                             (["a b", "a  b"], r"merges\[1\]"), (["a b", "a b\nc d"], r"merges\[1\]"),
                             (["a b", 7], r"merges\[1\] is 7"), (["a q"], "inconsistent: merge 'a q' makes 'aq'")):
         with pytest.raises(ModelFileError, match=message):
