@@ -8,9 +8,9 @@ given (type inference, which includes compiling callees, against lowering to LLV
 Warm: a second process on the filled cache, timed phase by phase (imports, GGUF header, tokenizer,
 repacking the weights, the first run of each kernel: loading it from the cache).
 
-    python bench/startup_profile.py [--model PATH] [--policies full,h2o]
+    python bench/startup_profile.py [--model PATH] [--policies full,h2o] [--name startup_profile]
 
-Writes bench/results/startup_profile.{json,md}.
+Writes bench/results/NAME.{json,md}.
 """
 from __future__ import annotations
 
@@ -155,16 +155,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="-", help="GGUF file or HF directory (default: the bundled SmolLM2)")
     ap.add_argument("--policies", default="full,h2o", help="policies whose code paths the cold run compiles")
+    ap.add_argument("--name", default="startup_profile", help="results under bench/results/NAME.{json,md}")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         cold = _child(COLD, [args.model, *args.policies.split(",")], cache)
         warm = _child(WARM, [args.model], cache)
     payload = {"machine": machine(), "command": f"python bench/startup_profile.py --model {args.model} "
-               f"--policies {args.policies}", "model": "bundled SmolLM2-135M Q4_1" if args.model == "-" else args.model,
+               f"--policies {args.policies} --name {args.name}",
+               "model": "bundled SmolLM2-135M Q4_1" if args.model == "-" else args.model,
                "cold": cold, "warm": warm}
     text = _markdown(payload)
     print(text)
-    write_results("startup_profile", payload, text)
+    write_results(args.name, payload, text)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,58 @@ def ring_slot(seq_l, count_l, evicted_l, h, sinks, reindexed, seq_new):
     return slot, (cap - 1 if reindexed else seq_new), seq_l[h, slot]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _before(a, b, key_h, seq_h):
+    """Whether value a sorts before value b (sort_i64): by value when key_h is empty; else a and b are
+    slots and leave in the order of the lower key (NaN after every number), ties (equal keys, or both
+    NaN) to the older token: NumPy's stable argsort by key after one by seq."""
+    if key_h.shape[0] == 0:
+        return a < b
+    x, y = key_h[a], key_h[b]
+    if x < y:
+        return True
+    if x == y or (x != x and y != y):
+        return seq_h[a] < seq_h[b]
+    return y != y and x == x
+
+
+@njit(cache=True, nogil=True, fastmath=False)
+def sort_i64(vals, m, buf, key_h, seq_h):
+    """vals[:m] (int64) sorted in place, ascending, or when key_h (P,) f64 has entries as slots in
+    eviction order by (key_h, seq_h) (_before): a bottom-up merge sort through buf (>= m). Written out,
+    not NumPy's sorts, whose compile (argsort's merge sort, sort's quicksort, the fancy indexing
+    around them) was most of the eviction kernels' and went into every policy's layer step."""
+    src, dst = vals, buf
+    in_buf = False
+    width = 1
+    while width < m:
+        for lo in range(0, m, 2 * width):
+            mid, hi = min(lo + width, m), min(lo + 2 * width, m)
+            i, j, k = lo, mid, lo
+            while i < mid and j < hi:
+                if _before(src[j], src[i], key_h, seq_h):
+                    dst[k] = src[j]
+                    j += 1
+                else:
+                    dst[k] = src[i]
+                    i += 1
+                k += 1
+            while i < mid:
+                dst[k] = src[i]
+                i += 1
+                k += 1
+            while j < hi:
+                dst[k] = src[j]
+                j += 1
+                k += 1
+        src, dst = dst, src
+        in_buf = not in_buf
+        width *= 2
+    if in_buf:
+        for i in range(m):
+            vals[i] = buf[i]
+
+
 @njit(cache=True, nogil=True, fastmath=False)
 def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
     """The n_drop lowest keys among unprotected slots of one head; ties -> the older token.
@@ -102,17 +154,16 @@ def choose_victims(key_h, seq_h, rank_h, n, n_drop, sinks, recent, out):
     if n_drop <= 0:
         return 0
     if n_drop > 8:           # many at once (staged eviction): sort the candidates, O(n log n)
-        cand = np.empty(n, np.int64)
-        m = 0
+        cand = np.empty(2 * n, np.int64)         # the candidates, then the sort's buffer
+        m = np.int64(0)                          # not a literal 0: sort_i64 would compile twice
         for j in range(n):
             if rank_h[j] >= sinks and rank_h[j] < n - recent:
                 cand[m] = j
                 m += 1
-        cand = cand[:m]
-        cand = cand[np.argsort(seq_h[cand], kind="mergesort")]          # ties of key -> older first
-        cand = cand[np.argsort(key_h[cand], kind="mergesort")]
+        sort_i64(cand, m, cand[n:], key_h, seq_h)
         got = min(n_drop, m)
-        out[:got] = cand[:got]
+        for i in range(got):
+            out[i] = cand[i]
         return got
     got = 0                  # one pass, the n_drop lowest kept sorted by (key, seq) in out (insertion)
     for j in range(n):

@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit
 
 from ringllm.runtime.errors import ConfigError
-from ringllm.runtime.eviction import GRID_GIVEN, choose_victims, count_below
+from ringllm.runtime.eviction import GRID_GIVEN, choose_victims, count_below, sort_i64
 from ringllm.runtime.kv_codec import encode_row
 from ringllm.runtime.rope_kernels import REBASE_LIMIT
 
@@ -90,7 +90,7 @@ def kv_replace_many(k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, his
                 vseq[n_leave] = seq_l[h, s]
                 n_leave += 1
         vs = vseq[:n_leave]
-        vs.sort()
+        sort_i64(vs, n_leave, np.empty(n_leave, np.int64), np.empty(0, np.float64), np.empty(0, np.int64))
         # survivors' ranks first, while the leaving tokens are still in place
         for j in range(n):
             sq = seq_l[h, j]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringllm.runtime.eviction import GRID_GIVEN, count_below, pick_victims, ring_slot
+from ringllm.runtime.eviction import GRID_GIVEN, count_below, pick_victims, ring_slot, sort_i64
 from ringllm.runtime.key_sum import key_inv_norm, key_sum_move
 from ringllm.runtime.kv_codec import encode_row
 from ringllm.runtime.rope_kernels import rotate_key_by
@@ -132,10 +132,10 @@ def evict_slots(lay, h, slots, n_slots, reindexed):
                 c += sj > seq_l[h, slots[m]]
             rank_l[h, j] -= c
     else:
-        vseq = np.empty(n_slots, np.int64)
+        vseq = np.empty(2 * n_slots, np.int64)           # the victims' sequence indices, the sort's buffer
         for m in range(n_slots):
             vseq[m] = seq_l[h, slots[m]]
-        vseq.sort()
+        sort_i64(vseq, n_slots, vseq[n_slots:], np.empty(0, np.float64), np.empty(0, np.int64))
         for j in range(n):
             rank_l[h, j] -= count_below(vseq, n_slots, seq_l[h, j])
     # holes, highest slot first: the last occupied slot is then never a pending victim
@@ -163,7 +163,7 @@ def evict_slots_shift(lay, h, slots, n_slots, reindexed):
     (k, v, seq, pos, kbase, score, aux, hist), as an ordered cache does. Benchmarks only."""
     k_l, v_l, seq_l, rank_l, pos_l, kbase_l, score_l, aux_l, hist_l, count_l, evicted_l, ksum, koff = lay
     n = count_l[h]
-    slots[:n_slots].sort()
+    sort_i64(slots, n_slots, np.empty(n_slots, np.int64), np.empty(0, np.float64), np.empty(0, np.int64))
     out = 0
     m = 0
     for j in range(n):

@@ -275,6 +275,29 @@ def test_choose_victims_equals_sorting_by_key_then_seq():
         assert got == len(want) and out[:got].tolist() == [j for _, _, j in want], trial
 
 
+def test_choose_victims_many_equals_numpy_stable_sorts():
+    """choose_victims beyond 8 victims (staged eviction: its own merge sort) gives NumPy's order: a
+    stable argsort by key after one by seq, so NaN keys after every number, -0.0 tied with 0.0 and
+    ties to the older token; up to 300 slots (several merge passes), as many victims as slots."""
+    from ringllm.runtime.eviction import choose_victims
+    rng = np.random.default_rng(17)
+    for trial in range(300):
+        n = int(rng.integers(9, 300))
+        key = rng.integers(-3, 4, n).astype(np.float64) * rng.choice([1.0, 0.25])
+        key[rng.random(n) < 0.1] = np.nan
+        key[rng.random(n) < 0.1] = -0.0
+        key[rng.random(n) < 0.05] = rng.choice([np.inf, -np.inf])
+        seq = rng.permutation(5000)[:n].astype(np.int64)
+        rank = np.argsort(np.argsort(seq)).astype(np.int64)
+        sinks, recent, k = int(rng.integers(0, 4)), int(rng.integers(0, 4)), int(rng.integers(9, n + 2))
+        cand = np.array([j for j in range(n) if sinks <= rank[j] < n - recent], np.int64)
+        cand = cand[np.argsort(seq[cand], kind="mergesort")]
+        want = cand[np.argsort(key[cand], kind="mergesort")][:k]
+        out = np.full(k, -1, np.int64)
+        got = choose_victims(key, seq, rank, n, k, sinks, recent, out)
+        assert got == len(want) and out[:got].tolist() == want.tolist(), trial
+
+
 def test_adakv_select_equals_sorting_every_gridded_key():
     """adakv.select_drops (pooled keys in rank order, grid near each head's minimum, per-head
     insertion lists, merge) against a brute force: snapkv.pooled_keys per slot, every key gridded,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ringllm.runtime.eviction import sort_i64
 from ringllm.runtime.kv_codec import key_row
 from ringllm.runtime.policies.base import Policy, step_params
 from ringllm.runtime.policy_step import bind_layer_step
@@ -62,7 +63,11 @@ def _nucleus_votes(qv, keys, n, scale, softcap, p, votes):
     for j in range(n):
         w[j] = np.exp(w[j] - m)
         tot += w[j]
-    order = np.argsort(-w, kind="mergesort")
+    order = np.arange(2 * n)       # the slots by weight, heaviest first, ties to the lower slot (NumPy's stable
+    neg = np.empty(n)              # argsort of -w, without compiling it), then the sort's buffer
+    for j in range(n):
+        neg[j] = -w[j]
+    sort_i64(order, n, order[n:], neg, np.arange(n))
     acc = 0.0
     size = 0
     for i in range(n):
