@@ -80,3 +80,45 @@ def client(server, server_key):
 @pytest.fixture(scope="module")
 def model_id(client):
     return client.models.list().data[0].id
+
+
+# CI time: most of a cold run is Numba compiling kernels, and a test's duration does not say how much
+# of it was compiling (the first test to need a kernel pays for every later one). Each test's compile
+# seconds in this process (setup and call; subprocesses not counted) are listed after the durations.
+_COMPILE_SECONDS: dict[str, list] = {}
+
+
+def _compile_totals():
+    from ringllm.runtime.compile_clock import totals
+    return totals()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    before = _compile_totals()
+    yield
+    _count_compiles(item.nodeid, before)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    before = _compile_totals()
+    yield
+    _count_compiles(item.nodeid, before)
+
+
+def _count_compiles(nodeid: str, before) -> None:
+    seconds, signatures = _compile_totals()
+    entry = _COMPILE_SECONDS.setdefault(nodeid, [0.0, 0])
+    entry[0] += seconds - before[0]
+    entry[1] += signatures - before[1]
+
+
+def pytest_terminal_summary(terminalreporter):
+    spent = sorted(((s, n, k) for k, (s, n) in _COMPILE_SECONDS.items() if s >= 0.5), reverse=True)
+    if not spent:
+        return
+    total = sum(s for s, _, _ in spent)
+    terminalreporter.write_sep("=", f"kernel compiles in the test process: {total:.0f} s, largest 25")
+    for s, n, k in spent[:25]:
+        terminalreporter.write_line(f"{s:7.2f}s {n:4d} signatures  {k}")
