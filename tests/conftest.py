@@ -84,34 +84,28 @@ def model_id(client):
 
 # CI time: most of a cold run is Numba compiling kernels, and a test's duration does not say how much
 # of it was compiling (the first test to need a kernel pays for every later one). Each test's compile
-# seconds in this process (setup and call; subprocesses not counted) are listed after the durations.
+# seconds in this process (setup and call; subprocesses not counted) are listed in the run's summary.
 _COMPILE_SECONDS: dict[str, list] = {}
 
 
-def _compile_totals():
-    from ringllm.runtime.compile_clock import totals
-    return totals()
+def _timed_compiles(nodeid: str):
+    """A hook wrapper's body: the compile seconds and signatures of the phase it wraps, added to nodeid's."""
+    from ringllm.runtime.compile_clock import CompileSpan
+    with CompileSpan() as span:
+        yield
+    entry = _COMPILE_SECONDS.setdefault(nodeid, [0.0, 0])
+    entry[0] += span.seconds
+    entry[1] += span.signatures
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    before = _compile_totals()
-    yield
-    _count_compiles(item.nodeid, before)
+    yield from _timed_compiles(item.nodeid)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    before = _compile_totals()
-    yield
-    _count_compiles(item.nodeid, before)
-
-
-def _count_compiles(nodeid: str, before) -> None:
-    seconds, signatures = _compile_totals()
-    entry = _COMPILE_SECONDS.setdefault(nodeid, [0.0, 0])
-    entry[0] += seconds - before[0]
-    entry[1] += signatures - before[1]
+    yield from _timed_compiles(item.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter):
